@@ -1,0 +1,1 @@
+"""Hydra configuration shipped with prism-launch (``config.yaml`` selects the typed schema)."""

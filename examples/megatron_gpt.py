@@ -1,0 +1,323 @@
+"""Minimal Megatron-core GPT pretraining recipe.
+
+Launch with torchrun, e.g.::
+
+    torchrun --nproc-per-node 8 examples/megatron_gpt.py \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+The model is a GPTModel built from Megatron-core's local (non Transformer
+Engine) layer spec, optionally with MoE layers (``--num-experts``). Training
+data is synthetic and deterministic: sample ``i`` of the global sample stream
+is generated from ``--seed`` and ``i`` only, and each data-parallel rank
+consumes its own slice of every global batch, so two runs with the same
+arguments see exactly the same tokens.
+
+After every iteration the ranks on the last pipeline stage with tensor
+parallel rank 0 print::
+
+    step N | loss <repr(float)> | grad_norm <repr(float)> | step_time_ms <ms>
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Megatron-core GPT pretraining (synthetic data)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--vocab-size", type=int, default=128)
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument(
+        "--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="alltoall"
+    )
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=3)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def initialize_distributed(args):
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+        rank=rank,
+        world_size=world_size,
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+
+
+def set_random_seed(seed):
+    # Same scheme as Megatron-LM: different seeds per pipeline stage, and
+    # tensor/expert-parallel aware CUDA RNG streams.
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def build_config(args):
+    kwargs = {}
+    if args.num_experts:
+        kwargs.update(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff > 0 else "none",
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+        )
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        **kwargs,
+    )
+
+
+def build_model(args, config):
+    layer_spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def synthetic_sample(seed, index, seq_length, vocab_size):
+    """Deterministic sample ``index``: noisy arithmetic sequences mod vocab."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    start = torch.randint(0, vocab_size, (1,), generator=g)
+    stride = torch.randint(1, 8, (1,), generator=g)
+    tokens = (start + stride * torch.arange(seq_length + 1)) % vocab_size
+    noise = torch.rand(seq_length + 1, generator=g) < 0.05
+    tokens = torch.where(noise, torch.randint(0, vocab_size, (seq_length + 1,), generator=g), tokens)
+    return tokens
+
+
+def data_iterator(args, num_microbatches, iteration):
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_dp = args.micro_batch_size * num_microbatches
+    base = iteration * args.global_batch_size + dp_rank * per_dp
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    position_ids = torch.arange(args.seq_length).unsqueeze(0).expand(args.micro_batch_size, -1)
+    causal = torch.tril(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool))
+    attention_mask = (~causal).view(1, 1, args.seq_length, args.seq_length)
+    for mb in range(num_microbatches):
+        first = base + mb * args.micro_batch_size
+        samples = torch.stack(
+            [
+                synthetic_sample(args.seed, first + i, args.seq_length, args.vocab_size)
+                for i in range(args.micro_batch_size)
+            ]
+        )
+        batch = {
+            "tokens": samples[:, :-1].contiguous(),
+            "labels": samples[:, 1:].contiguous(),
+            "loss_mask": torch.ones(args.micro_batch_size, args.seq_length, dtype=torch.float),
+            "position_ids": position_ids.contiguous(),
+            "attention_mask": attention_mask,
+        }
+        if args.context_parallel_size > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            batch = get_batch_on_this_cp_rank(batch)
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------- step
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.cat([torch.sum(losses.view(-1) * loss_mask).view(1), loss_mask.sum().view(1)])
+    if parallel_state.get_context_parallel_world_size() > 1:
+        dist.all_reduce(loss, group=parallel_state.get_context_parallel_group())
+    loss = loss[0] / loss[1]
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iter, model):
+    batch = next(data_iter)
+    output_tensor = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+    )
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+def reduce_loss(losses_reduced):
+    """Average the reported loss over micro-batches and data-parallel ranks."""
+    loss = torch.stack([x["lm loss"] for x in losses_reduced]).mean()
+    dp_group = parallel_state.get_data_parallel_group()
+    dist.all_reduce(loss, group=dp_group)
+    return (loss / dist.get_world_size(group=dp_group)).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    initialize_distributed(args)
+    set_random_seed(args.seed)
+
+    dp_size = parallel_state.get_data_parallel_world_size()
+    assert args.global_batch_size % (args.micro_batch_size * dp_size) == 0, (
+        f"global batch {args.global_batch_size} not divisible by "
+        f"micro batch {args.micro_batch_size} x data parallel {dp_size}"
+    )
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * dp_size)
+
+    config = build_config(args)
+    model = build_model(args, config)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            clip_grad=args.clip_grad,
+            bf16=False,
+            fp16=False,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        [model],
+    )
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+
+    is_logging_rank = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    forward_backward = get_forward_backward_func()
+
+    for iteration in range(args.train_iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses_reduced = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator(args, num_microbatches, iteration),
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        update_successful, grad_norm, _ = optimizer.step()
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        step_time_ms = (time.perf_counter() - start) * 1000.0
+
+        if parallel_state.is_pipeline_last_stage():
+            loss = reduce_loss(losses_reduced)
+            step = iteration + 1
+            if is_logging_rank and (step % args.log_interval == 0 or step == args.train_iters):
+                # One write per line so lines from concurrent ranks never interleave.
+                sys.stdout.write(
+                    f"step {step} | loss {loss!r} | grad_norm {grad_norm!r} "
+                    f"| step_time_ms {step_time_ms:.1f}\n"
+                )
+                sys.stdout.flush()
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Framework integrations (CPU compatibility layers for GPU training stacks)."""

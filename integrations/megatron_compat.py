@@ -1,0 +1,192 @@
+"""Megatron-core fixes needed when it runs on CPU without TE/Apex.
+
+Used together with :mod:`integrations.cpu_compat`. ``install()`` is
+idempotent, imports nothing from Megatron itself and works whether or not
+``megatron.core`` is already imported: each fix is applied when its target
+module is (or becomes) imported. Checked against megatron-core 0.16.1.
+
+Fixes:
+
+* ``megatron.core.transformer.moe.moe_utils``: without Transformer Engine the
+  name ``te_general_gemm`` is never bound, yet ``RouterGatingLinearFunction``
+  tests ``te_general_gemm is not None`` -> ``NameError`` in every MoE router.
+  It is bound to ``None`` so the plain ``torch.mm`` path is taken.
+* ``moe_utils.maybe_move_tensor_to_cpu`` (also bound in
+  ``moe.token_dispatcher``): it only converts CUDA tensors, so on CPU the
+  all-to-all split sizes stay tensors (``as_numpy=True`` callers then hand
+  tensors to ``all_to_all_single``). CPU tensors are converted too.
+* ``megatron.core.transformer.torch_norm.WrappedTorchNorm`` (the norm the local
+  layer spec uses when Apex is missing) rejects ``sequence_parallel``. It is
+  built as on Apex/TE: the norm is created normally and its parameters are
+  tagged ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces
+  their gradients over the tensor-parallel group.
+* ``megatron.core.tensor_parallel.random``: with CUDA RNG calls mapped onto the
+  CPU generator, ``CudaRNGStatesTracker.fork`` logs
+  "CPU RNG state changed within GPU RNG context" on every fork; that expected
+  message is filtered from the module's logger.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+
+__all__ = ["install", "is_installed"]
+
+_LOCK = threading.RLock()
+_INSTALLED = False
+_PENDING: dict = {}  # module name -> [fix, ...] waiting for import
+_APPLIED: set = set()
+
+
+# --------------------------------------------------------------------------- post-import hooks
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs registered fixes right after a watched module finishes executing."""
+
+    def __init__(self):
+        self._busy = threading.local()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _PENDING or getattr(self._busy, fullname, False):
+            return None
+        setattr(self._busy, fullname, True)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            setattr(self._busy, fullname, False)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module, _orig=original_exec, _name=fullname):
+            _orig(module)
+            _run_fixes(_name, module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_FINDER = _PostImportFinder()
+
+
+def _run_fixes(name, module):
+    for fix in _PENDING.pop(name, []):
+        key = (name, fix.__name__)
+        if key not in _APPLIED:
+            _APPLIED.add(key)
+            fix(module)
+
+
+def _when_imported(name, fix):
+    module = sys.modules.get(name)
+    if module is not None:
+        key = (name, fix.__name__)
+        if key not in _APPLIED:
+            _APPLIED.add(key)
+            fix(module)
+        return
+    _PENDING.setdefault(name, []).append(fix)
+
+
+# --------------------------------------------------------------------------- fixes
+
+
+def _fix_te_general_gemm(moe_utils):
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_aware_move_to_cpu(original):
+    import torch
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__wrapped__ = original
+    maybe_move_tensor_to_cpu.__doc__ = original.__doc__
+    return maybe_move_tensor_to_cpu
+
+
+def _fix_move_to_cpu(moe_utils):
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if hasattr(original, "__wrapped__"):
+        return
+    patched = _cpu_aware_move_to_cpu(original)
+    moe_utils.maybe_move_tensor_to_cpu = patched
+    # token_dispatcher binds the name at import time.
+    dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    if dispatcher is not None and getattr(dispatcher, "maybe_move_tensor_to_cpu", None) is original:
+        dispatcher.maybe_move_tensor_to_cpu = patched
+
+
+def _fix_dispatcher_binding(token_dispatcher):
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is None:
+        return
+    current = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
+    if current is not None and not hasattr(current, "__wrapped__"):
+        token_dispatcher.maybe_move_tensor_to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+
+def _fix_torch_norm(torch_norm):
+    cls = torch_norm.WrappedTorchNorm
+    original_new = cls.__dict__["__new__"]
+    original_new = getattr(original_new, "__func__", original_new)
+    if getattr(original_new, "_sequence_parallel_aware", False):
+        return
+
+    def __new__(klass, config, hidden_size, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original_new(klass, config, hidden_size, *args, **kwargs)
+        local_config = copy.copy(config)
+        local_config.sequence_parallel = False
+        norm = original_new(klass, local_config, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", True)
+        return norm
+
+    __new__._sequence_parallel_aware = True
+    cls.__new__ = staticmethod(__new__)
+
+
+class _DropForkRngWarning(logging.Filter):
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _fix_rng_warning(random_module):
+    logger = logging.getLogger(random_module.__name__)
+    if not any(isinstance(f, _DropForkRngWarning) for f in logger.filters):
+        logger.addFilter(_DropForkRngWarning())
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def is_installed() -> bool:
+    return _INSTALLED
+
+
+def install() -> None:
+    """Apply the fixes now for imported modules, on import for the others."""
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        _INSTALLED = True
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
+        _when_imported("megatron.core.transformer.moe.moe_utils", _fix_te_general_gemm)
+        _when_imported("megatron.core.transformer.moe.moe_utils", _fix_move_to_cpu)
+        _when_imported("megatron.core.transformer.moe.token_dispatcher", _fix_dispatcher_binding)
+        _when_imported("megatron.core.transformer.torch_norm", _fix_torch_norm)
+        _when_imported("megatron.core.tensor_parallel.random", _fix_rng_warning)

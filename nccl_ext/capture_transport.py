@@ -1,0 +1,139 @@
+"""Rank side of capture: every op goes to the coordinator, which computes it from all
+members' real contributions and records it.
+
+One reader thread per rank receives results (they may complete out of issue order:
+a pipeline stage's irecv from the next stage can finish before one from the previous)
+and enforces each op's deadline, so no wait is unbounded even for async work.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from multiprocessing.connection import Client
+
+import torch
+
+from nccl_ext import wire
+from nccl_ext.groups import GroupInfo
+from nccl_ext.pending import CommDeadlineError, Pending
+from nccl_ext.process_group import CollectiveCall
+
+
+class CaptureTransport:
+    def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float):
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._conn = Client(address, family="AF_UNIX", authkey=authkey)
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._next_id = 0
+        self.unit = 0
+        self._last_wall = time.monotonic()
+        self._last_cpu = time.process_time()
+        self._closed = threading.Event()
+        self._send(("hello", rank, os.getpid()))
+        self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
+        self._reader.start()
+
+    # -- sending --------------------------------------------------------------------------
+    def _send(self, header, tensors=()) -> None:
+        with self._send_lock:
+            wire.send(self._conn, header, list(tensors))
+
+    def _span(self) -> tuple[float, float, float]:
+        now, cpu = time.monotonic(), time.process_time()
+        span = (now, now - self._last_wall, cpu - self._last_cpu)
+        self._last_wall, self._last_cpu = now, cpu
+        return span
+
+    def _new_pending(self, what: str) -> tuple[int, Pending]:
+        with self._pending_lock:
+            op_id = self._next_id
+            self._next_id += 1
+            p = Pending(what, self.timeout_s)
+            self._pending[op_id] = p
+        return op_id, p
+
+    def register_group(self, group: GroupInfo) -> None:
+        self._send(("group", group.key, group.ranks, group.occurrence, group.desc))
+
+    def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
+        what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
+        op_id, p = self._new_pending(what)
+        t, wall, cpu = self._span()
+        header = ("coll", op_id, group.key, seq, call.api, str(call.kind),
+                  None if call.reduce is None else str(call.reduce), call.root,
+                  call.tensors is not None, self.unit, t, wall, cpu)
+        self._send(header, call.tensors or ())
+        return p
+
+    def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
+        t, wall, cpu = self._span()
+        self._send(("send", -1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
+        return Pending.done("send")
+
+    def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
+        what = f"rank {self.rank}: recv from rank {src} tag {tag} on group {group.key} seq {seq}"
+        op_id, p = self._new_pending(what)
+        t, wall, cpu = self._span()
+        self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
+        return p
+
+    def marker(self, name: str) -> None:
+        t, wall, cpu = self._span()
+        self._send(("marker", name, self.unit, t, wall, cpu))
+        if name == "step":
+            self.unit += 1
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._send(("bye", self.rank))
+        except OSError:
+            pass
+
+    # -- receiving ------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                ready = self._conn.poll(0.1)
+            except (OSError, EOFError):
+                ready = False
+                self._fail_all("the capture coordinator closed the connection")
+                return
+            if ready:
+                try:
+                    header, tensors = wire.recv(self._conn)
+                except (OSError, EOFError):
+                    self._fail_all("the capture coordinator closed the connection")
+                    return
+                kind, op_id = header[0], header[1]
+                with self._pending_lock:
+                    p = self._pending.pop(op_id, None)
+                if p is None:
+                    continue
+                if kind == "ok":
+                    self._last_wall = max(self._last_wall, time.monotonic())
+                    p.complete(tensors)
+                else:
+                    p.fail(CommDeadlineError(header[2]) if kind == "deadline" else RuntimeError(header[2]))
+            now = time.monotonic()
+            with self._pending_lock:
+                pend = list(self._pending.values())
+            for p in pend:
+                p.check_deadline(now)
+
+    def _fail_all(self, why: str) -> None:
+        with self._pending_lock:
+            pend, self._pending = list(self._pending.values()), {}
+        for p in pend:
+            p.fail(RuntimeError(f"{p.what}: {why}"))
+
+
+def _short(ranks: tuple[int, ...]) -> str:
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"

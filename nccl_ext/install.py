@@ -1,0 +1,107 @@
+"""Make a script's own ``init_process_group`` land on the prism process group.
+
+``install(factory)`` registers the ``prism`` backend with torch and replaces
+``torch.distributed.init_process_group`` so that whatever backend the script asks for
+("nccl", "gloo", "cpu:gloo,cuda:nccl"), the default group becomes a
+:class:`~nccl_ext.process_group.PrismProcessGroup` of the logical world. No store
+rendezvous with the logical world happens (most of its ranks do not exist); the store
+torch gets is process-local. ``dist.get_backend()`` reports the backend the script
+asked for, so scripts that check for "nccl"/"gloo" keep working.
+
+Checked against torch 2.13, which delegates ``dist.new_group`` to the default group's
+``new_group`` method (so megatron's gloo subgroups also become prism groups).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from nccl_ext.process_group import PrismProcessGroup, PrismWorld, Transport
+
+BACKEND = "prism"
+
+_state: dict = {}
+
+
+def current_world() -> PrismWorld | None:
+    return _state.get("world")
+
+
+def _physical_backend_name(requested) -> str:
+    if requested is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    name = str(requested).lower()
+    if ":" in name:  # "cpu:gloo,cuda:nccl"
+        parts = dict(p.split(":", 1) for p in name.split(","))
+        return parts.get("cuda", parts.get("cpu", "gloo"))
+    return name
+
+
+def install(
+    *,
+    rank: int,
+    world_size: int,
+    make_transport: Callable[[int, int, float], Transport],
+    timeout_s: float,
+) -> None:
+    """Patch ``torch.distributed`` for logical rank ``rank`` of ``world_size``."""
+    if _state.get("installed"):
+        return
+    real_init = c10d.init_process_group
+
+    def creator(opts, _backend_options=None):
+        world = _state["world"]
+        return world.make_group(tuple(range(world_size)), desc="default_pg")
+
+    dist.Backend.register_backend(BACKEND, creator, extended_api=True, devices=["cpu", "cuda"])
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size_arg=-1, rank_arg=-1,
+                           store=None, group_name="", pg_options=None, device_id=None, **kwargs):
+        ws = kwargs.pop("world_size", world_size_arg)
+        rk = kwargs.pop("rank", rank_arg)
+        if ws not in (-1, None) and int(ws) != world_size:
+            raise ValueError(
+                f"init_process_group(world_size={ws}) but the logical world has {world_size} ranks "
+                "(set by prism-launch's --nnodes x --nproc-per-node / target.world_size)"
+            )
+        if rk not in (-1, None) and int(rk) != rank:
+            raise ValueError(f"init_process_group(rank={rk}) but this process is logical rank {rank}")
+        if dist.is_initialized():
+            raise RuntimeError("trying to initialize the default process group twice!")
+        world = PrismWorld(rank=rank, world_size=world_size,
+                           transport=make_transport(rank, world_size, timeout_s),
+                           backend_name=_physical_backend_name(backend))
+        _state["world"] = world
+        # device_id is dropped on purpose: it would make NCCL split eagerly for every group.
+        real_init(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
+                  timeout=timeout or datetime.timedelta(seconds=timeout_s), group_name=group_name)
+        pg = c10d._get_default_group()
+        _, pg_store = c10d._world.pg_map[pg]
+        c10d._world.pg_map[pg] = (world.backend_name, pg_store)
+
+    init_process_group.__doc__ = real_init.__doc__
+    init_process_group.__wrapped__ = real_init
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+    _state["installed"] = True
+
+
+def install_step_marker(on_step: Callable[[], None]) -> None:
+    """Mark scheduling-unit boundaries at every optimizer step (torch's global post hook)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(lambda *_: on_step())
+
+
+def close() -> None:
+    world = _state.get("world")
+    if world is not None:
+        world.transport.close()
+
+
+__all__ = ["BACKEND", "PrismProcessGroup", "close", "current_world", "install", "install_step_marker"]

@@ -1,0 +1,371 @@
+"""The prism process group: a ``torch.distributed.ProcessGroup`` subclass that torch uses
+as the default group (and every subgroup) of the logical world.
+
+Each torch-level op is turned into a :class:`CollectiveCall` — the caller's contribution
+split into the pieces the semantics of :mod:`nccl_ext.ops` address — and handed to the
+process's :class:`Transport` (capture: the coordinator computes it from all ranks'
+contributions; emulation: the replay combines live sandbox and recorded virtual
+contributions). Results are written back into the caller's output tensors.
+
+Checked against torch 2.13 (CPU): torch dispatches the methods below to a Python
+subclass, including the ``*_single`` spellings that replaced ``_allgather_base`` /
+``_reduce_scatter_base`` and the coalesced variants megatron's DDP uses through
+``_coalescing_manager``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from nccl_ext.groups import GroupInfo, GroupRegistry
+from nccl_ext.ops import Collective, ReduceKind, reduce_kind
+from nccl_ext.pending import Pending
+
+
+@dataclass(slots=True)
+class CollectiveCall:
+    """One collective as a member enters it."""
+
+    api: str
+    """The torch ProcessGroup method (e.g. ``all_gather_single``)."""
+    kind: Collective
+    tensors: list[torch.Tensor] | None
+    """This member's contribution; ``None`` when it contributes nothing."""
+    reduce: ReduceKind | None = None
+    root: int | None = None
+    """Group rank of the root for rooted ops."""
+
+
+class Transport(Protocol):
+    """Moves one rank's ops to wherever their results are computed."""
+
+    timeout_s: float
+
+    def register_group(self, group: GroupInfo) -> None: ...
+
+    def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending: ...
+
+    def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending: ...
+
+    def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending: ...
+
+    def marker(self, name: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class PrismWorld:
+    """Per-process state shared by every prism group of one logical rank."""
+
+    rank: int
+    world_size: int
+    transport: Transport
+    backend_name: str = "gloo"
+    """What ``dist.get_backend()`` reports: the physical backend the script asked for."""
+    registry: GroupRegistry = field(init=False)
+    ops_issued: int = 0
+    """Communication ops this rank has issued (all groups)."""
+    _ops_at_last_step: int = -1
+
+    def step_boundary(self) -> None:
+        """Mark a scheduling-unit boundary, once per iteration even when a chained optimizer
+        (e.g. megatron's dense + expert optimizers) steps several torch optimizers."""
+        if self.ops_issued == self._ops_at_last_step:
+            return
+        self._ops_at_last_step = self.ops_issued
+        self.transport.marker("step")
+
+    def __post_init__(self) -> None:
+        self.registry = GroupRegistry(self.rank, self.world_size)
+
+    def make_group(self, ranks: tuple[int, ...], desc: str = "", name: str = "") -> PrismProcessGroup | None:
+        info = self.registry.make(ranks, desc)
+        if info is None:
+            return None
+        self.transport.register_group(info)
+        return PrismProcessGroup(self, info, name=name)
+
+
+def _no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.numel() != src.numel():
+        raise RuntimeError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
+    with torch.no_grad():
+        dst.copy_(src.reshape(dst.shape))
+
+
+class PrismProcessGroup(dist.ProcessGroup):
+    """One communicator of the logical world as seen by one member."""
+
+    def __init__(self, world: PrismWorld, info: GroupInfo, name: str = ""):
+        super().__init__(info.group_rank(world.rank), info.size)
+        self.world = world
+        self.info = info
+        self._name = name or info.key
+        self._seq = 0
+        self._p2p_seq: dict[tuple[str, int, int], int] = {}
+        self._lock = threading.Lock()
+
+    # -- identity ---------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return self.world.backend_name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return f"PrismProcessGroup(rank={self.rank()}, size={self.size()}, key={self.info.key})"
+
+    def new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None, **_):
+        """torch ≥ 2.13 delegates ``dist.new_group`` here when this is the default group."""
+        ranks = tuple(range(self.world.world_size)) if ranks is None else tuple(int(r) for r in ranks)
+        return self.world.make_group(ranks, desc=group_desc or "", name=group_name or "")
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            return seq
+
+    def _submit(self, call: CollectiveCall, apply, opts=None) -> dist.Work:
+        seq = self._next_seq()
+        self.world.ops_issued += 1
+        pending = self.world.transport.collective(self.info, seq, call)
+        return self._work(pending, apply, sync=opts is not None and getattr(opts, "asyncOp", True) is False)
+
+    def _work(self, pending: Pending, apply, sync: bool) -> dist.Work:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def finish(p: Pending) -> None:
+            try:
+                value = p.result()
+                if apply is not None:
+                    apply(value)
+                fut.set_result(value)
+            except BaseException as e:  # noqa: BLE001 - surfaced through the future
+                fut.set_exception(e)
+
+        if sync:
+            finish_value = pending.result()  # bounded by the op's deadline
+            if apply is not None:
+                apply(finish_value)
+            fut.set_result(finish_value)
+        else:
+            pending.add_done_callback(finish)
+        return _create_work_from_future(fut)
+
+    def _group_size(self) -> int:
+        return self.info.size
+
+    # -- collectives --------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
+        return self._all_reduce("allreduce", tensors, red, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
+        return self._all_reduce("allreduce_coalesced", tensors, red, opts)
+
+    def _all_reduce(self, api, tensors, red, opts):
+        def apply(res):
+            for t, r in zip(tensors, res, strict=True):
+                _no_grad_copy(t, r, api)
+
+        return self._submit(CollectiveCall(api, Collective.ALL_REDUCE, list(tensors), reduce=red), apply, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        mine = list(tensors) if self.rank() == root else None
+
+        def apply(res):
+            if self.rank() != root:
+                for t, r in zip(tensors, res, strict=True):
+                    _no_grad_copy(t, r, "broadcast")
+
+        return self._submit(CollectiveCall("broadcast", Collective.BROADCAST, mine, root=root), apply, opts)
+
+    def reduce(self, tensors, opts=None):
+        root = opts.rootRank
+        red = reduce_kind(opts.reduceOp)
+
+        def apply(res):
+            if self.rank() == root:
+                for t, r in zip(tensors, res, strict=True):
+                    _no_grad_copy(t, r, "reduce")
+
+        return self._submit(CollectiveCall("reduce", Collective.REDUCE, list(tensors), reduce=red, root=root), apply, opts)
+
+    def allgather(self, output_lists, input_list, opts=None):
+        return self._all_gather_lists("allgather", output_lists, input_list, opts)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self._all_gather_lists("allgather_coalesced", output_lists, input_list, opts)
+
+    def _all_gather_lists(self, api, output_lists, input_list, opts):
+        n = self._group_size()
+
+        def apply(res):
+            for i, outs in enumerate(output_lists):
+                for m, out in enumerate(outs):
+                    _no_grad_copy(out, res[i * n + m], api)
+
+        return self._submit(CollectiveCall(api, Collective.ALL_GATHER, list(input_list)), apply, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._all_gather_tensors("all_gather_single", [output], [input], opts)
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._all_gather_tensors("_allgather_base", [output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._all_gather_tensors("all_gather_single_coalesced", outputs, inputs, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._all_gather_tensors("allgather_into_tensor_coalesced", outputs, inputs, opts)
+
+    def _all_gather_tensors(self, api, outputs, inputs, opts):
+        n = self._group_size()
+
+        def apply(res):
+            for i, out in enumerate(outputs):
+                _no_grad_copy(out, torch.cat([r.reshape(-1) for r in res[i * n : (i + 1) * n]]), api)
+
+        return self._submit(CollectiveCall(api, Collective.ALL_GATHER, list(inputs)), apply, opts)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
+        n = self._group_size()
+        pieces = []
+        for lst in input_lists:
+            if len(lst) != n:
+                raise ValueError(f"reduce_scatter: expected {n} input tensors per output, got {len(lst)}")
+            pieces.extend(lst)
+
+        def apply(res):
+            for t, r in zip(outputs, res, strict=True):
+                _no_grad_copy(t, r, "reduce_scatter")
+
+        return self._submit(CollectiveCall("reduce_scatter", Collective.REDUCE_SCATTER, pieces, reduce=red), apply, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_tensors("reduce_scatter_single", [output], [input], opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self._reduce_scatter_tensors("_reduce_scatter_base", [output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self._reduce_scatter_tensors("reduce_scatter_single_coalesced", outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._reduce_scatter_tensors("reduce_scatter_tensor_coalesced", outputs, inputs, opts)
+
+    def _reduce_scatter_tensors(self, api, outputs, inputs, opts):
+        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
+        n = self._group_size()
+        pieces = []
+        for out, inp in zip(outputs, inputs, strict=True):
+            if inp.numel() != n * out.numel():
+                raise ValueError(f"{api}: input has {inp.numel()} elements, expected {n} x {out.numel()}")
+            pieces.extend(inp.reshape(-1).split(out.numel()))
+
+        def apply(res):
+            for t, r in zip(outputs, res, strict=True):
+                _no_grad_copy(t, r, api)
+
+        return self._submit(CollectiveCall(api, Collective.REDUCE_SCATTER, pieces, reduce=red), apply, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._all_to_all_single("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._all_to_all_single("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts)
+
+    def _all_to_all_single(self, api, output, input, out_splits, in_splits, opts):
+        n = self._group_size()
+        in_splits = [int(s) for s in in_splits] if len(in_splits) else [input.shape[0] // n] * n
+        pieces = list(input.split(in_splits, dim=0)) if input.dim() else [input]
+
+        def apply(res):
+            _no_grad_copy(output, torch.cat([r.reshape(-1) for r in res]), api)
+
+        return self._submit(CollectiveCall(api, Collective.ALL_TO_ALL, pieces), apply, opts)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        def apply(res):
+            for t, r in zip(outputs, res, strict=True):
+                _no_grad_copy(t, r, "alltoall")
+
+        return self._submit(CollectiveCall("alltoall", Collective.ALL_TO_ALL, list(inputs)), apply, opts)
+
+    def gather(self, output_lists, inputs, opts=None):
+        root = opts.rootRank
+
+        def apply(res):
+            if self.rank() == root:
+                for out, r in zip(output_lists[0], res, strict=True):
+                    _no_grad_copy(out, r, "gather")
+
+        return self._submit(CollectiveCall("gather", Collective.GATHER, [inputs[0]], root=root), apply, opts)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        root = opts.rootRank
+        mine = list(input_lists[0]) if self.rank() == root else None
+
+        def apply(res):
+            _no_grad_copy(outputs[0], res[0], "scatter")
+
+        return self._submit(CollectiveCall("scatter", Collective.SCATTER, mine, root=root), apply, opts)
+
+    def barrier(self, opts=None):
+        return self._submit(CollectiveCall("barrier", Collective.BARRIER, None), None, None)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        self.barrier().wait()
+
+    # -- point to point -----------------------------------------------------------------
+    def _p2p_seq_next(self, direction: str, peer: int, tag: int) -> int:
+        with self._lock:
+            key = (direction, peer, tag)
+            seq = self._p2p_seq.get(key, 0)
+            self._p2p_seq[key] = seq + 1
+            return seq
+
+    def send(self, tensors, dst, tag=0):
+        (tensor,) = tensors
+        seq = self._p2p_seq_next("send", dst, tag)
+        self.world.ops_issued += 1
+        pending = self.world.transport.send(self.info, self.info.ranks[dst], tag, seq, tensor)
+        return self._work(pending, None, sync=False)
+
+    def recv(self, tensors, src, tag=0):
+        (tensor,) = tensors
+        seq = self._p2p_seq_next("recv", src, tag)
+        self.world.ops_issued += 1
+        pending = self.world.transport.recv(self.info, self.info.ranks[src], tag, seq, tensor)
+
+        def apply(res):
+            _no_grad_copy(tensor, res[0], "recv")
+
+        return self._work(pending, apply, sync=False)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise NotImplementedError(
+            "recv from any source is not supported by the prism process group: "
+            "replay needs to know each message's sender; pass src= to recv"
+        )
+
+
+def default_timeout() -> datetime.timedelta:
+    return datetime.timedelta(minutes=10)

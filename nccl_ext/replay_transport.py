@@ -1,0 +1,326 @@
+"""Emulation side: a sandbox rank's ops are completed from live sandbox contributions
+plus the virtual members' recorded ones.
+
+For each collective the sandbox enters, the result is recomputed with
+:func:`nccl_ext.ops.compute` over all members' contributions in group-rank order —
+live tensors for sandbox members (exchanged over a real gloo group between sandbox
+processes), recorded tensors for virtual members (**compensation**) — so a
+deterministic script's sandbox outputs are bit-identical to the capture's. A live
+contribution that differs from the recorded one is a **divergence**: reported with
+step, op and group, and an error in strict mode.
+
+Virtual members arrive when the recording says, relative to the sandbox's own
+progress: a member recorded as arriving ``d`` seconds after this rank at this op
+delays completion by ``d`` (``timing="recorded"``), or not at all (``timing="none"``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from nccl_ext.groups import GroupInfo
+from nccl_ext.ops import Collective, compute, contributors
+from nccl_ext.pending import Pending
+from nccl_ext.process_group import CollectiveCall
+
+
+class DivergenceError(RuntimeError):
+    """The live program no longer matches the recorded one."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedOp:
+    """What the recording holds about one rank's op."""
+
+    op: str
+    unit: int
+    t_start: float
+    t_end: float
+    n_tensors: int
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+
+
+class Recording(Protocol):
+    """Read access to a captured trace, as replay needs it."""
+
+    def group_id(self, key: str) -> int | None: ...
+
+    def collective(self, rank: int, group_id: int, seq: int) -> RecordedOp | None: ...
+
+    def contribution(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]: ...
+
+    def sent(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> tuple[RecordedOp, torch.Tensor] | None: ...
+
+    def received(self, rank: int, group_id: int, src: int, tag: int, seq: int) -> RecordedOp | None: ...
+
+
+@dataclass(slots=True)
+class ReplayStats:
+    ops: int = 0
+    p2p: int = 0
+    physical_exchanges: int = 0
+    waited_s: float = 0.0
+    divergences: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+
+
+def _tag(*parts: int) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
+
+
+class ReplayTransport:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        sandbox: tuple[int, ...],
+        recording: Recording,
+        timeout_s: float,
+        physical: dist.ProcessGroup | None,
+        timing: str = "recorded",
+        time_scale: float = 1.0,
+        strict: bool = False,
+        summary_path: Path | None = None,
+    ):
+        self.rank = rank
+        self.sandbox = sandbox
+        self.recording = recording
+        self.timeout_s = timeout_s
+        self.physical = physical
+        """gloo group over the sandbox processes, in ``sandbox`` order (None with one sandbox)."""
+        self.timing = timing
+        self.time_scale = time_scale
+        self.strict = strict
+        self.summary_path = summary_path
+        self.unit = 0
+        self.stats = ReplayStats()
+        self._warned: set[tuple[str, int]] = set()
+        self._gids: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _gid(self, group: GroupInfo) -> int:
+        gid = self._gids.get(group.key)
+        if gid is None:
+            gid = self.recording.group_id(group.key)
+            if gid is None:
+                raise DivergenceError(
+                    f"rank {self.rank}: group {list(group.ranks)[:16]} ({group.desc or group.key}) was never used "
+                    "in the capture; the program diverged from the trace — capture again (mode=capture)"
+                )
+            self._gids[group.key] = gid
+        return gid
+
+    def _phys_rank(self, rank: int) -> int:
+        return self.sandbox.index(rank)
+
+    def _delay(self, own: RecordedOp, others: list[RecordedOp]) -> float:
+        if self.timing == "none" or not others:
+            return 0.0
+        lag = max(o.t_start for o in others) - own.t_start
+        return max(lag, 0.0) * self.time_scale
+
+    def _finish_after(self, pending: Pending, value, delay: float) -> None:
+        if delay <= 0:
+            pending.complete(value)
+            return
+        with self._lock:
+            self.stats.waited_s += delay
+        timer = threading.Timer(delay, pending.complete, args=(value,))
+        timer.daemon = True
+        timer.start()
+
+    def _diverged(self, what: str, group: GroupInfo, seq: int, detail: str) -> None:
+        record = {"step": self.unit, "op": what, "group": list(group.ranks), "group_desc": group.desc,
+                  "seq": seq, "rank": self.rank, "detail": detail}
+        self.stats.divergences.append(record)
+        msg = (f"divergence on rank {self.rank} at step {self.unit}: {what} on group {group.desc or group.key} "
+               f"seq {seq}: {detail}")
+        if self.strict:
+            raise DivergenceError(msg + " (emulate.strict=true)")
+        if (what, self._gids.get(group.key, -1)) not in self._warned:
+            self._warned.add((what, self._gids.get(group.key, -1)))
+            warnings.warn(msg + " — results combine the live value with recorded peers", stacklevel=3)
+
+    # -- Transport ----------------------------------------------------------------------------
+    def register_group(self, group: GroupInfo) -> None:
+        pass  # group reduction: nothing to set up until an op uses the group
+
+    def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
+        gid = self._gid(group)
+        what = f"rank {self.rank}: {call.api} on group {group.desc or group.key} seq {seq}"
+        own = self.recording.collective(self.rank, gid, seq)
+        if own is None:
+            raise DivergenceError(
+                f"{what}: the trace has no such op (it ends earlier or the program diverged); "
+                "capture again with the same script arguments (mode=capture)"
+            )
+        if own.op != call.api:
+            raise DivergenceError(f"{what}: the capture recorded {own.op} here; the program diverged")
+        n = group.size
+        needed = contributors(call.kind, n, call.root)
+        contributions: list[list[torch.Tensor] | None] = [None] * n
+        others: list[RecordedOp] = []
+        live_peers: list[int] = []
+        me = group.group_rank(self.rank)
+        for m, r in enumerate(group.ranks):
+            if r == self.rank:
+                continue
+            if r in self.sandbox:
+                live_peers.append(m)
+                continue
+            rec = self.recording.collective(r, gid, seq)
+            if rec is None:
+                raise DivergenceError(f"{what}: no recorded op of virtual member rank {r}")
+            others.append(rec)
+            if m in needed:
+                contributions[m] = self.recording.contribution(r, gid, seq)
+        if call.tensors is not None:
+            live = [t.detach() for t in call.tensors]
+            contributions[me] = live
+            if me in needed:
+                self._check(call.api, group, seq, gid, live, own)
+        self.stats.ops += 1
+        pending = Pending(what, self.timeout_s)
+        delay = self._delay(own, others)
+
+        def finish() -> None:
+            result = compute(call.kind, contributions, reduce=call.reduce, root=call.root)[me]
+            self._finish_after(pending, result, delay)
+
+        if not live_peers:
+            finish()
+            return pending
+        self._exchange(group, gid, seq, call, me, needed, live_peers, contributions, pending, finish)
+        return pending
+
+    def _check(self, api, group, seq, gid, live, own: RecordedOp) -> None:
+        recorded = self.recording.contribution(self.rank, gid, seq)
+        if len(recorded) != len(live) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(live, recorded)):
+            raise DivergenceError(
+                f"rank {self.rank} at step {self.unit}: {api} on group {group.desc or group.key} seq {seq}: "
+                f"shapes {[tuple(t.shape) for t in live]} differ from the recorded {[tuple(t.shape) for t in recorded]}; "
+                "capture again"
+            )
+        bad = [i for i, (a, b) in enumerate(zip(live, recorded)) if not torch.equal(a.cpu(), b)]
+        if bad:
+            diff = max(float((live[i].cpu().double() - recorded[i].double()).abs().max()) for i in bad)
+            self._diverged(api, group, seq, f"live contribution differs from the recorded one (max |diff| {diff:.3g})")
+
+    def _exchange(self, group, gid, seq, call, me, needed, live_peers, contributions, pending, finish) -> None:
+        """Swap live contributions with the other sandbox members of ``group`` over gloo."""
+        works = []
+        self.stats.physical_exchanges += 1
+        if me in needed and call.tensors is not None:
+            for m in live_peers:
+                dst = self._phys_rank(group.ranks[m])
+                for i, t in enumerate(call.tensors):
+                    works.append(self.physical.send([t.detach().contiguous().cpu()], dst, _tag(gid, seq, me, i)))
+        for m in live_peers:
+            if m not in needed:
+                continue
+            rec = self.recording.collective(group.ranks[m], gid, seq)
+            shapes = rec.shapes if rec else ()
+            bufs = [torch.empty(s, dtype=_dtype(d)) for s, d in zip(shapes, rec.dtypes)] if rec else []
+            contributions[m] = bufs
+            src = self._phys_rank(group.ranks[m])
+            for i, b in enumerate(bufs):
+                works.append(self.physical.recv([b], src, _tag(gid, seq, m, i)))
+        _when_all(works, finish, pending)
+
+    def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
+        gid = self._gid(group)
+        self.stats.p2p += 1
+        if dst in self.sandbox:
+            work = self.physical.send([tensor.detach().contiguous().cpu()], self._phys_rank(dst), _tag(gid, self.rank, dst, tag, seq, 7))
+            pending = Pending(f"rank {self.rank}: send to rank {dst} tag {tag} seq {seq}", self.timeout_s)
+            _when_all([work], lambda: pending.complete(None), pending)
+            return pending
+        rec = self.recording.sent(gid, self.rank, dst, tag, seq)
+        if rec is None:
+            raise DivergenceError(f"rank {self.rank}: send #{seq} to rank {dst} (tag {tag}) is not in the trace")
+        if not torch.equal(tensor.detach().cpu(), rec[1]):
+            self._diverged("send", group, seq, f"payload to rank {dst} differs from the recorded one")
+        return Pending.done("send")
+
+    def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
+        gid = self._gid(group)
+        self.stats.p2p += 1
+        what = f"rank {self.rank}: recv #{seq} from rank {src} tag {tag} on group {group.desc or group.key}"
+        pending = Pending(what, self.timeout_s)
+        if src in self.sandbox:
+            buf = torch.empty(like.shape, dtype=like.dtype)
+            work = self.physical.recv([buf], self._phys_rank(src), _tag(gid, src, self.rank, tag, seq, 7))
+            _when_all([work], lambda: pending.complete([buf]), pending)
+            return pending
+        sent = self.recording.sent(gid, src, self.rank, tag, seq)
+        own = self.recording.received(self.rank, gid, src, tag, seq)
+        if sent is None or own is None:
+            raise DivergenceError(f"{what}: not in the trace; capture again")
+        rec_send, tensor = sent
+        delay = 0.0 if self.timing == "none" else max(0.0, rec_send.t_start - own.t_start) * self.time_scale
+        self._finish_after(pending, [tensor], delay)
+        return pending
+
+    def marker(self, name: str) -> None:
+        if name == "step":
+            self.stats.steps.append({"unit": self.unit, "t": time.monotonic() - self._t0})
+            self.unit += 1
+
+    def close(self) -> None:
+        if self.summary_path is None:
+            return
+        self.summary_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.summary_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({
+            "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
+            "physical_exchanges": self.stats.physical_exchanges, "waited_s": self.stats.waited_s,
+            "divergences": self.stats.divergences, "steps": self.stats.steps,
+        }, indent=1))
+        tmp.replace(self.summary_path)
+        self.summary_path = None
+
+
+def _dtype(name: str) -> torch.dtype:
+    from nccl_ext.wire import dtype_from_name
+
+    return dtype_from_name(name)
+
+
+def _when_all(works: list, then, pending: Pending) -> None:
+    """Run ``then`` once every c10d work finished; fail ``pending`` if one failed."""
+    if not works:
+        then()
+        return
+    remaining = [len(works)]
+    lock = threading.Lock()
+
+    def done(fut) -> None:
+        try:
+            fut.value()
+        except BaseException as e:  # noqa: BLE001
+            pending.fail(RuntimeError(f"{pending.what}: sandbox exchange failed: {e}"))
+            return
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                then()
+            except BaseException as e:  # noqa: BLE001
+                pending.fail(e)
+
+    for w in works:
+        w.get_future().add_done_callback(done)

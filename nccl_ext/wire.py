@@ -1,0 +1,68 @@
+"""Framing of messages with tensor payloads over a ``multiprocessing.connection``.
+
+A message is a picklable header followed by the raw bytes of each tensor, so tensors
+never go through torch's shared-memory pickler (which needs fd passing) and bfloat16
+or zero-element tensors round-trip exactly.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+        torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {name!r} on the prism wire") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDesc:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of ``t`` (moved to CPU, made contiguous)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def tensor_from_bytes(desc: TensorDesc, data: bytes) -> torch.Tensor:
+    dtype = dtype_from_name(desc.dtype)
+    if len(data) == 0:
+        return torch.empty(desc.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(desc.shape)
+
+
+def send(conn: Connection, header: Any, tensors: list[torch.Tensor] = ()) -> None:
+    """Send ``header`` plus ``tensors``; the caller holds the connection's send lock."""
+    descs = [TensorDesc(dtype_name(t.dtype), tuple(t.shape)) for t in tensors]
+    conn.send_bytes(pickle.dumps((header, descs), protocol=pickle.HIGHEST_PROTOCOL))
+    for t in tensors:
+        conn.send_bytes(tensor_bytes(t))
+
+
+def recv(conn: Connection) -> tuple[Any, list[torch.Tensor]]:
+    header, descs = pickle.loads(conn.recv_bytes())
+    return header, [tensor_from_bytes(d, conn.recv_bytes()) for d in descs]

@@ -1,0 +1,1 @@
+"""PrismLLM launcher: a drop-in torchrun replacement that emulates large distributed training."""

@@ -1,0 +1,5 @@
+import sys
+
+from prism_launch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,151 @@
+"""Per-rank entry point: ``python -m prism_launch.bootstrap [-m] SCRIPT [ARGS]``.
+
+It reads the ``PRISM_*`` variables the launcher set (next to torchrun's ``RANK``,
+``WORLD_SIZE`` …), activates what this rank needs — the CPU compatibility layer named
+by the config, the prism process group behind the script's own ``init_process_group``
+(capture and emulation), the scheduling-unit marker — and then runs the script
+unchanged, as ``python SCRIPT`` or ``python -m MODULE`` would. Forked ranks call
+:func:`run` directly; spawned ranks come through :func:`main`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankContext:
+    """What the launcher told this rank through the environment."""
+
+    mode: str
+    rank: int
+    world_size: int
+    device: str
+    compat: tuple[str, ...]
+    timeout_s: float
+
+    @classmethod
+    def from_env(cls) -> RankContext:
+        env = os.environ
+        return cls(
+            mode=env.get("PRISM_MODE", "real"),
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            device=env.get("PRISM_DEVICE", "cpu"),
+            compat=tuple(m for m in env.get("PRISM_COMPAT", "").split(",") if m),
+            timeout_s=float(env.get("PRISM_TIMEOUT_S", "300")),
+        )
+
+
+def _capture_transport(ctx: RankContext):
+    from nccl_ext.capture_transport import CaptureTransport
+
+    def make(rank: int, world_size: int, timeout_s: float):
+        return CaptureTransport(os.environ["PRISM_COORD"], bytes.fromhex(os.environ["PRISM_AUTHKEY"]), rank, timeout_s)
+
+    return make
+
+
+def _replay_transport(ctx: RankContext):
+    import datetime
+
+    import torch.distributed as dist
+
+    from nccl_ext.replay_transport import ReplayTransport
+    from prism_launch.replay_source import TraceRecording
+    from prism_launch.trace import TraceReader
+
+    def make(rank: int, world_size: int, timeout_s: float):
+        env = os.environ
+        sandbox = tuple(int(r) for r in env["PRISM_SANDBOX"].split(","))
+        physical = None
+        if len(sandbox) > 1:
+            host, port = env["PRISM_STORE"].rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+            physical = dist.ProcessGroupGloo(
+                dist.PrefixStore("prism/sandbox", store), sandbox.index(rank), len(sandbox),
+                datetime.timedelta(seconds=timeout_s),
+            )
+        reader = TraceReader(env["PRISM_TRACE_DIR"], verify=False)  # verified once by the launcher
+        return ReplayTransport(
+            rank=rank, sandbox=sandbox, recording=TraceRecording(reader), timeout_s=timeout_s,
+            physical=physical, timing=env.get("PRISM_TIMING", "recorded"),
+            time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
+            summary_path=Path(env["PRISM_SUMMARY"]) if env.get("PRISM_SUMMARY") else None,
+        )
+
+    return make
+
+
+def activate(ctx: RankContext) -> None:
+    """Prepare this process to be logical rank ``ctx.rank``; idempotent per process."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))
+    if ctx.device == "cpu":
+        for name in ctx.compat:
+            importlib.import_module(name).install()
+    if ctx.mode in ("capture", "emulate"):
+        from nccl_ext import install
+
+        make = _capture_transport(ctx) if ctx.mode == "capture" else _replay_transport(ctx)
+        install.install(rank=ctx.rank, world_size=ctx.world_size, make_transport=make, timeout_s=ctx.timeout_s)
+
+        def on_step() -> None:
+            world = install.current_world()
+            if world is not None:
+                world.step_boundary()
+
+        install.install_step_marker(on_step)
+
+
+def run(script: str, args: list[str], *, module: bool = False) -> int:
+    """Activate from the environment and run ``script`` as ``__main__``; returns the exit code."""
+    ctx = RankContext.from_env()
+    activate(ctx)
+    sys.argv = [script, *args]
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, str(Path(script).resolve().parent))
+            runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as e:
+        code = e.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    finally:
+        if ctx.mode in ("capture", "emulate"):
+            from nccl_ext import install
+
+            install.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module = False
+    if argv and argv[0] in ("-m", "--module"):
+        module = True
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m prism_launch.bootstrap [-m] SCRIPT [ARGS]", file=sys.stderr)
+        return 2
+    return run(argv[0], argv[1:], module=module)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())

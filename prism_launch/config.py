@@ -1,0 +1,209 @@
+"""Typed configuration of one prism-launch run, registered in Hydra's ConfigStore.
+
+The dataclasses below are the single source of every knob; ``configs/config.yaml``
+only selects them. The torchrun flags fill ``target.nnodes`` / ``target.nproc_per_node``
+(the **target** job); ``key=value`` overrides on the command line go through Hydra.
+Composition errors name the field (OmegaConf's ``full_key``); :func:`validate` adds the
+semantic checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING  # noqa: F401  (re-exported for configs)
+
+
+class Mode(StrEnum):
+    real = "real"
+    """Every rank physical, like torchrun (the baseline runner)."""
+    capture = "capture"
+    """Every logical rank runs; the coordinator computes collectives and writes a PrismTrace."""
+    emulate = "emulate"
+    """Only sandbox ranks run; virtual ranks are replayed from the trace."""
+    auto = "auto"
+    """Capture when no matching trace exists, then emulate."""
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Timing(StrEnum):
+    recorded = "recorded"
+    """Virtual members arrive at each op with their recorded lag relative to the sandbox."""
+    none = "none"
+    """Virtual members are always already there (fastest; results are unchanged)."""
+
+
+class StartMethod(StrEnum):
+    fork = "fork"
+    """Ranks forked from the warmed launcher (fast, light: shared pages)."""
+    spawn = "spawn"
+    """Each rank a fresh ``python -m prism_launch.bootstrap`` (always used with --no-python)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TargetConfig:
+    """The job being emulated."""
+
+    world_size: int | None = None
+    """Logical world size; default nnodes × nproc_per_node from the torchrun flags."""
+    nnodes: int = 1
+    """Nodes of the target job (from ``--nnodes``)."""
+    nproc_per_node: int = 1
+    """Ranks per target node (from ``--nproc-per-node``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SandboxConfig:
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """Logical ranks that run the real program in emulation."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TraceConfig:
+    dir: str | None = None
+    """Trace directory. Default: ``prism_traces/<script>-<fingerprint>`` under the working directory."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CaptureConfig:
+    warm_imports: list[str] = field(default_factory=lambda: ["torch", "megatron.core"])
+    """Modules imported once in the launcher before ranks are forked (missing ones are skipped)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EmulateConfig:
+    timing: Timing = Timing.recorded
+    """How virtual members' arrival times are replayed."""
+    time_scale: float = 1.0
+    """Multiplier on recorded waits (e.g. 0 to disable, 0.5 to halve)."""
+    strict: bool = False
+    """Divergence of a live contribution from the recorded one is an error instead of a warning."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CommConfig:
+    timeout_s: float = 300.0
+    """Deadline of every communication wait; a wait past it fails naming rank, group, op and sequence number."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    start_method: StartMethod = StartMethod.fork
+    """How rank processes start."""
+    teardown_timeout_s: float = 10.0
+    """Grace between SIGTERM and SIGKILL when tearing ranks down."""
+    run_timeout_s: float | None = None
+    """Wall-clock limit of the whole run (None: unlimited; comm deadlines still apply)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CompatConfig:
+    modules: list[str] = field(default_factory=lambda: ["integrations.cpu_compat", "integrations.megatron_compat"])
+    """Integration modules activated in every rank when ``device=cpu`` (each exposes ``install()``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ReportConfig:
+    dir: str | None = None
+    """Where emulation writes its report. Default: ``<trace.dir>/report``."""
+    loss_pattern: str = r"\bloss[\s=:|]+([-+0-9.eEinfa]+)"
+    """Regex whose first group is the loss in a rank's log line (for the step table)."""
+    step_pattern: str = r"\bstep[\s=:]+(\d+)"
+    """Regex whose first group is the step number in the same line."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PrismConfig:
+    mode: Mode = Mode.auto
+    """real | capture | emulate | auto."""
+    device: Device | None = None
+    """cpu | cuda; default cuda when available."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="prism_schema", node=PrismConfig)
+
+
+def config_dir() -> Path:
+    import configs
+
+    return Path(configs.__file__).parent
+
+
+def compose(overrides: list[str]) -> PrismConfig:
+    """Compose ``configs/config.yaml`` with ``overrides`` into a validated-type PrismConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        return OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"invalid configuration: {e}: {cause}") from None
+
+
+def resolve_defaults(cfg: PrismConfig) -> PrismConfig:
+    """Fill values that depend on the machine (device)."""
+    if cfg.device is None:
+        import torch
+
+        cfg.device = Device.cuda if torch.cuda.is_available() else Device.cpu
+    if cfg.target.world_size is None:
+        cfg.target.world_size = cfg.target.nnodes * cfg.target.nproc_per_node
+    return cfg
+
+
+def validate(cfg: PrismConfig) -> None:
+    """Semantic checks; each error names the field and what to do."""
+    ws = cfg.target.world_size
+    if ws is None or ws < 1:
+        raise ConfigError(f"target.world_size must be >= 1 (got {ws}); set --nnodes/--nproc-per-node or target.world_size=")
+    if cfg.target.nnodes < 1 or cfg.target.nproc_per_node < 1:
+        raise ConfigError("--nnodes and --nproc-per-node must be >= 1")
+    if not cfg.sandbox.ranks:
+        raise ConfigError("sandbox.ranks must name at least one rank, e.g. sandbox.ranks=[0]")
+    bad = [r for r in cfg.sandbox.ranks if not 0 <= r < ws]
+    if bad:
+        raise ConfigError(
+            f"sandbox.ranks: rank(s) {bad} out of range for a logical world of {ws} ranks "
+            f"(valid: 0..{ws - 1})"
+        )
+    if len(set(cfg.sandbox.ranks)) != len(cfg.sandbox.ranks):
+        raise ConfigError(f"sandbox.ranks has duplicates: {cfg.sandbox.ranks}")
+    if cfg.comm.timeout_s <= 0:
+        raise ConfigError(f"comm.timeout_s must be > 0 (got {cfg.comm.timeout_s})")
+    if cfg.emulate.time_scale < 0:
+        raise ConfigError(f"emulate.time_scale must be >= 0 (got {cfg.emulate.time_scale})")
+    if cfg.device is Device.cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA device is available here; use device=cpu")

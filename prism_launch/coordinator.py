@@ -1,0 +1,297 @@
+"""The capture coordinator: computes every collective of the logical world from all
+members' real contributions and records what replay needs.
+
+It runs in the launcher process, pumped between polls of the rank processes. Ranks
+connect over a Unix socket (:mod:`nccl_ext.capture_transport`); results are computed
+with :func:`nccl_ext.ops.compute` — the same function emulation uses — so replayed
+results are bit-identical to captured ones.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+
+import torch
+
+from nccl_ext import wire
+from nccl_ext.ops import Collective, ReduceKind, compute
+
+
+class CaptureError(RuntimeError):
+    """The captured program did something the coordinator cannot complete."""
+
+
+class CaptureDeadlineError(CaptureError):
+    """A rank waited on a peer that never arrived."""
+
+
+@dataclass(slots=True)
+class _Group:
+    id: int
+    key: str
+    ranks: tuple[int, ...]
+    occurrence: int
+    desc: str
+
+
+@dataclass(slots=True)
+class _Arrival:
+    rank: int
+    op_id: int
+    conn: Connection
+    row: dict
+
+
+@dataclass(slots=True)
+class _PendingCollective:
+    group: _Group
+    seq: int
+    api: str
+    kind: Collective
+    reduce: ReduceKind | None
+    root: int | None
+    first_t: float
+    contributions: list[list[torch.Tensor] | None]
+    arrivals: dict[int, _Arrival] = field(default_factory=dict)
+
+
+def _describe(ranks: tuple[int, ...]) -> str:
+    return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+class Coordinator:
+    """Serves ``world_size`` capture ranks; collects events and tensors for the trace."""
+
+    def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self.address = address
+        self._new_conns: list[Connection] = []
+        self._conn_lock = threading.Lock()
+        self._conns: list[Connection] = []
+        self._rank_of: dict[Connection, int] = {}
+        self._groups: dict[str, _Group] = {}
+        self._collectives: dict[tuple[str, int], _PendingCollective] = {}
+        self._sends: dict[tuple[str, int, int, int], deque] = {}
+        self._recvs: dict[tuple[str, int, int, int], deque] = {}
+        self._next_idx = [0] * world_size
+        self.events: list[dict] = []
+        self.tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
+        self.finished: set[int] = set()
+        self.t0 = time.monotonic()
+        self.ops_completed = 0
+        self._accepting = True
+        self._acceptor = threading.Thread(target=self._accept_loop, name="prism-coordinator-accept", daemon=True)
+
+    def start(self) -> None:
+        """Start accepting ranks (call after the ranks are forked: no thread before fork)."""
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while self._accepting:
+            try:
+                conn = self._listener.accept()
+            except (OSError, EOFError):
+                return
+            except Exception:  # noqa: BLE001 - bad authkey or a stray client: ignore it
+                continue
+            with self._conn_lock:
+                self._new_conns.append(conn)
+
+    def close(self) -> None:
+        self._accepting = False
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        for c in self._conns:
+            c.close()
+
+    # -- the pump ---------------------------------------------------------------------
+    def pump(self, timeout_s: float = 0.05) -> None:
+        with self._conn_lock:
+            self._conns.extend(self._new_conns)
+            self._new_conns.clear()
+        ready = wait(self._conns, timeout=timeout_s) if self._conns else time.sleep(timeout_s)
+        for conn in ready or ():
+            try:
+                while conn.poll(0):
+                    header, tensors = wire.recv(conn)
+                    self._handle(conn, header, tensors)
+            except (EOFError, OSError):
+                self._conns.remove(conn)
+        self._check_deadlines()
+
+    def _handle(self, conn: Connection, header: tuple, tensors: list[torch.Tensor]) -> None:
+        kind = header[0]
+        if kind == "hello":
+            _, rank, _pid = header
+            self._rank_of[conn] = rank
+        elif kind == "group":
+            _, key, ranks, occurrence, desc = header
+            if key not in self._groups:
+                self._groups[key] = _Group(len(self._groups), key, tuple(ranks), occurrence, desc)
+        elif kind == "coll":
+            self._on_collective(conn, header, tensors)
+        elif kind == "send":
+            self._on_send(conn, header, tensors[0])
+        elif kind == "recv":
+            self._on_recv(conn, header)
+        elif kind == "marker":
+            _, name, unit, t, wall, cpu = header
+            rank = self._rank_of[conn]
+            self._row(rank, unit, "marker", name, None, -1, -1, None, t, t, wall, cpu, None, None)
+        elif kind == "bye":
+            self.finished.add(header[1])
+
+    def _row(self, rank, unit, kind, op, group, seq, peer, tensors, t_start, t_end, wall, cpu, key, extra) -> dict:
+        idx = self._next_idx[rank]
+        self._next_idx[rank] = idx + 1
+        first = tensors[0] if tensors else None
+        row = {
+            "rank": rank, "idx": idx, "unit": unit, "kind": kind, "op": op,
+            "group": -1 if group is None else group.id, "seq": seq, "peer": peer,
+            "dtype": wire.dtype_name(first.dtype) if first is not None else "",
+            "shape": list(first.shape) if first is not None else [],
+            "nbytes": sum(t.numel() * t.element_size() for t in tensors or ()),
+            "t_start": t_start - self.t0, "t_end": t_end - self.t0,
+            "compute_wall_s": wall, "compute_cpu_s": cpu, "tensor_key": key,
+            "extra": None if extra is None else json.dumps(extra),
+        }
+        self.events.append(row)
+        return row
+
+    def _group(self, key: str) -> _Group:
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise CaptureError(f"op on unregistered group {key}") from None
+
+    # -- collectives --------------------------------------------------------------------
+    def _on_collective(self, conn, header, tensors) -> None:
+        _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        kind = Collective(kind)
+        reduce = None if reduce is None else ReduceKind(reduce)
+        pc = self._collectives.get((key, seq))
+        if pc is None:
+            pc = _PendingCollective(group, seq, api, kind, reduce, root, time.monotonic(), [None] * len(group.ranks))
+            self._collectives[(key, seq)] = pc
+        elif (pc.kind, pc.reduce, pc.root) != (kind, reduce, root):
+            first = next(iter(pc.arrivals.values()))
+            raise CaptureError(
+                f"collective mismatch on group {_describe(group.ranks)} ({group.desc or key}) seq {seq}: "
+                f"rank {first.rank} called {pc.api}(reduce={pc.reduce}, root={pc.root}) but rank {rank} "
+                f"called {api}(reduce={reduce}, root={root})"
+            )
+        grank = group.ranks.index(rank)
+        contribution = list(tensors) if contributes else None
+        pc.contributions[grank] = contribution
+        tkey = f"c/{group.id}/{seq}"
+        extra = {"kind": str(kind), "reduce": None if reduce is None else str(reduce), "root": root,
+                 "n": len(contribution) if contribution is not None else 0,
+                 "shapes": [list(t.shape) for t in contribution or ()],
+                 "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()]}
+        row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
+                        f"{tkey}/0" if contribution else None, extra)
+        if contribution is not None:
+            store = self.tensors[rank]
+            for i, tensor in enumerate(contribution):
+                store[f"{tkey}/{i}"] = tensor
+        pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
+        if len(pc.arrivals) == len(group.ranks):
+            self._complete(pc)
+
+    def _complete(self, pc: _PendingCollective) -> None:
+        del self._collectives[(pc.group.key, pc.seq)]
+        results = compute(pc.kind, pc.contributions, reduce=pc.reduce, root=pc.root)
+        now = time.monotonic() - self.t0
+        for grank, arrival in pc.arrivals.items():
+            arrival.row["t_end"] = now
+            wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
+        self.ops_completed += 1
+
+    # -- point to point -----------------------------------------------------------------
+    def _on_send(self, conn, header, tensor) -> None:
+        _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header
+        src = self._rank_of[conn]
+        group = self._group(key)
+        tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
+        self.tensors[src][tkey] = tensor
+        self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, {"tag": tag})
+        chan = (key, src, dst, tag)
+        waiting = self._recvs.get(chan)
+        if waiting:
+            self._deliver(waiting.popleft(), seq, tensor, src)
+        else:
+            self._sends.setdefault(chan, deque()).append((seq, tensor))
+
+    def _on_recv(self, conn, header) -> None:
+        _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
+        dst = self._rank_of[conn]
+        group = self._group(key)
+        row = self._row(dst, unit, "p2p", "recv", group, seq, src, None, t, t, wall, cpu, None, {"tag": tag})
+        waiter = (op_id, conn, row, seq, dst, time.monotonic())
+        chan = (key, src, dst, tag)
+        queued = self._sends.get(chan)
+        if queued:
+            send_seq, tensor = queued.popleft()
+            self._deliver(waiter, send_seq, tensor, src)
+        else:
+            self._recvs.setdefault(chan, deque()).append(waiter)
+
+    def _deliver(self, waiter, send_seq: int, tensor: torch.Tensor, src: int) -> None:
+        op_id, conn, row, seq, dst, _ = waiter
+        if seq != send_seq:
+            raise CaptureError(f"p2p order mismatch: rank {dst} recv #{seq} from rank {src} matched send #{send_seq}")
+        row["t_end"] = time.monotonic() - self.t0
+        row["dtype"], row["shape"] = wire.dtype_name(tensor.dtype), list(tensor.shape)
+        row["nbytes"] = tensor.numel() * tensor.element_size()
+        wire.send(conn, ("ok", op_id), [tensor])
+        self.ops_completed += 1
+
+    # -- deadlines ------------------------------------------------------------------------
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for pc in self._collectives.values():
+            if now - pc.first_t > self.timeout_s:
+                arrived = sorted(a.rank for a in pc.arrivals.values())
+                missing = [r for r in pc.group.ranks if r not in arrived]
+                raise CaptureDeadlineError(
+                    f"{pc.api} (seq {pc.seq}) on group {_describe(pc.group.ranks)} "
+                    f"({pc.group.desc or pc.group.key}): ranks {_describe(tuple(arrived))} waited "
+                    f"{now - pc.first_t:.1f}s for ranks {_describe(tuple(missing))}, which never arrived "
+                    f"(deadline {self.timeout_s:g}s; raise it with comm.timeout_s=)"
+                )
+        for (key, src, dst, tag), waiters in self._recvs.items():
+            for _op, _conn, _row, seq, _dst, t in waiters:
+                if now - t > self.timeout_s:
+                    g = self._groups[key]
+                    raise CaptureDeadlineError(
+                        f"recv (seq {seq}, tag {tag}) on group {_describe(g.ranks)} ({g.desc or key}): "
+                        f"rank {dst} waited {now - t:.1f}s for a send from rank {src} that never came "
+                        f"(deadline {self.timeout_s:g}s)"
+                    )
+
+    # -- results --------------------------------------------------------------------------
+    def groups(self) -> list[dict]:
+        return [
+            {"id": g.id, "key": g.key, "ranks": list(g.ranks), "occurrence": g.occurrence, "desc": g.desc}
+            for g in sorted(self._groups.values(), key=lambda g: g.id)
+        ]
+
+    def unfinished(self) -> str | None:
+        """Describe ops still waiting (a clean exit should leave none)."""
+        if self._collectives:
+            pc = next(iter(self._collectives.values()))
+            return f"{len(self._collectives)} collective(s) never completed, e.g. {pc.api} seq {pc.seq} on {_describe(pc.group.ranks)}"
+        if any(self._recvs.values()):
+            return "a recv never completed"
+        return None

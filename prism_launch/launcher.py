@@ -1,0 +1,329 @@
+"""Runs one prism-launch invocation: real, capture, emulate or auto.
+
+The launcher owns the rank processes (:mod:`prism_launch.procs`), the capture
+coordinator and the trace; ranks themselves start in :mod:`prism_launch.bootstrap`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import Std
+
+from prism_launch import fingerprint as fp
+from prism_launch.args import LaunchArgs
+from prism_launch.config import Mode, PrismConfig, StartMethod
+from prism_launch.env import Topology, torchrun_env
+from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
+from prism_launch.procs import RankProcesses, RanksTimeoutError, RankSpec, RunResult
+from prism_launch.trace import TraceError, TraceMissingError, TraceReader, TraceWriter
+
+HOOK_DIR = Path(__file__).parent / "_hook"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    mode: Mode
+    trace_dir: Path | None
+    report_dir: Path | None
+    log_dir: Path
+
+
+class Launcher:
+    def __init__(self, cfg: PrismConfig, args: LaunchArgs):
+        self.cfg = cfg
+        self.args = args
+        self.topo = Topology(world_size=cfg.target.world_size, nproc_per_node=cfg.target.nproc_per_node,
+                             nnodes=cfg.target.nnodes)
+        self.module = bool(args.torchrun.module)
+        self.no_python = bool(args.torchrun.no_python)
+        self.fingerprint = fp.fingerprint(program_config=self.program_config(), script=args.script,
+                                          module=self.module, args=args.script_args)
+        self.run_id = args.torchrun.rdzv_id if args.torchrun.rdzv_id not in (None, "none") else uuid.uuid4().hex[:12]
+
+    # -- derived settings -------------------------------------------------------------
+    def program_config(self) -> dict:
+        """The part of the config that changes what the program computes."""
+        return {
+            "target": asdict(self.cfg.target),
+            "device": str(self.cfg.device),
+            "compat": list(self.cfg.compat.modules) if str(self.cfg.device) == "cpu" else [],
+        }
+
+    @property
+    def trace_dir(self) -> Path:
+        if self.cfg.trace.dir:
+            return Path(self.cfg.trace.dir).expanduser().resolve()
+        stem = Path(self.args.script).stem if not self.module else self.args.script.replace(".", "_")
+        return (Path.cwd() / "prism_traces" / f"{stem}-{fp.combined(self.fingerprint)}").resolve()
+
+    @property
+    def report_dir(self) -> Path:
+        return Path(self.cfg.report.dir).resolve() if self.cfg.report.dir else self.trace_dir / "report"
+
+    def log_dir(self, mode: Mode) -> Path:
+        base = self.args.torchrun.log_dir
+        if base:
+            return Path(base).resolve() / f"{self.run_id}-{mode}"
+        return Path(tempfile.mkdtemp(prefix=f"prism-{mode}-"))
+
+    def capture_command(self) -> str:
+        argv = ["prism-launch", f"--nnodes={self.topo.nnodes}", f"--nproc-per-node={self.topo.nproc_per_node}",
+                "mode=capture", f"trace.dir={self.trace_dir}"]
+        if self.cfg.target.world_size != self.topo.nnodes * self.topo.nproc_per_node:
+            argv.append(f"target.world_size={self.cfg.target.world_size}")
+        if self.module:
+            argv.append("-m")
+        return shlex.join([*argv, self.args.script, *self.args.script_args])
+
+    # -- entry --------------------------------------------------------------------------
+    def run(self) -> RunOutcome:
+        mode = self.cfg.mode
+        if mode is Mode.real:
+            log_dir = self._run_ranks(Mode.real, list(range(self.topo.world_size)), {})
+            return RunOutcome(mode, None, None, log_dir)
+        if mode is Mode.capture:
+            log_dir = self.capture()
+            return RunOutcome(mode, self.trace_dir, None, log_dir)
+        if mode is Mode.emulate:
+            log_dir = self.emulate(self.open_trace())
+            return RunOutcome(mode, self.trace_dir, self.report_dir, log_dir)
+        # auto
+        try:
+            reader = self.open_trace()
+        except (TraceMissingError, TraceMismatchError) as e:
+            print(f"prism-launch: {'no trace yet' if isinstance(e, TraceMissingError) else e}; capturing "
+                  f"{self.topo.world_size} logical ranks into {self.trace_dir}", file=sys.stderr)
+            self.capture()
+            reader = self.open_trace()
+        log_dir = self.emulate(reader)
+        return RunOutcome(mode, self.trace_dir, self.report_dir, log_dir)
+
+    # -- trace checks ---------------------------------------------------------------------
+    def open_trace(self) -> TraceReader:
+        reader = TraceReader(self.trace_dir, hint=self.capture_command())
+        recorded = reader.manifest.fingerprint
+        differs = [k for k in ("config", "script", "args", "versions") if recorded.get(k) != self.fingerprint[k]]
+        if differs:
+            extra = reader.manifest.extra
+            details = []
+            if "args" in differs:
+                details.append(f"script args: recorded {extra.get('script_args')} vs now {self.args.script_args}")
+            if "config" in differs:
+                details.append(f"config: recorded {extra.get('program_config')} vs now {self.program_config()}")
+            if "versions" in differs:
+                details.append(f"versions: recorded {reader.manifest.versions} vs now {fp.versions()}")
+            if "script" in differs:
+                details.append(f"script: {self.args.script} changed since the capture")
+            raise TraceMismatchError(
+                f"trace {self.trace_dir} was captured for a different {', '.join(differs)}; "
+                + "; ".join(details)
+                + f". Capture again: {self.capture_command()}"
+            )
+        return reader
+
+    # -- rank processes -------------------------------------------------------------------
+    def _rank_env(self, rank: int, mode: Mode, extra: dict[str, str]) -> dict[str, str]:
+        tr = self.args.torchrun
+        env = torchrun_env(
+            rank, self.topo, master_addr=self._master_addr, master_port=self._master_port,
+            run_id=self.run_id, max_restarts=tr.max_restarts, role=tr.role,
+            omp_threads=os.environ.get("OMP_NUM_THREADS", "1"),
+        )
+        env.update({
+            "PRISM_MODE": str(mode),
+            "PRISM_DEVICE": str(self.cfg.device),
+            "PRISM_COMPAT": ",".join(self.cfg.compat.modules) if str(self.cfg.device) == "cpu" else "",
+            "PRISM_TIMEOUT_S": str(self.cfg.comm.timeout_s),
+        })
+        if self.no_python:
+            env["PRISM_HOOK"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(HOOK_DIR), str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")) if p
+            )
+        env.update(extra)
+        return env
+
+    def _argv(self) -> list[str]:
+        if self.no_python:
+            return [self.args.script, *self.args.script_args]
+        return [sys.executable, "-u", "-m", "prism_launch.bootstrap", *(["-m"] if self.module else []),
+                self.args.script, *self.args.script_args]
+
+    def _warm(self) -> None:
+        import importlib
+
+        import torch
+
+        torch.set_num_threads(1)  # one thread per rank; also keeps forked children out of OpenMP deadlocks
+        for name in self.cfg.capture.warm_imports:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - warming is an optimisation only
+                pass
+
+    def _run_ranks(self, mode: Mode, ranks: list[int], extra_env: dict[str, str], on_tick=None, on_start=None) -> Path:
+        tr = self.args.torchrun
+        self._master_addr = tr.master_addr or "127.0.0.1"
+        self._master_port = _free_port() if mode is Mode.real or not tr.master_port else int(tr.master_port)
+        spawn = self.no_python or self.cfg.launch.start_method is StartMethod.spawn
+        argv = self._argv()
+        specs = [RankSpec(rank=r, env=self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
+                          argv=argv if spawn else None) for r in ranks]
+        log_dir = self.log_dir(mode)
+        redirects = Std.from_str(tr.redirects)
+        tee = Std.from_str(tr.tee)
+        if redirects == Std.NONE and tee == Std.NONE:
+            tee = Std.ALL  # keep per-rank logs for the report while showing output like torchrun
+        target = None
+        if not spawn:
+            self._warm()
+            from prism_launch import bootstrap
+
+            script, args, module = self.args.script, self.args.script_args, self.module
+
+            def target(_spec: RankSpec) -> int:
+                return bootstrap.run(script, args, module=module)
+
+        procs = RankProcesses(specs, start_method="spawn" if spawn else "fork", target=target, log_dir=log_dir,
+                              redirects=redirects, tee=tee, teardown_timeout_s=self.cfg.launch.teardown_timeout_s)
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+        def on_signal(signum, _frame):
+            raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+        for s in previous:
+            signal.signal(s, on_signal)
+        try:
+            procs.start()
+            if on_start is not None:
+                on_start()
+            result = procs.wait(self.cfg.launch.run_timeout_s, on_tick=on_tick, tick_s=0.0 if on_tick else 0.05)
+        except RanksTimeoutError as e:
+            raise RunFailedError(f"run exceeded launch.run_timeout_s={self.cfg.launch.run_timeout_s}: {e}") from None
+        except BaseException:
+            procs.close("launcher interrupted")
+            raise
+        finally:
+            procs.close()
+            for s, h in previous.items():
+                signal.signal(s, h)
+        if not result.ok:
+            raise RunFailedError(self._describe_failure(result, log_dir))
+        return log_dir
+
+    def _describe_failure(self, result: RunResult, log_dir: Path) -> str:
+        first = result.first_failure
+        if first is None:
+            bad = {r: c for r, c in result.exitcodes.items() if c != 0}
+            return f"ranks exited with {bad}; logs in {log_dir}"
+        lines = [f"rank {first.rank} failed ({'signal ' + first.signal if first.signal else f'exitcode {first.exitcode}'}): "
+                 f"{first.message}"]
+        if first.traceback:
+            lines.append("traceback (most recent call last) of rank %d:\n%s" % (first.rank, first.traceback.rstrip()))
+        if first.error_file:
+            lines.append(f"error file: {first.error_file}")
+        others = sorted(r for r in result.failures if r != first.rank)
+        if others:
+            lines.append(f"also failed: ranks {others}")
+        lines.append(f"per-rank logs: {log_dir}")
+        return "\n".join(lines)
+
+    # -- capture --------------------------------------------------------------------------
+    def capture(self) -> Path:
+        from prism_launch.coordinator import CaptureError, Coordinator
+        from prism_launch.report import parse_rank_log
+
+        ws = self.topo.world_size
+        sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
+        authkey = os.urandom(16)
+        coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, self.cfg.comm.timeout_s)
+        env = {"PRISM_COORD": coord.address, "PRISM_AUTHKEY": authkey.hex()}
+        t0 = time.monotonic()
+        try:
+            try:
+                log_dir = self._run_ranks(Mode.capture, list(range(ws)), env,
+                                          on_tick=lambda: coord.pump(0.02), on_start=coord.start)
+            except CaptureError as e:
+                raise RunFailedError(f"capture failed: {e}") from None
+            for _ in range(50):  # drain what ranks sent right before exiting
+                coord.pump(0.01)
+            left = coord.unfinished()
+            if left:
+                raise RunFailedError(f"capture incomplete: {left}")
+        finally:
+            coord.close()
+            for p in sock_dir.iterdir():
+                p.unlink(missing_ok=True)
+            sock_dir.rmdir()
+        wall = time.monotonic() - t0
+        steps = {r: parse_rank_log(log_dir / str(r) / "stdout.log", self.cfg.report) for r in range(ws)}
+        with TraceWriter(self.trace_dir) as writer:
+            writer.add_events(coord.events)
+            for r in range(ws):
+                if coord.tensors[r]:
+                    writer.add_tensors(r, coord.tensors[r])
+            writer.write_json("steps.json", {str(r): s for r, s in steps.items()})
+            writer.commit(
+                fingerprint=self.fingerprint, versions=fp.versions(), world_size=ws,
+                topology=self.topo.to_dict(), groups=coord.groups(), ranks_captured=list(range(ws)),
+                extra={"script": self.args.script, "script_args": self.args.script_args, "module": self.module,
+                       "program_config": self.program_config(), "capture_wall_s": wall,
+                       "ops": coord.ops_completed, "log_dir": str(log_dir)},
+            )
+        nbytes = sum(t.numel() * t.element_size() for d in coord.tensors for t in d.values())
+        print(f"prism-launch: captured {ws} logical ranks, {coord.ops_completed} ops, {len(coord.events)} events, "
+              f"{nbytes / 2**20:.1f} MiB of tensors in {wall:.1f}s -> {self.trace_dir}", file=sys.stderr)
+        return log_dir
+
+    # -- emulate --------------------------------------------------------------------------
+    def emulate(self, reader: TraceReader) -> Path:
+        import torch.distributed as dist
+
+        from prism_launch.report import build_report
+
+        sandbox = list(self.cfg.sandbox.ranks)
+        missing = [r for r in sandbox if r not in reader.manifest.ranks_captured]
+        if missing:
+            raise PrismError(f"sandbox.ranks {missing} are not in the trace {self.trace_dir}; capture them first")
+        report_dir = self.report_dir
+        summaries = report_dir / "sandbox"
+        store = None
+        env = {
+            "PRISM_TRACE_DIR": str(self.trace_dir),
+            "PRISM_SANDBOX": ",".join(map(str, sandbox)),
+            "PRISM_TIMING": str(self.cfg.emulate.timing),
+            "PRISM_TIME_SCALE": str(self.cfg.emulate.time_scale),
+            "PRISM_STRICT": "1" if self.cfg.emulate.strict else "0",
+        }
+        if len(sandbox) > 1:
+            import datetime
+
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=self.cfg.comm.timeout_s))
+            env["PRISM_STORE"] = f"127.0.0.1:{store.port}"
+        for old in summaries.glob("rank*.json") if summaries.exists() else ():
+            old.unlink()
+        t0 = time.monotonic()
+        log_dir = self._run_ranks(Mode.emulate, sandbox,
+                                  lambda r: {**env, "PRISM_SUMMARY": str(summaries / f"rank{r}.json")})
+        wall = time.monotonic() - t0
+        del store
+        build_report(self, reader, sandbox, log_dir, summaries, wall)
+        return log_dir

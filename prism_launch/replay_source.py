@@ -1,0 +1,62 @@
+"""A PrismTrace seen through the :class:`nccl_ext.replay_transport.Recording` interface."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from nccl_ext.replay_transport import RecordedOp
+from prism_launch.trace import TraceReader
+
+
+class TraceRecording:
+    """Indexes a trace's events by (rank, group, seq) for O(1) lookups during replay."""
+
+    def __init__(self, reader: TraceReader):
+        self.reader = reader
+        self._gids = {g["key"]: int(g["id"]) for g in reader.manifest.groups}
+        self._coll: dict[tuple[int, int, int], RecordedOp] = {}
+        self._sent: dict[tuple[int, int, int, int, int], tuple[RecordedOp, str]] = {}
+        self._recv: dict[tuple[int, int, int, int, int], RecordedOp] = {}
+        table = reader.events()
+        cols = {name: table.column(name).to_pylist() for name in
+                ("rank", "unit", "kind", "op", "group", "seq", "peer", "t_start", "t_end", "tensor_key", "extra")}
+        for i in range(table.num_rows):
+            kind = cols["kind"][i]
+            if kind == "marker":
+                continue
+            extra = json.loads(cols["extra"][i]) if cols["extra"][i] else {}
+            rank, gid, seq = cols["rank"][i], cols["group"][i], cols["seq"][i]
+            rec = RecordedOp(
+                op=cols["op"][i], unit=cols["unit"][i], t_start=cols["t_start"][i], t_end=cols["t_end"][i],
+                n_tensors=int(extra.get("n", 1)),
+                shapes=tuple(tuple(s) for s in extra.get("shapes", ())),
+                dtypes=tuple(extra.get("dtypes", ())),
+            )
+            if kind == "collective":
+                self._coll[(rank, gid, seq)] = rec
+            elif cols["op"][i] == "send":
+                self._sent[(gid, rank, cols["peer"][i], extra.get("tag", 0), seq)] = (rec, cols["tensor_key"][i])
+            else:
+                self._recv[(rank, gid, cols["peer"][i], extra.get("tag", 0), seq)] = rec
+
+    def group_id(self, key: str) -> int | None:
+        return self._gids.get(key)
+
+    def collective(self, rank: int, group_id: int, seq: int) -> RecordedOp | None:
+        return self._coll.get((rank, group_id, seq))
+
+    def contribution(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
+        rec = self._coll[(rank, group_id, seq)]
+        return [self.reader.tensor(rank, f"c/{group_id}/{seq}/{i}") for i in range(rec.n_tensors)]
+
+    def sent(self, group_id: int, src: int, dst: int, tag: int, seq: int):
+        hit = self._sent.get((group_id, src, dst, tag, seq))
+        if hit is None:
+            return None
+        rec, key = hit
+        return rec, self.reader.tensor(src, key)
+
+    def received(self, rank: int, group_id: int, src: int, tag: int, seq: int) -> RecordedOp | None:
+        return self._recv.get((rank, group_id, src, tag, seq))

@@ -1,0 +1,115 @@
+"""The emulation report: what the sandbox ranks did, how long their steps took, and
+whether their losses match the capture's, as ``report.json`` plus a terminal table."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prism_launch.config import ReportConfig
+    from prism_launch.launcher import Launcher
+    from prism_launch.trace import TraceReader
+
+
+def parse_rank_log(path: Path, cfg: ReportConfig) -> list[dict]:
+    """Per-step ``{step, loss, line}`` found in a rank's stdout log (empty if none)."""
+    if not path.exists():
+        return []
+    loss_re, step_re = re.compile(cfg.loss_pattern), re.compile(cfg.step_pattern)
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = loss_re.search(line)
+        if not m:
+            continue
+        s = step_re.search(line)
+        try:
+            loss = float(m.group(1))
+        except ValueError:
+            continue
+        out.append({"step": int(s.group(1)) if s else len(out), "loss": loss, "line": line.strip()})
+    return out
+
+
+def _step_times(steps: list[dict]) -> list[float]:
+    times = [s["t"] for s in steps]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], log_dir: Path,
+                 summaries: Path, wall_s: float) -> dict:
+    captured = reader.read_json("steps.json") if "steps.json" in reader.json_files() else {}
+    ranks = {}
+    for r in sandbox:
+        summary_path = summaries / f"rank{r}.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        steps = parse_rank_log(log_dir / str(r) / "stdout.log", launcher.cfg.report)
+        recorded = captured.get(str(r), [])
+        match = None
+        if steps and recorded:
+            match = [s["loss"] for s in steps] == [s["loss"] for s in recorded]
+        ranks[str(r)] = {
+            "sandbox": True,
+            "losses": [s["loss"] for s in steps],
+            "captured_losses": [s["loss"] for s in recorded],
+            "losses_match_capture": match,
+            "step_times_s": _step_times(summary.get("steps", [])),
+            "ops": summary.get("ops"),
+            "p2p": summary.get("p2p"),
+            "physical_exchanges": summary.get("physical_exchanges"),
+            "replay_wait_s": summary.get("waited_s"),
+            "divergences": summary.get("divergences", []),
+        }
+    report = {
+        "world_size": reader.manifest.world_size,
+        "topology": reader.manifest.topology,
+        "sandbox_ranks": sandbox,
+        "virtual_ranks": reader.manifest.world_size - len(sandbox),
+        "groups_in_trace": len(reader.manifest.groups),
+        "trace_dir": str(launcher.trace_dir),
+        "log_dir": str(log_dir),
+        "emulation_wall_s": wall_s,
+        "ranks": ranks,
+    }
+    out = launcher.report_dir
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out / "report.json")
+    print_report(report, out / "report.json")
+    return report
+
+
+def print_report(report: dict, path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stderr, highlight=False)
+    topo = report["topology"]
+    console.print(
+        f"[bold]PrismLLM emulation[/bold]: logical world {report['world_size']} "
+        f"({topo.get('nnodes')} nodes x {topo.get('nproc_per_node')}), sandbox ranks {report['sandbox_ranks']}, "
+        f"{report['virtual_ranks']} virtual ranks replayed, wall {report['emulation_wall_s']:.1f}s"
+    )
+    for rank, r in report["ranks"].items():
+        table = Table(title=f"sandbox rank {rank}", title_justify="left")
+        table.add_column("step", justify="right")
+        table.add_column("loss", justify="right")
+        table.add_column("captured loss", justify="right")
+        table.add_column("step time (s)", justify="right")
+        n = max(len(r["losses"]), len(r["step_times_s"]))
+        for i in range(n):
+            loss = r["losses"][i] if i < len(r["losses"]) else None
+            cap = r["captured_losses"][i] if i < len(r["captured_losses"]) else None
+            st = r["step_times_s"][i] if i < len(r["step_times_s"]) else None
+            table.add_row(str(i), "" if loss is None else repr(loss), "" if cap is None else repr(cap),
+                          "" if st is None else f"{st:.3f}")
+        console.print(table)
+        verdict = {True: "[green]bit-identical to the capture[/green]", False: "[red]DIFFER from the capture[/red]",
+                   None: "no loss lines to compare"}[r["losses_match_capture"]]
+        console.print(f"  losses: {verdict}; ops replayed {r['ops']} (+{r['p2p']} p2p), "
+                      f"divergences {len(r['divergences'])}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
+    console.print(f"report: {path}")
