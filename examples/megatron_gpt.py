@@ -67,7 +67,12 @@ def parse_args(argv=None):
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="default: 4 micro-batches per data-parallel rank",
+    )
     g.add_argument("--train-iters", type=int, default=3)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -245,10 +250,16 @@ def reduce_loss(losses_reduced):
 
 def main(argv=None):
     args = parse_args(argv)
+    # Megatron's tensor-parallel layers want one CUDA work queue so that
+    # communication and compute overlap stays ordered (Megatron-LM scripts
+    # export the same); it must be set before CUDA is initialised.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     initialize_distributed(args)
     set_random_seed(args.seed)
 
     dp_size = parallel_state.get_data_parallel_world_size()
+    if args.global_batch_size is None:
+        args.global_batch_size = 4 * args.micro_batch_size * dp_size
     assert args.global_batch_size % (args.micro_batch_size * dp_size) == 0, (
         f"global batch {args.global_batch_size} not divisible by "
         f"micro batch {args.micro_batch_size} x data parallel {dp_size}"

@@ -7,8 +7,9 @@
   ``device="cuda"``, ``device="cuda:N"``, ``device=torch.device("cuda", N)``
   and integer ``device=N`` keyword arguments of every torch call to CPU, as well
   as the positional device of ``Tensor.to(...)``. ``pin_memory=True`` becomes
-  ``False``. ``Tensor.cuda()``, ``Tensor.pin_memory()`` and
-  ``Tensor.record_stream()`` are no-ops (``Module.cuda()`` therefore too).
+  ``False``. ``Tensor.cuda()`` and ``Tensor.pin_memory()`` return the tensor
+  itself (so ``Module.cuda()`` is a no-op); ``Tensor.record_stream()``
+  accepts the stand-in streams and does nothing.
 * **Type strings.** ``Tensor.type()`` reports CPU tensors as
   ``torch.cuda.<T>Tensor`` (Megatron compares ``param.type()`` with
   ``'torch.cuda.FloatTensor'`` in its optimizers and grad clipping), and
@@ -150,14 +151,9 @@ def _return_self(func, args, kwargs):
     return args[0]
 
 
-def _return_none(func, args, kwargs):
-    return None
-
-
 _SPECIAL = {
     torch.Tensor.cuda: _return_self,
     torch.Tensor.pin_memory: _return_self,
-    torch.Tensor.record_stream: _return_none,
     torch.Tensor.to: _tensor_to,
     torch.Tensor.type: _tensor_type,
 }
@@ -516,11 +512,16 @@ def _distinct(fn, name):
     return clone
 
 
-def _patch(owner, name, value):
-    if isinstance(value, types.FunctionType) and not hasattr(value, "__cpu_compat_wrapped__"):
+def _patch(owner, name, value, distinct=True):
+    if (
+        distinct
+        and isinstance(value, types.FunctionType)
+        and not hasattr(value, "__cpu_compat_wrapped__")
+    ):
         value = _distinct(value, name)
-    had = hasattr(owner, name)
-    original = getattr(owner, name, None)
+    namespace = vars(owner)
+    had = name in namespace
+    original = namespace.get(name)
     if had and original is value:
         return
     _PATCHES.append((owner, name, had, original))
@@ -647,6 +648,20 @@ def _patch_torch_cuda():
         _patch(cuda, name, replacement)
 
 
+def _patch_tensor_methods():
+    # record_stream's argument parser rejects stand-in streams before any
+    # torch-function dispatch, so it is overridden on the class instead.
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        if isinstance(stream, _Stream):
+            return None
+        return original(self, stream)
+
+    record_stream.__cpu_compat_wrapped__ = original
+    _patch(torch.Tensor, "record_stream", record_stream)
+
+
 def _patch_autograd():
     import torch.autograd
     import torch.autograd.graph as graph
@@ -675,7 +690,7 @@ def _rebind_stale_references():
         for attr, value in list(namespace.items()):
             entry = _REPLACED.get(id(value))
             if entry is not None and entry[0] is value:
-                _patch(module, attr, entry[1])
+                _patch(module, attr, entry[1], distinct=False)
 
 
 # --------------------------------------------------------------------------- public API
@@ -694,6 +709,7 @@ def install() -> None:
                 _MODE.__enter__()
             return
         _patch_torch_cuda()
+        _patch_tensor_methods()
         _patch_autograd()
         _rebind_stale_references()
         _MODE = CudaAsCpuMode()

@@ -300,27 +300,23 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _when_all(works: list, then, pending: Pending) -> None:
-    """Run ``then`` once every c10d work finished; fail ``pending`` if one failed."""
+    """Run ``then`` once every c10d work finished; fail ``pending`` if one failed.
+
+    gloo's send/recv works have no future (torch 2.13: "Work::getFuture not
+    implemented"), so a short-lived thread waits on them; each wait is bounded by the
+    gloo group's timeout (``comm.timeout_s``). One thread per op, never a shared queue:
+    an earlier async recv may only complete after a later op of this rank does.
+    """
     if not works:
         then()
         return
-    remaining = [len(works)]
-    lock = threading.Lock()
 
-    def done(fut) -> None:
+    def wait_all() -> None:
         try:
-            fut.value()
-        except BaseException as e:  # noqa: BLE001
+            for w in works:
+                w.wait()
+            then()
+        except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
             pending.fail(RuntimeError(f"{pending.what}: sandbox exchange failed: {e}"))
-            return
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            try:
-                then()
-            except BaseException as e:  # noqa: BLE001
-                pending.fail(e)
 
-    for w in works:
-        w.get_future().add_done_callback(done)
+    threading.Thread(target=wait_all, name="prism-sandbox-exchange", daemon=True).start()

@@ -91,13 +91,46 @@ def parse_nproc(value: str) -> int:
     raise SystemExit(f"prism-launch: error: --nproc-per-node must be a number, auto, cpu or gpu; got {value!r}")
 
 
+def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """Pull ``key=value`` tokens that stand before the script out of ``argv``.
+
+    Options and their values are skipped using the parser's own table, so
+    ``--rdzv-conf a=b`` stays a flag value and torchrun flags may follow overrides.
+    """
+    overrides, rest = [], []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            rest.extend(argv[i:])
+            break
+        if tok.startswith("-") and tok != "-":
+            rest.append(tok)
+            action = parser._option_string_actions.get(tok.split("=", 1)[0])
+            takes_value = action is not None and action.nargs != 0 and "=" not in tok
+            if takes_value and i + 1 < len(argv):
+                rest.append(argv[i + 1])
+                i += 1
+            i += 1
+            continue
+        if _OVERRIDE.match(tok) and not os.path.exists(tok):
+            overrides.append(tok)
+            i += 1
+            continue
+        rest.extend(argv[i:])  # the script and its own arguments
+        break
+    return overrides, rest
+
+
 def parse(argv: list[str]) -> LaunchArgs:
     parser = build_parser()
+    overrides, argv = _split_overrides(parser, argv)
+    if not any(not t.startswith("-") for t in argv) and any(t in ("--cfg", "--print-config") for t in argv):
+        argv = [*argv, "-"]  # --cfg needs no script
     ns = parser.parse_args(argv)
     rest = [ns.training_script, *ns.training_script_args]
-    overrides: list[str] = []
-    while rest and _OVERRIDE.match(rest[0]) and not os.path.exists(rest[0]):
-        overrides.append(rest.pop(0))
+    if rest == ["-"]:
+        rest = []
     if not rest and not ns.print_config:
         parser.error("the training script is missing: prism-launch [flags] [key=value ...] SCRIPT [ARGS]")
     if ns.module and ns.no_python:

@@ -160,6 +160,16 @@ class Launcher:
         env.update(extra)
         return env
 
+    def _torchrun_master_addr(self) -> str:
+        """MASTER_ADDR as torchrun's static rendezvous reports it (torch 2.13): the host of
+        --rdzv-endpoint, else --master-addr when --master-port was given, else localhost."""
+        tr = self.args.torchrun
+        if tr.rdzv_endpoint:
+            return tr.rdzv_endpoint.rsplit(":", 1)[0] or "localhost"
+        if tr.master_port:
+            return tr.master_addr or "127.0.0.1"
+        return "localhost"
+
     def _argv(self) -> list[str]:
         if self.no_python:
             return [self.args.script, *self.args.script_args]
@@ -180,7 +190,7 @@ class Launcher:
 
     def _run_ranks(self, mode: Mode, ranks: list[int], extra_env: dict[str, str], on_tick=None, on_start=None) -> Path:
         tr = self.args.torchrun
-        self._master_addr = tr.master_addr or "127.0.0.1"
+        self._master_addr = self._torchrun_master_addr()
         self._master_port = _free_port() if mode is Mode.real or not tr.master_port else int(tr.master_port)
         spawn = self.no_python or self.cfg.launch.start_method is StartMethod.spawn
         argv = self._argv()
