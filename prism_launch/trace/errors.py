@@ -82,7 +82,7 @@ class TraceCorruptError(TraceError):
             if actual is None:
                 reason = "file is missing"
             else:
-                reason = "sha256 mismatch"
+                reason = "checksum (sha256) mismatch"
         detail = f"{reason}"
         if expected is not None or actual is not None:
             detail += f"; expected {expected}, got {actual}"

@@ -1,0 +1,19 @@
+"""All-reduces a few times; HANG_RANK skips one and sleeps (a peer that never arrives).
+SCALE multiplies the data (a live input that diverges from a capture)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+scale = float(os.environ.get("SCALE", "1"))
+for step in range(3):
+    t = torch.full((4,), float(rank + step)) * scale
+    if os.environ.get("HANG_RANK") == str(rank) and step == 1:
+        time.sleep(120)
+    dist.all_reduce(t)
+    print(f"rank {rank} step {step} | loss {t.sum().item()!r}", flush=True)
+dist.destroy_process_group()
