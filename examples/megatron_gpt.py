@@ -16,6 +16,11 @@ After every iteration the ranks on the last pipeline stage with tensor
 parallel rank 0 print::
 
     step N | loss <repr(float)> | grad_norm <repr(float)> | step_time_ms <ms>
+
+With ``--log-all-ranks`` every rank also prints its grad norm and a checksum of
+its parameter shard::
+
+    rank R iter N | grad_norm <repr(float)> | param_checksum <repr(float)>
 """
 
 import argparse
@@ -80,6 +85,8 @@ def parse_args(argv=None):
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-all-ranks", action="store_true",
+                   help="every rank also prints its grad norm and a parameter checksum each step")
     return p.parse_args(argv)
 
 
@@ -162,8 +169,7 @@ def build_model(args, config):
         share_embeddings_and_output_weights=True,
         position_embedding_type="learned_absolute",
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False,
         overlap_grad_reduce=False,
@@ -190,7 +196,7 @@ def data_iterator(args, num_microbatches, iteration):
     dp_rank = parallel_state.get_data_parallel_rank()
     per_dp = args.micro_batch_size * num_microbatches
     base = iteration * args.global_batch_size + dp_rank * per_dp
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = torch.cuda.current_device()
     position_ids = torch.arange(args.seq_length).unsqueeze(0).expand(args.micro_batch_size, -1)
     causal = torch.tril(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool))
     attention_mask = (~causal).view(1, 1, args.seq_length, args.seq_length)
@@ -294,8 +300,7 @@ def main(argv=None):
     forward_backward = get_forward_backward_func()
 
     for iteration in range(args.train_iters):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         start = time.perf_counter()
 
         model.zero_grad_buffer()
@@ -309,15 +314,19 @@ def main(argv=None):
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        update_successful, grad_norm, _ = optimizer.step()
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _, grad_norm, _ = optimizer.step()
+        torch.cuda.synchronize()
         step_time_ms = (time.perf_counter() - start) * 1000.0
 
+        step = iteration + 1
+        if args.log_all_ranks:
+            with torch.no_grad():
+                checksum = sum(float(p.double().sum()) for p in model.parameters())
+            sys.stdout.write(f"rank {dist.get_rank()} iter {step} | grad_norm {grad_norm!r} "
+                             f"| param_checksum {checksum!r}\n")
+            sys.stdout.flush()
         if parallel_state.is_pipeline_last_stage():
             loss = reduce_loss(losses_reduced)
-            step = iteration + 1
             if is_logging_rank and (step % args.log_interval == 0 or step == args.train_iters):
                 # One write per line so lines from concurrent ranks never interleave.
                 sys.stdout.write(
