@@ -109,6 +109,7 @@ class ReplayTransport:
         self._gids: dict[str, int] = {}
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
+        self._unit_start: float | None = None
 
     # -- helpers ------------------------------------------------------------------------------
     def _gid(self, group: GroupInfo) -> int:
@@ -193,6 +194,7 @@ class ReplayTransport:
             if me in needed:
                 self._check(call.api, group, seq, gid, live, own)
         self.stats.ops += 1
+        self._note_unit_start()
         pending = Pending(what, self.timeout_s)
         delay = self._delay(own, others)
 
@@ -243,6 +245,7 @@ class ReplayTransport:
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
         gid = self._gid(group)
         self.stats.p2p += 1
+        self._note_unit_start()
         if dst in self.sandbox:
             work = self.physical.send([tensor.detach().contiguous().cpu()], self._phys_rank(dst), _tag(gid, self.rank, dst, tag, seq, 7))
             pending = Pending(f"rank {self.rank}: send to rank {dst} tag {tag} seq {seq}", self.timeout_s)
@@ -274,9 +277,15 @@ class ReplayTransport:
         self._finish_after(pending, [tensor], delay)
         return pending
 
+    def _note_unit_start(self) -> None:
+        if self._unit_start is None:
+            self._unit_start = time.monotonic() - self._t0
+
     def marker(self, name: str) -> None:
         if name == "step":
-            self.stats.steps.append({"unit": self.unit, "t": time.monotonic() - self._t0})
+            now = time.monotonic() - self._t0
+            start = self.stats.steps[-1]["t"] if self.stats.steps else (self._unit_start or 0.0)
+            self.stats.steps.append({"unit": self.unit, "t": now, "duration_s": now - start})
             self.unit += 1
 
     def close(self) -> None:

@@ -35,8 +35,8 @@ def parse_rank_log(path: Path, cfg: ReportConfig) -> list[dict]:
 
 
 def _step_times(steps: list[dict]) -> list[float]:
-    times = [s["t"] for s in steps]
-    return [b - a for a, b in zip(times, times[1:])]
+    """Seconds per scheduling unit (the first one counts from the rank's first op)."""
+    return [s["duration_s"] for s in steps]
 
 
 def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], log_dir: Path,
@@ -53,6 +53,7 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
             match = [s["loss"] for s in steps] == [s["loss"] for s in recorded]
         ranks[str(r)] = {
             "sandbox": True,
+            "steps": [s["step"] for s in steps],
             "losses": [s["loss"] for s in steps],
             "captured_losses": [s["loss"] for s in recorded],
             "losses_match_capture": match,
@@ -101,11 +102,12 @@ def print_report(report: dict, path: Path) -> None:
         table.add_column("captured loss", justify="right")
         table.add_column("step time (s)", justify="right")
         n = max(len(r["losses"]), len(r["step_times_s"]))
+        steps = r.get("steps") or list(range(1, n + 1))
         for i in range(n):
             loss = r["losses"][i] if i < len(r["losses"]) else None
             cap = r["captured_losses"][i] if i < len(r["captured_losses"]) else None
             st = r["step_times_s"][i] if i < len(r["step_times_s"]) else None
-            table.add_row(str(i), "" if loss is None else repr(loss), "" if cap is None else repr(cap),
+            table.add_row(str(steps[i]) if i < len(steps) else str(i + 1), "" if loss is None else repr(loss), "" if cap is None else repr(cap),
                           "" if st is None else f"{st:.3f}")
         console.print(table)
         verdict = {True: "[green]bit-identical to the capture[/green]", False: "[red]DIFFER from the capture[/red]",
