@@ -23,11 +23,13 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from nccl_ext import wire
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
@@ -49,6 +51,17 @@ class RecordedOp:
     n_tensors: int
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
+    idx: int = -1
+    """The rank's event index: the tag of the assistant's message for this op."""
+    kind: str = ""
+    """Semantic collective kind (``nccl_ext.ops.Collective``), "send" or "recv"."""
+    root: int | None = None
+    digests: tuple[str, ...] = ()
+    """blake2b of each contribution tensor's bytes (divergence checks without reading tensors)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(s) * _dtype(d).itemsize for s, d in zip(self.shapes, self.dtypes))
 
 
 class Recording(Protocol):
@@ -60,9 +73,17 @@ class Recording(Protocol):
 
     def contribution(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]: ...
 
-    def sent(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> tuple[RecordedOp, torch.Tensor] | None: ...
+    def sent(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> tuple[RecordedOp, Callable[[], torch.Tensor]] | None:
+        """The recorded send and a loader of its payload."""
+        ...
 
     def received(self, rank: int, group_id: int, src: int, tag: int, seq: int) -> RecordedOp | None: ...
+
+    def group_ranks(self, group_id: int) -> tuple[int, ...]: ...
+
+    def ops_of(self, rank: int) -> list[tuple[RecordedOp, int, int, int, int]]:
+        """The rank's communication ops in issue order: (op, group_id, seq, peer, tag)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -88,6 +109,8 @@ class ReplayTransport:
         recording: Recording,
         timeout_s: float,
         physical: dist.ProcessGroup | None,
+        assistant: int | None = None,
+        on_close: Callable[[], None] | None = None,
         timing: str = "recorded",
         time_scale: float = 1.0,
         strict: bool = False,
@@ -98,7 +121,10 @@ class ReplayTransport:
         self.recording = recording
         self.timeout_s = timeout_s
         self.physical = physical
-        """gloo group over the sandbox processes, in ``sandbox`` order (None with one sandbox)."""
+        """gloo group over the sandbox processes in ``sandbox`` order (+ the assistant last), or None."""
+        self.assistant = assistant
+        """Physical rank of the assistant process serving virtual contributions; None: read them here."""
+        self._on_close = on_close
         self.timing = timing
         self.time_scale = time_scale
         self.strict = strict
@@ -175,6 +201,7 @@ class ReplayTransport:
         contributions: list[list[torch.Tensor] | None] = [None] * n
         others: list[RecordedOp] = []
         live_peers: list[int] = []
+        served: list[tuple[int, RecordedOp]] = []
         me = group.group_rank(self.rank)
         for m, r in enumerate(group.ranks):
             if r == self.rank:
@@ -187,7 +214,10 @@ class ReplayTransport:
                 raise DivergenceError(f"{what}: no recorded op of virtual member rank {r}")
             others.append(rec)
             if m in needed:
-                contributions[m] = self.recording.contribution(r, gid, seq)
+                if self.assistant is None:
+                    contributions[m] = self.recording.contribution(r, gid, seq)
+                else:
+                    served.append((m, rec))
         if call.tensors is not None:
             live = [t.detach() for t in call.tensors]
             contributions[me] = live
@@ -202,13 +232,27 @@ class ReplayTransport:
             result = compute(call.kind, contributions, reduce=call.reduce, root=call.root)[me]
             self._finish_after(pending, result, delay)
 
-        if not live_peers:
-            finish()
-            return pending
-        self._exchange(group, gid, seq, call, me, needed, live_peers, contributions, pending, finish)
+        works: list = []
+        if served:
+            buf = torch.empty(sum(rec.nbytes for _, rec in served), dtype=torch.uint8)
+            works.append(self.physical.recv([buf], self.assistant, own.idx))
+            inner = finish
+
+            def finish() -> None:
+                _unpack(buf, served, contributions)
+                inner()
+
+        if live_peers:
+            works += self._exchange(group, gid, seq, call, me, needed, live_peers, contributions)
+        _when_all(works, finish, pending)
         return pending
 
     def _check(self, api, group, seq, gid, live, own: RecordedOp) -> None:
+        shapes = [tuple(t.shape) for t in live]
+        dtypes = [wire.dtype_name(t.dtype) for t in live]
+        if own.digests and shapes == [tuple(x) for x in own.shapes] and dtypes == list(own.dtypes):
+            if [wire.digest(t) for t in live] == list(own.digests):
+                return
         recorded = self.recording.contribution(self.rank, gid, seq)
         if len(recorded) != len(live) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(live, recorded)):
             raise DivergenceError(
@@ -221,7 +265,7 @@ class ReplayTransport:
             diff = max(float((live[i].cpu().double() - recorded[i].double()).abs().max()) for i in bad)
             self._diverged(api, group, seq, f"live contribution differs from the recorded one (max |diff| {diff:.3g})")
 
-    def _exchange(self, group, gid, seq, call, me, needed, live_peers, contributions, pending, finish) -> None:
+    def _exchange(self, group, gid, seq, call, me, needed, live_peers, contributions) -> list:
         """Swap live contributions with the other sandbox members of ``group`` over gloo."""
         works = []
         self.stats.physical_exchanges += 1
@@ -240,7 +284,7 @@ class ReplayTransport:
             src = self._phys_rank(group.ranks[m])
             for i, b in enumerate(bufs):
                 works.append(self.physical.recv([b], src, _tag(gid, seq, m, i)))
-        _when_all(works, finish, pending)
+        return works
 
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
         gid = self._gid(group)
@@ -254,7 +298,7 @@ class ReplayTransport:
         rec = self.recording.sent(gid, self.rank, dst, tag, seq)
         if rec is None:
             raise DivergenceError(f"rank {self.rank}: send #{seq} to rank {dst} (tag {tag}) is not in the trace")
-        if not torch.equal(tensor.detach().cpu(), rec[1]):
+        if rec[0].digests != (wire.digest(tensor),):
             self._diverged("send", group, seq, f"payload to rank {dst} differs from the recorded one")
         return Pending.done("send")
 
@@ -274,7 +318,13 @@ class ReplayTransport:
             raise DivergenceError(f"{what}: not in the trace; capture again")
         rec_send, tensor = sent
         delay = 0.0 if self.timing == "none" else max(0.0, rec_send.t_start - own.t_start) * self.time_scale
-        self._finish_after(pending, [tensor], delay)
+        if self.assistant is None:
+            self._finish_after(pending, [tensor()], delay)
+            return pending
+        buf = torch.empty(rec_send.nbytes, dtype=torch.uint8)
+        work = self.physical.recv([buf], self.assistant, own.idx)
+        out: list = [None]
+        _when_all([work], lambda: self._finish_after(pending, _unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending
 
     def _note_unit_start(self) -> None:
@@ -289,6 +339,9 @@ class ReplayTransport:
             self.unit += 1
 
     def close(self) -> None:
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
         if self.summary_path is None:
             return
         self.summary_path.parent.mkdir(parents=True, exist_ok=True)
@@ -303,9 +356,28 @@ class ReplayTransport:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from nccl_ext.wire import dtype_from_name
+    return wire.dtype_from_name(name)
 
-    return dtype_from_name(name)
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _unpack(buf: torch.Tensor, served: list[tuple[int, RecordedOp]], into: list) -> list:
+    """Split an assistant message into the served members' contribution tensors."""
+    offset = 0
+    for m, rec in served:
+        tensors = []
+        for shape, dtype in zip(rec.shapes, rec.dtypes):
+            nbytes = _numel(shape) * _dtype(dtype).itemsize
+            piece = buf[offset : offset + nbytes]
+            offset += nbytes
+            tensors.append(wire.tensor_from_bytes(wire.TensorDesc(dtype, tuple(shape)), piece.numpy().tobytes()))
+        into[m] = tensors
+    return into
 
 
 def _when_all(works: list, then, pending: Pending) -> None:

@@ -48,6 +48,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def digest(t: torch.Tensor) -> str:
+    """Content hash of a tensor's bytes (dtype and shape are compared separately)."""
+    import hashlib
+
+    return hashlib.blake2b(tensor_bytes(t), digest_size=16).hexdigest()
+
+
 def tensor_from_bytes(desc: TensorDesc, data: bytes) -> torch.Tensor:
     dtype = dtype_from_name(desc.dtype)
     if len(data) == 0:

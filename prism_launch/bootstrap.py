@@ -51,11 +51,21 @@ def _capture_transport(ctx: RankContext):
     return make
 
 
-def _replay_transport(ctx: RankContext):
+def physical_group(rank: int, size: int, timeout_s: float):
+    """The gloo group of the emulation's physical processes (sandbox ranks, then the assistant)."""
+    if size < 2:
+        return None, None
     import datetime
 
     import torch.distributed as dist
 
+    host, port = os.environ["PRISM_STORE"].rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore("prism/physical", store), rank, size, timeout), store
+
+
+def _replay_transport(ctx: RankContext):
     from nccl_ext.replay_transport import ReplayTransport
     from prism_launch.replay_source import TraceRecording
     from prism_launch.trace import TraceReader
@@ -63,18 +73,18 @@ def _replay_transport(ctx: RankContext):
     def make(rank: int, world_size: int, timeout_s: float):
         env = os.environ
         sandbox = tuple(int(r) for r in env["PRISM_SANDBOX"].split(","))
-        physical = None
-        if len(sandbox) > 1:
-            host, port = env["PRISM_STORE"].rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-            physical = dist.ProcessGroupGloo(
-                dist.PrefixStore("prism/sandbox", store), sandbox.index(rank), len(sandbox),
-                datetime.timedelta(seconds=timeout_s),
-            )
+        assistant = env.get("PRISM_ASSISTANT") == "1"
+        physical, store = physical_group(sandbox.index(rank), len(sandbox) + assistant, timeout_s)
+
+        def on_close() -> None:
+            if assistant:
+                from nccl_ext.assistant import done_key
+
+                store.set(done_key(rank), "1")
         reader = TraceReader(env["PRISM_TRACE_DIR"], verify=False)  # verified once by the launcher
         return ReplayTransport(
             rank=rank, sandbox=sandbox, recording=TraceRecording(reader), timeout_s=timeout_s,
-            physical=physical, timing=env.get("PRISM_TIMING", "recorded"),
+            physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "recorded"),
             time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
             summary_path=Path(env["PRISM_SUMMARY"]) if env.get("PRISM_SUMMARY") else None,
         )

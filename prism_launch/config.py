@@ -40,6 +40,13 @@ class Timing(StrEnum):
     """Virtual members are always already there (fastest; results are unchanged)."""
 
 
+class VirtualHost(StrEnum):
+    assistant = "assistant"
+    """A separate assistant process streams the virtual ranks' recorded data to the sandbox."""
+    inprocess = "inprocess"
+    """Each sandbox process reads the virtual ranks' recorded data from the trace itself."""
+
+
 class StartMethod(StrEnum):
     fork = "fork"
     """Ranks forked from the warmed launcher (fast, light: shared pages)."""
@@ -85,6 +92,10 @@ class EmulateConfig:
     """Multiplier on recorded waits (e.g. 0 to disable, 0.5 to halve)."""
     strict: bool = False
     """Divergence of a live contribution from the recorded one is an error instead of a warning."""
+    virtual_host: VirtualHost = VirtualHost.assistant
+    """Who serves the virtual ranks' recorded contributions."""
+    window: int = 32
+    """Ops per sandbox rank the assistant may stream ahead (bounded memory)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -200,6 +211,8 @@ def validate(cfg: PrismConfig) -> None:
         raise ConfigError(f"sandbox.ranks has duplicates: {cfg.sandbox.ranks}")
     if cfg.comm.timeout_s <= 0:
         raise ConfigError(f"comm.timeout_s must be > 0 (got {cfg.comm.timeout_s})")
+    if cfg.emulate.window < 1:
+        raise ConfigError(f"emulate.window must be >= 1 (got {cfg.emulate.window})")
     if cfg.emulate.time_scale < 0:
         raise ConfigError(f"emulate.time_scale must be >= 0 (got {cfg.emulate.time_scale})")
     if cfg.device is Device.cuda:

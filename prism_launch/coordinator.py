@@ -198,7 +198,8 @@ class Coordinator:
         extra = {"kind": str(kind), "reduce": None if reduce is None else str(reduce), "root": root,
                  "n": len(contribution) if contribution is not None else 0,
                  "shapes": [list(t.shape) for t in contribution or ()],
-                 "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()]}
+                 "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()],
+                 "digests": [wire.digest(t) for t in contribution or ()]}
         row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
                         f"{tkey}/0" if contribution else None, extra)
         if contribution is not None:
@@ -225,7 +226,9 @@ class Coordinator:
         group = self._group(key)
         tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
         self.tensors[src][tkey] = tensor
-        self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, {"tag": tag})
+        self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey,
+                  {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
+                   "dtypes": [wire.dtype_name(tensor.dtype)], "digests": [wire.digest(tensor)]})
         chan = (key, src, dst, tag)
         waiting = self._recvs.get(chan)
         if waiting:
@@ -237,7 +240,8 @@ class Coordinator:
         _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
         dst = self._rank_of[conn]
         group = self._group(key)
-        row = self._row(dst, unit, "p2p", "recv", group, seq, src, None, t, t, wall, cpu, None, {"tag": tag})
+        row = self._row(dst, unit, "p2p", "recv", group, seq, src, None, t, t, wall, cpu, None,
+                        {"tag": tag, "kind": "recv"})
         waiter = (op_id, conn, row, seq, dst, time.monotonic())
         chan = (key, src, dst, tag)
         queued = self._sends.get(chan)

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import Std
 
 from prism_launch import fingerprint as fp
 from prism_launch.args import LaunchArgs
-from prism_launch.config import Mode, PrismConfig, StartMethod
+from prism_launch.config import Mode, PrismConfig, StartMethod, VirtualHost
 from prism_launch.env import Topology, torchrun_env
 from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
 from prism_launch.procs import RankProcesses, RanksTimeoutError, RankSpec, RunResult
@@ -188,7 +188,8 @@ class Launcher:
             except Exception:  # noqa: BLE001 - warming is an optimisation only
                 pass
 
-    def _run_ranks(self, mode: Mode, ranks: list[int], extra_env: dict[str, str], on_tick=None, on_start=None) -> Path:
+    def _run_ranks(self, mode: Mode, ranks: list[int], extra_env: dict[str, str], on_tick=None, on_start=None,
+                   extra_specs: list[RankSpec] = ()) -> Path:
         tr = self.args.torchrun
         self._master_addr = self._torchrun_master_addr()
         self._master_port = _free_port() if mode is Mode.real or not tr.master_port else int(tr.master_port)
@@ -196,6 +197,7 @@ class Launcher:
         argv = self._argv()
         specs = [RankSpec(rank=r, env=self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
                           argv=argv if spawn else None) for r in ranks]
+        specs += [RankSpec(rank=x.rank, env=x.env, argv=x.argv if spawn else None) for x in extra_specs]
         log_dir = self.log_dir(mode)
         redirects = Std.from_str(tr.redirects)
         tee = Std.from_str(tr.tee)
@@ -208,7 +210,11 @@ class Launcher:
 
             script, args, module = self.args.script, self.args.script_args, self.module
 
-            def target(_spec: RankSpec) -> int:
+            def target(spec: RankSpec) -> int:
+                if spec.env.get("PRISM_ROLE") == "assistant":
+                    from prism_launch import assistant_main
+
+                    return assistant_main.main()
                 return bootstrap.run(script, args, module=module)
 
         procs = RankProcesses(specs, start_method="spawn" if spawn else "fork", target=target, log_dir=log_dir,
@@ -322,17 +328,30 @@ class Launcher:
             "PRISM_TIME_SCALE": str(self.cfg.emulate.time_scale),
             "PRISM_STRICT": "1" if self.cfg.emulate.strict else "0",
         }
-        if len(sandbox) > 1:
+        assistant = self.cfg.emulate.virtual_host is VirtualHost.assistant
+        if len(sandbox) + assistant > 1:
             import datetime
 
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=self.cfg.comm.timeout_s))
             env["PRISM_STORE"] = f"127.0.0.1:{store.port}"
-        for old in summaries.glob("rank*.json") if summaries.exists() else ():
+        extra_specs = []
+        if assistant:
+            env["PRISM_ASSISTANT"] = "1"
+            env["PRISM_WINDOW"] = str(self.cfg.emulate.window)
+            # The assistant is a physical process, not a logical rank; its logs go under <log-dir>/<world_size>.
+            extra_specs.append(RankSpec(
+                rank=self.topo.world_size,
+                env={**env, "PRISM_ROLE": "assistant", "PRISM_TIMEOUT_S": str(self.cfg.comm.timeout_s),
+                     "PRISM_SUMMARY": str(summaries / "assistant.json"), "OMP_NUM_THREADS": "1"},
+                argv=[sys.executable, "-u", "-m", "prism_launch.assistant_main"],
+            ))
+        for old in summaries.glob("*.json") if summaries.exists() else ():
             old.unlink()
         t0 = time.monotonic()
         log_dir = self._run_ranks(Mode.emulate, sandbox,
-                                  lambda r: {**env, "PRISM_SUMMARY": str(summaries / f"rank{r}.json")})
+                                  lambda r: {**env, "PRISM_SUMMARY": str(summaries / f"rank{r}.json")},
+                                  extra_specs=extra_specs)
         wall = time.monotonic() - t0
         del store
         build_report(self, reader, sandbox, log_dir, summaries, wall)

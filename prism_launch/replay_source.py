@@ -16,33 +16,48 @@ class TraceRecording:
     def __init__(self, reader: TraceReader):
         self.reader = reader
         self._gids = {g["key"]: int(g["id"]) for g in reader.manifest.groups}
+        self._ranks = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
         self._coll: dict[tuple[int, int, int], RecordedOp] = {}
         self._sent: dict[tuple[int, int, int, int, int], tuple[RecordedOp, str]] = {}
         self._recv: dict[tuple[int, int, int, int, int], RecordedOp] = {}
+        self._ops: dict[int, list[tuple[RecordedOp, int, int, int, int]]] = {}
         table = reader.events()
         cols = {name: table.column(name).to_pylist() for name in
-                ("rank", "unit", "kind", "op", "group", "seq", "peer", "t_start", "t_end", "tensor_key", "extra")}
+                ("rank", "idx", "unit", "kind", "op", "group", "seq", "peer", "t_start", "t_end", "tensor_key",
+                 "extra")}
         for i in range(table.num_rows):
             kind = cols["kind"][i]
             if kind == "marker":
                 continue
             extra = json.loads(cols["extra"][i]) if cols["extra"][i] else {}
-            rank, gid, seq = cols["rank"][i], cols["group"][i], cols["seq"][i]
+            rank, gid, seq, peer = cols["rank"][i], cols["group"][i], cols["seq"][i], cols["peer"][i]
+            tag = int(extra.get("tag", 0))
             rec = RecordedOp(
                 op=cols["op"][i], unit=cols["unit"][i], t_start=cols["t_start"][i], t_end=cols["t_end"][i],
                 n_tensors=int(extra.get("n", 1)),
                 shapes=tuple(tuple(s) for s in extra.get("shapes", ())),
                 dtypes=tuple(extra.get("dtypes", ())),
+                idx=cols["idx"][i], kind=extra.get("kind", ""), root=extra.get("root"),
+                digests=tuple(extra.get("digests", ())),
             )
+            self._ops.setdefault(rank, []).append((rec, gid, seq, peer, tag))
             if kind == "collective":
                 self._coll[(rank, gid, seq)] = rec
             elif cols["op"][i] == "send":
-                self._sent[(gid, rank, cols["peer"][i], extra.get("tag", 0), seq)] = (rec, cols["tensor_key"][i])
+                self._sent[(gid, rank, peer, tag, seq)] = (rec, cols["tensor_key"][i])
             else:
-                self._recv[(rank, gid, cols["peer"][i], extra.get("tag", 0), seq)] = rec
+                self._recv[(rank, gid, peer, tag, seq)] = rec
+        for ops in self._ops.values():
+            ops.sort(key=lambda o: o[0].idx)
 
     def group_id(self, key: str) -> int | None:
         return self._gids.get(key)
+
+    def group_ranks(self, group_id: int) -> tuple[int, ...]:
+        return self._ranks[group_id]
+
+    def ops_of(self, rank: int):
+        return self._ops.get(rank, [])
 
     def collective(self, rank: int, group_id: int, seq: int) -> RecordedOp | None:
         return self._coll.get((rank, group_id, seq))
@@ -56,7 +71,7 @@ class TraceRecording:
         if hit is None:
             return None
         rec, key = hit
-        return rec, self.reader.tensor(src, key)
+        return rec, (lambda: self.reader.tensor(src, key))
 
     def received(self, rank: int, group_id: int, src: int, tag: int, seq: int) -> RecordedOp | None:
         return self._recv.get((rank, group_id, src, tag, seq))

@@ -73,6 +73,9 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
         "trace_dir": str(launcher.trace_dir),
         "log_dir": str(log_dir),
         "emulation_wall_s": wall_s,
+        "virtual_host": str(launcher.cfg.emulate.virtual_host),
+        "assistant": json.loads((summaries / "assistant.json").read_text())
+        if (summaries / "assistant.json").exists() else None,
         "ranks": ranks,
     }
     out = launcher.report_dir
@@ -114,4 +117,8 @@ def print_report(report: dict, path: Path) -> None:
                    None: "no loss lines to compare"}[r["losses_match_capture"]]
         console.print(f"  losses: {verdict}; ops replayed {r['ops']} (+{r['p2p']} p2p), "
                       f"divergences {len(r['divergences'])}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
+    if report.get("assistant"):
+        streams = report["assistant"]["streams"].values()
+        console.print(f"  assistant streamed {sum(s['messages'] for s in streams)} messages, "
+                      f"{sum(s['bytes'] for s in streams) / 2**20:.1f} MiB of recorded virtual-rank data")
     console.print(f"report: {path}")

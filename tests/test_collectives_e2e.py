@@ -51,9 +51,11 @@ def test_capture_matches_real_run(captured, tmp_path):
                     assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), (name, x, y)
 
 
-@pytest.mark.parametrize("sandbox", [[2], [0, 3], [1, 2]])
-def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox):
+@pytest.mark.parametrize(("sandbox", "host"), [([2], "assistant"), ([0, 3], "assistant"), ([1, 2], "assistant"),
+                                             ([2], "inprocess"), ([0, 3], "inprocess")])
+def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox, host):
     r = run_prism([*COMMON, "--log-dir", tmp_path / "logs", "mode=emulate", f"trace.dir={captured / 'trace'}",
+                   f"emulate.virtual_host={host}",
                    f"sandbox.ranks={json.dumps(sandbox)}", f"report.dir={tmp_path / 'report'}", SCRIPT], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for rank in sandbox:
@@ -69,9 +71,13 @@ def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox):
         assert entry["ops"] >= 40
         # object collectives pad with uninitialised bytes; nothing else may diverge
         assert all(d["op"] == "allgather" for d in entry["divergences"])
-    # only the sandbox ranks ran
+    # only the sandbox ranks ran (plus the assistant, logged under the world size)
     [run_dir] = list((tmp_path / "logs").iterdir())
-    assert sorted(int(p.name) for p in run_dir.iterdir()) == sorted(sandbox)
+    assistant = [NPROC] if host == "assistant" else []
+    assert sorted(int(p.name) for p in run_dir.iterdir()) == sorted(sandbox) + assistant
+    if host == "assistant":
+        streams = report["assistant"]["streams"]
+        assert sorted(map(int, streams)) == sorted(sandbox) and all(s["messages"] > 10 for s in streams.values())
 
 
 def test_virtual_peer_answers_object_collectives_and_backend(captured, tmp_path):

@@ -125,3 +125,13 @@ def test_megatron_world_not_divisible_surfaces_megatron_message(tmp):
     assert "failed" in r.stderr and "rank " in r.stderr
     assert "divisible" in r.stderr.lower()
     assert not (tmp / "tr").exists()
+
+
+def test_sandbox_that_ends_early_is_reported_by_the_assistant(trace, tmp):
+    start = time.monotonic()
+    r = run_prism([*BASE, "mode=emulate", f"trace.dir={trace}", "sandbox.ranks=[1]", "emulate.timing=none",
+                   f"report.dir={tmp / 'rep'}", HANG], cwd=tmp, env={"STEPS": "1"}, timeout=120)
+    assert r.returncode == 1
+    assert "sandbox rank 1 ended without taking the recorded data for op" in r.stderr
+    assert "diverged from the trace" in r.stderr
+    assert time.monotonic() - start < 60

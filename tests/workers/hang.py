@@ -1,5 +1,5 @@
 """All-reduces a few times; HANG_RANK skips one and sleeps (a peer that never arrives).
-SCALE multiplies the data (a live input that diverges from a capture)."""
+SCALE multiplies the data (a live input that diverges from a capture); STEPS cuts the run short."""
 
 import os
 import time
@@ -10,7 +10,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 scale = float(os.environ.get("SCALE", "1"))
-for step in range(3):
+for step in range(int(os.environ.get("STEPS", "3"))):
     t = torch.full((4,), float(rank + step)) * scale
     if os.environ.get("HANG_RANK") == str(rank) and step == 1:
         time.sleep(120)

@@ -1,0 +1,42 @@
+"""Entry point of the assistant process of an emulation run (``PRISM_ROLE=assistant``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    from nccl_ext.assistant import serve
+    from prism_launch.bootstrap import physical_group
+    from prism_launch.replay_source import TraceRecording
+    from prism_launch.trace import TraceReader
+
+    env = os.environ
+    sandbox = tuple(int(r) for r in env["PRISM_SANDBOX"].split(","))
+    timeout_s = float(env.get("PRISM_TIMEOUT_S", "300"))
+    recording = TraceRecording(TraceReader(env["PRISM_TRACE_DIR"], verify=False))
+    physical, store = physical_group(len(sandbox), len(sandbox) + 1, timeout_s)
+    t0 = time.monotonic()
+    stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")))
+    summary = {
+        "wall_s": time.monotonic() - t0,
+        "streams": {str(r): {"messages": s.messages, "bytes": s.bytes, "stalled_s": s.stalled_s}
+                    for r, s in stats.streams.items()},
+    }
+    if env.get("PRISM_SUMMARY"):
+        path = Path(env["PRISM_SUMMARY"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.replace(path)
+    return 0
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())
