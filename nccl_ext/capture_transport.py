@@ -32,7 +32,7 @@ class CaptureTransport:
         self._next_id = 0
         self.unit = 0
         self._last_wall = time.monotonic()
-        self._last_cpu = time.process_time()
+        self._last_cpu: dict[int, float] = {threading.get_ident(): time.thread_time()}
         self._closed = threading.Event()
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
@@ -44,9 +44,18 @@ class CaptureTransport:
             wire.send(self._conn, header, list(tensors))
 
     def _span(self) -> tuple[float, float, float]:
-        now, cpu = time.monotonic(), time.process_time()
-        span = (now, now - self._last_wall, cpu - self._last_cpu)
-        self._last_wall, self._last_cpu = now, cpu
+        """(now, wall and CPU seconds of compute since this rank's previous event).
+
+        CPU time is the issuing thread's own (one compute thread per rank), so it is the
+        compute span free of the time-slicing that distorts wall time when many logical
+        ranks share a few cores.
+        """
+        now, cpu = time.monotonic(), time.thread_time()
+        tid = threading.get_ident()
+        last_cpu = self._last_cpu.get(tid, cpu)
+        span = (now, now - self._last_wall, max(cpu - last_cpu, 0.0))
+        self._last_wall = now
+        self._last_cpu[tid] = cpu
         return span
 
     def _new_pending(self, what: str) -> tuple[int, Pending]:
@@ -81,6 +90,12 @@ class CaptureTransport:
         t, wall, cpu = self._span()
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
+
+    def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
+        """Record where the rank blocked on an op (or found it done) — the dependency the
+        global replay needs to tell overlapped communication from exposed waits."""
+        t, wall, cpu = self._span()
+        self._send(("wait", ref, self.unit, t, wall, cpu, t0, t1))
 
     def marker(self, name: str) -> None:
         t, wall, cpu = self._span()

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from nccl_ext.groups import GroupInfo, GroupRegistry
 from nccl_ext.ops import Collective, ReduceKind, reduce_kind
@@ -57,6 +57,10 @@ class Transport(Protocol):
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending: ...
 
     def marker(self, name: str) -> None: ...
+
+    def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
+        """The rank waited on op ``ref`` from ``t0`` to ``t1`` (None: it was already done)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -143,28 +147,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         seq = self._next_seq()
         self.world.ops_issued += 1
         pending = self.world.transport.collective(self.info, seq, call)
-        return self._work(pending, apply, sync=opts is not None and getattr(opts, "asyncOp", True) is False)
-
-    def _work(self, pending: Pending, apply, sync: bool) -> dist.Work:
-        fut: torch.futures.Future = torch.futures.Future()
-
-        def finish(p: Pending) -> None:
-            try:
-                value = p.result()
-                if apply is not None:
-                    apply(value)
-                fut.set_result(value)
-            except BaseException as e:  # noqa: BLE001 - surfaced through the future
-                fut.set_exception(e)
-
-        if sync:
-            finish_value = pending.result()  # bounded by the op's deadline
-            if apply is not None:
-                apply(finish_value)
-            fut.set_result(finish_value)
-        else:
-            pending.add_done_callback(finish)
-        return _create_work_from_future(fut)
+        return PrismWork(pending, apply, self.world.transport, ("c", self.info.key, seq))
 
     def _group_size(self) -> int:
         return self.info.size
@@ -347,7 +330,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         seq = self._p2p_seq_next("send", dst, tag)
         self.world.ops_issued += 1
         pending = self.world.transport.send(self.info, self.info.ranks[dst], tag, seq, tensor)
-        return self._work(pending, None, sync=False)
+        return PrismWork(pending, None, self.world.transport, ("s", self.info.key, self.info.ranks[dst], tag, seq))
 
     def recv(self, tensors, src, tag=0):
         (tensor,) = tensors
@@ -358,13 +341,97 @@ class PrismProcessGroup(dist.ProcessGroup):
         def apply(res):
             _no_grad_copy(tensor, res[0], "recv")
 
-        return self._work(pending, apply, sync=False)
+        return PrismWork(pending, apply, self.world.transport, ("r", self.info.key, self.info.ranks[src], tag, seq))
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError(
             "recv from any source is not supported by the prism process group: "
             "replay needs to know each message's sender; pass src= to recv"
         )
+
+
+class PrismWork(dist.Work):
+    """The handle of one op. Results are written into the caller's tensors as soon as they
+    arrive (as a real backend's kernels would, whether or not anyone waits); ``wait``
+    blocks until then — bounded by the op's deadline — and tells the transport where the
+    rank blocked, so the trace knows which waits overlapped with compute.
+
+    Checked against torch 2.13: torch calls a Python ``Work`` subclass's ``wait`` for sync
+    and async ops alike.
+    """
+
+    def __init__(self, pending: Pending, apply, transport: Transport, ref: tuple):
+        super().__init__()
+        self._pending = pending
+        self._ref = ref
+        self._transport = transport
+        self._applied = threading.Event()
+        self._error: BaseException | None = None
+        self._value = None
+        self._fut: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+
+        def on_done(p: Pending) -> None:
+            try:
+                value = p.result()
+                if apply is not None:
+                    apply(value)
+                self._value = value
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                self._error = e
+            self._applied.set()
+            with self._lock:
+                fut = self._fut
+            if fut is not None:
+                self._settle(fut)
+
+        pending.add_done_callback(on_done)
+
+    def _settle(self, fut: torch.futures.Future) -> None:
+        if fut.done():
+            return
+        if self._error is not None:
+            fut.set_exception(self._error)
+        else:
+            fut.set_result(self._value)
+
+    def wait(self, timeout=None) -> bool:
+        if not self._applied.is_set():
+            t0 = time.monotonic()
+            self._pending.result()  # raises past the op's deadline
+            if not self._applied.wait(max(self._pending.deadline - time.monotonic(), 1.0)):
+                raise RuntimeError(f"{self._pending.what}: result arrived but was not applied in time")
+            self._transport.waited(self._ref, t0, time.monotonic())
+        else:
+            self._transport.waited(self._ref, None, None)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._applied.is_set()
+
+    def is_success(self) -> bool:
+        return self._applied.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._value if isinstance(self._value, list) else []
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+            fut = self._fut
+        if self._applied.is_set():
+            self._settle(fut)
+        return fut
+
+    def synchronize(self) -> None:
+        self.wait()
 
 
 def default_timeout() -> datetime.timedelta:

@@ -327,6 +327,9 @@ class ReplayTransport:
         _when_all([work], lambda: self._finish_after(pending, _unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending
 
+    def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
+        pass
+
     def _note_unit_start(self) -> None:
         if self._unit_start is None:
             self._unit_start = time.monotonic() - self._t0

@@ -147,6 +147,15 @@ class Coordinator:
             _, name, unit, t, wall, cpu = header
             rank = self._rank_of[conn]
             self._row(rank, unit, "marker", name, None, -1, -1, None, t, t, wall, cpu, None, None)
+        elif kind == "wait":
+            _, ref, unit, t, wall, cpu, t0, t1 = header
+            rank = self._rank_of[conn]
+            group = self._group(ref[1])
+            seq, peer, extra = ref[-1], -1, {"ref": ref[0], "blocked_s": None if t0 is None else t1 - t0}
+            if ref[0] in ("s", "r"):
+                peer, extra["tag"] = ref[2], ref[3]
+            self._row(rank, unit, "wait", "wait", group, seq, peer, None, t, t if t1 is None else t1, wall, cpu,
+                      None, extra)
         elif kind == "bye":
             self.finished.add(header[1])
 

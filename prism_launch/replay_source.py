@@ -27,7 +27,7 @@ class TraceRecording:
                  "extra")}
         for i in range(table.num_rows):
             kind = cols["kind"][i]
-            if kind == "marker":
+            if kind not in ("collective", "p2p"):
                 continue
             extra = json.loads(cols["extra"][i]) if cols["extra"][i] else {}
             rank, gid, seq, peer = cols["rank"][i], cols["group"][i], cols["seq"][i], cols["peer"][i]

@@ -13,7 +13,7 @@ from tests.conftest import WORKERS, rank_lines, run_prism
 
 SCRIPT = WORKERS / "collectives.py"
 NPROC = 4
-COMMON = ["--nproc-per-node", str(NPROC), "-r", "3", "device=cpu", "capture.warm_imports=[torch]"]
+COMMON = ["--nproc-per-node", str(NPROC), "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=60"]
 
 
 @pytest.fixture(scope="module")

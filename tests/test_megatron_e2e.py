@@ -30,7 +30,7 @@ def _metrics(lines: list[str]) -> list[dict]:
 
 
 def _flags(nproc: int) -> list:
-    return ["--nproc-per-node", str(nproc), "-r", "3", "device=cpu"]
+    return ["--nproc-per-node", str(nproc), "-r", "3", "device=cpu", "comm.timeout_s=120"]
 
 
 @pytest.fixture(scope="module", params=list(JOBS))

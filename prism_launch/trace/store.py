@@ -97,7 +97,7 @@ EVENT_SCHEMA = pa.schema(
 )
 
 #: Allowed values of the ``kind`` column.
-EVENT_KINDS = ("collective", "p2p", "marker")
+EVENT_KINDS = ("collective", "p2p", "wait", "marker")
 
 #: Fields every event row must provide.
 EVENT_REQUIRED_FIELDS = ("rank", "idx", "kind", "op")
