@@ -43,14 +43,14 @@ class CaptureTransport:
         with self._send_lock:
             wire.send(self._conn, header, list(tensors))
 
-    def _span(self) -> tuple[float, float, float]:
+    def _span(self, until: float | None = None) -> tuple[float, float, float]:
         """(now, wall and CPU seconds of compute since this rank's previous event).
 
         CPU time is the issuing thread's own (one compute thread per rank), so it is the
         compute span free of the time-slicing that distorts wall time when many logical
         ranks share a few cores.
         """
-        now, cpu = time.monotonic(), time.thread_time()
+        now, cpu = (until if until is not None else time.monotonic()), time.thread_time()
         tid = threading.get_ident()
         last_cpu = self._last_cpu.get(tid, cpu)
         span = (now, now - self._last_wall, max(cpu - last_cpu, 0.0))
@@ -94,7 +94,9 @@ class CaptureTransport:
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         """Record where the rank blocked on an op (or found it done) — the dependency the
         global replay needs to tell overlapped communication from exposed waits."""
-        t, wall, cpu = self._span()
+        t, wall, cpu = self._span(until=t0)
+        if t1 is not None:
+            self._last_wall = t1  # the blocked time is the wait's, not the next compute span's
         self._send(("wait", ref, self.unit, t, wall, cpu, t0, t1))
 
     def marker(self, name: str) -> None:

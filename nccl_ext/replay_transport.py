@@ -136,6 +136,11 @@ class ReplayTransport:
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._unit_start: float | None = None
+        self._last_wall = self._t0
+        self._last_cpu: dict[int, float] = {threading.get_ident(): time.thread_time()}
+        self.spans: list[tuple[str, float, float]] = []
+        """(event code, CPU s, wall s) of compute before each of this rank's events, in order:
+        what slice calibration takes from a sandbox run."""
 
     # -- helpers ------------------------------------------------------------------------------
     def _gid(self, group: GroupInfo) -> int:
@@ -186,6 +191,7 @@ class ReplayTransport:
         pass  # group reduction: nothing to set up until an op uses the group
 
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
+        self._span("c")
         gid = self._gid(group)
         what = f"rank {self.rank}: {call.api} on group {group.desc or group.key} seq {seq}"
         own = self.recording.collective(self.rank, gid, seq)
@@ -287,6 +293,7 @@ class ReplayTransport:
         return works
 
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
+        self._span("s")
         gid = self._gid(group)
         self.stats.p2p += 1
         self._note_unit_start()
@@ -303,6 +310,7 @@ class ReplayTransport:
         return Pending.done("send")
 
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
+        self._span("r")
         gid = self._gid(group)
         self.stats.p2p += 1
         what = f"rank {self.rank}: recv #{seq} from rank {src} tag {tag} on group {group.desc or group.key}"
@@ -328,13 +336,24 @@ class ReplayTransport:
         return pending
 
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
-        pass
+        self._span("w", until=t0)
+        if t1 is not None:
+            self._last_wall = t1
+
+    def _span(self, code: str, until: float | None = None) -> None:
+        now, cpu = (until if until is not None else time.monotonic()), time.thread_time()
+        tid = threading.get_ident()
+        last_cpu = self._last_cpu.get(tid, cpu)
+        self.spans.append((code, max(cpu - last_cpu, 0.0), now - self._last_wall))
+        self._last_wall = now
+        self._last_cpu[tid] = cpu
 
     def _note_unit_start(self) -> None:
         if self._unit_start is None:
             self._unit_start = time.monotonic() - self._t0
 
     def marker(self, name: str) -> None:
+        self._span("m")
         if name == "step":
             now = time.monotonic() - self._t0
             start = self.stats.steps[-1]["t"] if self.stats.steps else (self._unit_start or 0.0)
@@ -353,6 +372,7 @@ class ReplayTransport:
             "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
             "physical_exchanges": self.stats.physical_exchanges, "waited_s": self.stats.waited_s,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
+            "spans": self.spans,
         }, indent=1))
         tmp.replace(self.summary_path)
         self.summary_path = None

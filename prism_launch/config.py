@@ -14,6 +14,8 @@ from enum import StrEnum
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+
+from nccl_ext.cost_model import ClusterSpec
 from omegaconf import MISSING  # noqa: F401  (re-exported for configs)
 
 
@@ -24,6 +26,8 @@ class Mode(StrEnum):
     """Every logical rank runs; the coordinator computes collectives and writes a PrismTrace."""
     emulate = "emulate"
     """Only sandbox ranks run; virtual ranks are replayed from the trace."""
+    calibrate = "calibrate"
+    """Run slices of ranks for real against the bare trace; write the calibrated trace."""
     auto = "auto"
     """Capture when no matching trace exists, then emulate."""
 
@@ -98,6 +102,42 @@ class EmulateConfig:
     """Ops per sandbox rank the assistant may stream ahead (bounded memory)."""
 
 
+class ComputeSource(StrEnum):
+    calibrated = "calibrated"
+    """Slice-measured compute spans when a calibrated trace exists, else ``cpu``."""
+    cpu = "cpu"
+    """The capture's per-rank CPU time between events (free of time-slicing on CPU)."""
+    wall = "wall"
+    """The capture's wall time between events (distorted when ranks share devices)."""
+
+
+class Measure(StrEnum):
+    wall = "wall"
+    cpu = "cpu"
+
+
+@dataclass(kw_only=True, slots=True)
+class CalibrateConfig:
+    slice_size: int = 2
+    """Ranks run for real at once in each calibration slice (≤ free devices / cores for clean timings)."""
+    ranks: list[int] | None = None
+    """Ranks to calibrate (default: every captured rank)."""
+    measure: Measure = Measure.wall
+    """Which clock of the slice runs becomes the calibrated compute span."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplayConfig:
+    compute: ComputeSource = ComputeSource.calibrated
+    """Where the global replay takes compute spans from."""
+    cost_model: str = "nccl"
+    """Network cost model (nccl_ext.cost_model registry)."""
+    timeline_ranks: list[int] | None = None
+    """Ranks in the timeline (default: sandbox ranks plus an even sample)."""
+    timeline_max_ranks: int = 64
+    """Cap on sampled timeline ranks."""
+
+
 @dataclass(kw_only=True, slots=True)
 class CommConfig:
     timeout_s: float = 300.0
@@ -145,6 +185,10 @@ class PrismConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    cluster: ClusterSpec = MISSING
+    """The target machine room (Hydra group ``cluster``: h100_ib, h200_ib, a100_ib, gb200_nvl72, cpu_local)."""
 
 
 class ConfigError(ValueError):
@@ -209,6 +253,15 @@ def validate(cfg: PrismConfig) -> None:
         )
     if len(set(cfg.sandbox.ranks)) != len(cfg.sandbox.ranks):
         raise ConfigError(f"sandbox.ranks has duplicates: {cfg.sandbox.ranks}")
+    if cfg.calibrate.slice_size < 1:
+        raise ConfigError(f"calibrate.slice_size must be >= 1 (got {cfg.calibrate.slice_size})")
+    bad = [r for r in (cfg.calibrate.ranks or []) if not 0 <= r < ws]
+    if bad:
+        raise ConfigError(f"calibrate.ranks: {bad} out of range for a world of {ws}")
+    try:
+        cfg.cluster.validate()
+    except ValueError as e:
+        raise ConfigError(f"cluster: {e}") from None
     if cfg.comm.timeout_s <= 0:
         raise ConfigError(f"comm.timeout_s must be > 0 (got {cfg.comm.timeout_s})")
     if cfg.emulate.window < 1:

@@ -104,6 +104,11 @@ class Launcher:
         if mode is Mode.emulate:
             log_dir = self.emulate(self.open_trace())
             return RunOutcome(mode, self.trace_dir, self.report_dir, log_dir)
+        if mode is Mode.calibrate:
+            from prism_launch.calibrate import calibrate
+
+            calibrate(self, self.open_trace())
+            return RunOutcome(mode, self.trace_dir, None, self.trace_dir)
         # auto
         try:
             reader = self.open_trace()
@@ -112,6 +117,10 @@ class Launcher:
                   f"{self.topo.world_size} logical ranks into {self.trace_dir}", file=sys.stderr)
             self.capture()
             reader = self.open_trace()
+        from prism_launch.calibrate import calibrate, calibrated_dir
+
+        if not (calibrated_dir(self.trace_dir) / "manifest.json").exists():
+            calibrate(self, reader)
         log_dir = self.emulate(reader)
         return RunOutcome(mode, self.trace_dir, self.report_dir, log_dir)
 
@@ -309,7 +318,7 @@ class Launcher:
         return log_dir
 
     # -- emulate --------------------------------------------------------------------------
-    def emulate(self, reader: TraceReader) -> Path:
+    def emulate(self, reader: TraceReader, *, quiet: bool = False) -> Path:
         import torch.distributed as dist
 
         from prism_launch.report import build_report
@@ -354,5 +363,6 @@ class Launcher:
                                   extra_specs=extra_specs)
         wall = time.monotonic() - t0
         del store
-        build_report(self, reader, sandbox, log_dir, summaries, wall)
+        if not quiet:
+            build_report(self, reader, sandbox, log_dir, summaries, wall)
         return log_dir

@@ -7,8 +7,11 @@ machine and write them as a ``cluster`` config.
 
 ``nproc`` worker processes are started here (backend ``nccl`` when CUDA is available,
 ``gloo`` over loopback otherwise). At every size each worker runs warm-up and timed
-iterations of all_reduce, all_gather, broadcast and a ring send/recv, with a barrier
-between measurements; an op's time is the median over iterations of the slowest rank. One link is fitted
+iterations of all_reduce, all_gather, broadcast and a ring send/recv, each op after a
+barrier; an op's time is the median over iterations of the slowest rank. Iterations
+cycle through every (op, size), so a transient slow phase of the machine does not
+bias one series. Buffers for every size stay allocated: about (nproc + 3) × the sum
+of the sizes per process. One link is fitted
 to all of them with :func:`nccl_ext.cost_model.fit_link` (the launch overhead is folded
 into the per-hop latency: ``protocol_latency_us`` is written as 0), a table of measured
 vs fitted times is printed, and a cluster YAML is written atomically.
@@ -186,43 +189,57 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
     world = plan.world
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    results: dict[tuple[str, int], float] = {}
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    points: list[tuple[str, int, object]] = []
     for nbytes in plan.sizes:
         numel = nbytes // ELEMENT_BYTES
         buf = torch.ones(numel, dtype=torch.float32, device=device)
         gathered = torch.empty(numel * world, dtype=torch.float32, device=device)
         recv = torch.empty(numel, dtype=torch.float32, device=device)
-        nxt, prv = (rank + 1) % world, (rank - 1) % world
 
-        def p2p() -> None:
+        def all_reduce(buf=buf) -> None:
+            dist.all_reduce(buf)
+
+        def reset(buf=buf) -> None:
+            buf.fill_(1.0)  # keep summed values bounded across iterations
+
+        def p2p(buf=buf, recv=recv) -> None:
             reqs = [dist.isend(buf, nxt), dist.irecv(recv, prv)]
             for r in reqs:
                 r.wait()
 
         ops = {
-            "all_reduce": lambda: dist.all_reduce(buf),
-            "all_gather": lambda: all_gather(gathered, buf),
-            "broadcast": lambda: dist.broadcast(buf, 0),
-            "p2p": p2p,
+            "all_reduce": (all_reduce, reset),
+            "all_gather": (lambda buf=buf, out=gathered: all_gather(out, buf), None),
+            "broadcast": (lambda buf=buf: dist.broadcast(buf, 0), None),
+            "p2p": (p2p, None),
         }
-        for kind in KINDS:
-            op = ops[kind]
-            for _ in range(plan.warmup):
-                op()
-            sync()
+        points.extend((kind, nbytes, ops[kind]) for kind in KINDS)
+
+    for _, _, (op, after) in points:
+        for _ in range(plan.warmup):
+            op()
+        if after:
+            after()
+    sync()
+    # Every iteration visits every (op, size) once, so a passing slow phase of the
+    # machine touches all points alike instead of one whole series; each op starts
+    # after a barrier and is timed alone; the median over iterations of the slowest
+    # rank's time is kept.
+    durations = torch.zeros(plan.iters, len(points), dtype=torch.float64)
+    for it in range(plan.iters):
+        for j, (_, _, (op, after)) in enumerate(points):
             dist.barrier()
-            # Back-to-back ops, each timed on its own: the median over iterations of the
-            # slowest rank's time resists the odd descheduled iteration.
-            stamps = [time.perf_counter()]
-            for _ in range(plan.iters):
-                op()
-                sync()
-                stamps.append(time.perf_counter())
-            durations = torch.tensor([b - a for a, b in zip(stamps, stamps[1:])], dtype=torch.float64, device=device)
-            dist.all_reduce(durations, op=dist.ReduceOp.MAX)
-            results[(kind, nbytes)] = float(durations.median().item())
-            if kind == "all_reduce":
-                buf.fill_(1.0)  # keep values bounded across iterations
+            t0 = time.perf_counter()
+            op()
+            sync()
+            durations[it, j] = time.perf_counter() - t0
+            if after:
+                after()
+    durations = durations.to(device)
+    dist.all_reduce(durations, op=dist.ReduceOp.MAX)
+    medians = durations.median(dim=0).values.cpu()
+    results = {(kind, nbytes): float(medians[j]) for j, (kind, nbytes, _) in enumerate(points)}
     return results
 
 

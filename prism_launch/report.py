@@ -80,6 +80,17 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
     }
     out = launcher.report_dir
     out.mkdir(parents=True, exist_ok=True)
+    from prism_launch.predict import predict
+
+    memory = {int(r): v["peak_memory_bytes"] for r, v in ranks.items() if v.get("peak_memory_bytes") is not None}
+    pred = predict(launcher.cfg, reader, launcher.trace_dir, sandbox, out, memory)
+    report["predicted"] = pred["predicted"]
+    report["pipeline_ranks"] = pred["pipeline_ranks"]
+    for r, entry in pred["ranks"].items():
+        merged = {**entry, **ranks.get(r, {})}
+        if entry.get("peak_memory_bytes") is not None:
+            merged["peak_memory_bytes"] = entry["peak_memory_bytes"]
+        report["ranks"][r] = merged
     tmp = out / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(out / "report.json")
@@ -99,6 +110,8 @@ def print_report(report: dict, path: Path) -> None:
         f"{report['virtual_ranks']} virtual ranks replayed, wall {report['emulation_wall_s']:.1f}s"
     )
     for rank, r in report["ranks"].items():
+        if "losses" not in r:
+            continue  # virtual rank: predicted figures only
         table = Table(title=f"sandbox rank {rank}", title_justify="left")
         table.add_column("step", justify="right")
         table.add_column("loss", justify="right")
@@ -117,6 +130,19 @@ def print_report(report: dict, path: Path) -> None:
                    None: "no loss lines to compare"}[r["losses_match_capture"]]
         console.print(f"  losses: {verdict}; ops replayed {r['ops']} (+{r['p2p']} p2p), "
                       f"divergences {len(r['divergences'])}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
+    pred = report.get("predicted")
+    if pred:
+        console.print(
+            f"[bold]predicted on {pred['cluster']}[/bold] ({pred['compute_source']} compute spans): "
+            f"iteration time {pred['iteration_time_s'] * 1e3:.2f} ms; critical path "
+            f"{pred['critical_path']['compute_s'] * 1e3:.1f} ms compute + {pred['critical_path']['comm_s'] * 1e3:.1f} ms "
+            f"communication over ranks {pred['critical_path']['ranks'][:8]}"
+        )
+        if pred["stragglers"]:
+            s0 = pred["stragglers"][0]
+            console.print(f"  top straggler: rank {s0['rank']} (made peers wait {s0['delay_caused_s'] * 1e3:.2f} ms)")
+        console.print(f"  OOM at {pred['memory_limit_bytes'] / 2**30:.0f} GiB: "
+                      f"{pred['oom_ranks'] or 'none'}")
     if report.get("assistant"):
         streams = report["assistant"]["streams"].values()
         console.print(f"  assistant streamed {sum(s['messages'] for s in streams)} messages, "

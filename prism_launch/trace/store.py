@@ -613,8 +613,12 @@ class TraceWriter:
         groups: Iterable[Mapping[str, Any]],
         ranks_captured: Iterable[int],
         extra: Mapping[str, Any] | None = None,
+        allow_missing_tensors: bool = False,
     ) -> Manifest:
         """Write the trace and publish it at ``final_dir``; returns the manifest written.
+
+        ``allow_missing_tensors``: events may name tensors this trace does not hold (a
+        derived version, e.g. the calibrated graph, whose tensors stay in the bare trace).
 
         Argument problems raise ``TypeError``/``ValueError`` before anything touches
         the disk and leave the writer open.  Failures while writing abort the writer.
@@ -648,7 +652,8 @@ class TraceWriter:
                 raise ValueError(
                     f"ranks {stray} have events or tensors but are not in ranks_captured={ranks}"
                 )
-            self._check_tensor_refs(events)
+            if not allow_missing_tensors:
+                self._check_tensor_refs(events)
             self._check_target()
 
             try:

@@ -1,0 +1,147 @@
+"""Predictions at target scale from the (calibrated) graph: the global replay with the
+target cluster's network model, per-rank iteration times and memory, the OOM verdict,
+a Perfetto timeline and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prism_launch.config import PrismConfig
+    from prism_launch.trace import TraceReader
+
+
+def _pipeline_of(rows: list[dict], rank: int) -> list[int]:
+    """Ranks connected to ``rank`` by point-to-point messages (its pipeline), in order."""
+    peers: dict[int, set[int]] = {}
+    for row in rows:
+        if row["kind"] == "p2p":
+            peers.setdefault(row["rank"], set()).add(row["peer"])
+            peers.setdefault(row["peer"], set()).add(row["rank"])
+    seen, todo = {rank}, deque([rank])
+    while todo:
+        for q in peers.get(todo.popleft(), ()):
+            if q not in seen:
+                seen.add(q)
+                todo.append(q)
+    return sorted(seen)
+
+
+def _timeline_ranks(cfg: PrismConfig, world: int, sandbox: list[int], pipeline: list[int]) -> list[int]:
+    if cfg.replay.timeline_ranks is not None:
+        return sorted(set(cfg.replay.timeline_ranks))
+    cap = cfg.replay.timeline_max_ranks
+    chosen = list(dict.fromkeys([*sandbox, *pipeline]))[:cap]
+    step = max(1, world // max(1, cap - len(chosen)))
+    chosen += [r for r in range(0, world, step) if r not in chosen][: max(0, cap - len(chosen))]
+    return sorted(chosen)
+
+
+def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[int], out: Path,
+            memory: dict[int, int]) -> dict:
+    from nccl_ext.cost_model import make_cost_model
+    from prism_launch.calibrate import calibrated_dir
+    from prism_launch.config import ComputeSource
+    from prism_launch.simulate import graph_from_events, replay
+    from prism_launch.trace import TraceReader
+
+    source, reader = "bare (cpu)", bare
+    compute = "wall" if cfg.replay.compute is ComputeSource.wall else "cpu"
+    if cfg.replay.compute is ComputeSource.calibrated and (calibrated_dir(trace_dir) / "manifest.json").exists():
+        reader, source = TraceReader(calibrated_dir(trace_dir)), "calibrated"
+    elif cfg.replay.compute is ComputeSource.wall:
+        source = "bare (wall)"
+    rows = reader.events().to_pylist()
+    groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+    world = reader.manifest.world_size
+    graph = graph_from_events(rows, groups, world, compute=compute)
+    model = make_cost_model(cfg.replay.cost_model, cfg.cluster)
+    pipeline = _pipeline_of(rows, sandbox[0])
+    tl_ranks = _timeline_ranks(cfg, world, sandbox, pipeline)
+    rep = replay(graph, model, timeline_ranks=tl_ranks)
+
+    limit = int(cfg.cluster.gpu_memory_gib * 2**30)
+    ranks = {}
+    for r in sorted(rep.ranks):
+        res = rep.ranks[r]
+        peak = memory.get(r)
+        ranks[str(r)] = {
+            "sandbox": r in sandbox,
+            "iteration_time_s": rep.rank_iteration_time(r),
+            "compute_s": res.compute_s, "exposed_comm_s": res.blocked_s - res.bubble_s,
+            "bubble_s": res.bubble_s, "peak_memory_bytes": peak,
+            "oom": None if peak is None else peak > limit,
+        }
+    predicted = {
+        "iteration_time_s": rep.iteration_time_s,
+        "iteration_times_s": rep.iteration_times,
+        "oom_ranks": [int(r) for r, v in ranks.items() if v["oom"]],
+        "memory_limit_bytes": limit,
+        "compute_source": source,
+        "cluster": cfg.cluster.name,
+        "critical_path": _summarize_path(rep.critical_path),
+        "stragglers": rep.stragglers,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    _write_timeline(out / "timeline.json", rep.timelines, cfg.cluster.gpus_per_node)
+    _plot(out, ranks, rep.timelines, pipeline, rep.ranks)
+    return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline}
+
+
+def _summarize_path(path: list[dict]) -> dict:
+    compute = sum(s["s"] for s in path if s["kind"] == "compute")
+    comm = sum(s["s"] for s in path if s["kind"] == "comm")
+    hops = [s for s in path if s["kind"] == "comm"]
+    return {"compute_s": compute, "comm_s": comm, "segments": len(path),
+            "ranks": sorted({s["rank"] for s in path}), "longest_comm": sorted(hops, key=lambda s: -s["s"])[:5]}
+
+
+def _write_timeline(path: Path, timelines: dict, gpus_per_node: int) -> None:
+    """Chrome/Perfetto trace-event JSON: one process per target node, one thread per rank."""
+    events = []
+    for r, spans in sorted(timelines.items()):
+        node = r // max(1, gpus_per_node)
+        events.append({"ph": "M", "name": "process_name", "pid": node, "args": {"name": f"node {node}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": node, "tid": r, "args": {"name": f"rank {r}"}})
+        for name, t0, t1 in spans:
+            events.append({"ph": "X", "name": name, "pid": node, "tid": r, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    tmp.replace(path)
+
+
+def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = sorted(int(r) for r in ranks)
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    colors = ["tab:red" if ranks[str(r)]["sandbox"] else "tab:blue" for r in xs]
+    ax.bar(xs, [ranks[str(r)]["iteration_time_s"] * 1e3 for r in xs], color=colors, width=1.0)
+    ax.set_xlabel("logical rank (red: sandbox)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title("Predicted per-rank iteration time")
+    fig.tight_layout()
+    fig.savefig(out / "step_time_per_rank.png", dpi=110)
+    plt.close(fig)
+
+    shown = [r for r in pipeline if r in timelines]
+    if shown:
+        fig, ax = plt.subplots(figsize=(11, 0.5 + 0.45 * len(shown)))
+        palette = {"compute": "tab:green", "wait": "tab:orange", "p2p-wait": "tab:gray"}
+        for y, r in enumerate(shown):
+            for name, t0, t1 in timelines[r]:
+                ax.broken_barh([(t0 * 1e3, (t1 - t0) * 1e3)], (y - 0.4, 0.8), color=palette.get(name, "tab:purple"))
+            for t in results[r].step_ends:
+                ax.axvline(t * 1e3, color="k", lw=0.3)
+        ax.set_yticks(range(len(shown)), [f"rank {r}" for r in shown])
+        ax.set_xlabel("time (ms)  green: compute, orange: collective wait, gray: pipeline (p2p) wait")
+        ax.set_title("Pipeline of the sandbox rank (predicted)")
+        fig.tight_layout()
+        fig.savefig(out / "pipeline_timeline.png", dpi=110)
+        plt.close(fig)
