@@ -7,10 +7,10 @@ machine and write them as a ``cluster`` config.
 
 ``nproc`` worker processes are started here (backend ``nccl`` when CUDA is available,
 ``gloo`` over loopback otherwise). At every size each worker runs warm-up and timed
-iterations of all_reduce, all_gather, broadcast and a ring send/recv, each op after a
-barrier; an op's time is the median over iterations of the slowest rank. Iterations
-cycle through every (op, size), so a transient slow phase of the machine does not
-bias one series. Buffers for every size stay allocated: about (nproc + 3) × the sum
+iterations of all_reduce, all_gather, broadcast and a send/recv ping-pong (back to back, a
+barrier between measurements); an op's time is the median over iterations of the
+slowest rank. The sweep is split into ``--rounds`` passes over every (op, size), so a
+transient slow phase of the machine does not bias one series. Buffers for every size stay allocated: about (nproc + 3) × the sum
 of the sizes per process. One link is fitted
 to all of them with :func:`nccl_ext.cost_model.fit_link` (the launch overhead is folded
 into the per-hop latency: ``protocol_latency_us`` is written as 0), a table of measured
@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--nproc", type=_positive_int, default=2, help="worker processes (>= 2; default 2)")
     ap.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES), help=f"comma-separated sizes (default {DEFAULT_SIZES})")
-    ap.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per op and size (default 20)")
+    ap.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per op and size, rounded up to a multiple of --rounds (default 20)")
+    ap.add_argument("--rounds", type=_positive_int, default=3, help="passes over all ops and sizes the iterations are split into (default 3)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations before them (default 3)")
     ap.add_argument("--name", default="local", help="cluster name written in the YAML (default local)")
     ap.add_argument("--out", type=Path, default=Path("configs/cluster/local.yaml"), help="YAML to write (default configs/cluster/local.yaml; '-' for none)")
@@ -133,6 +134,7 @@ class _Plan:
     world: int
     sizes: tuple[int, ...]
     iters: int
+    rounds: int
     warmup: int
     backend: str
     store_port: int
@@ -189,7 +191,10 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
     world = plan.world
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    # p2p: ping-pong between rank pairs (0↔1, 2↔3, ...); a rank left without a partner
+    # idles. Half the round trip is one transfer. (A simultaneous two-way exchange over
+    # gloo stalls for milliseconds at random, which says nothing about the link.)
+    partner = rank + 1 if rank % 2 == 0 else rank - 1
     points: list[tuple[str, int, object]] = []
     for nbytes in plan.sizes:
         numel = nbytes // ELEMENT_BYTES
@@ -204,9 +209,14 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
             buf.fill_(1.0)  # keep summed values bounded across iterations
 
         def p2p(buf=buf, recv=recv) -> None:
-            reqs = [dist.isend(buf, nxt), dist.irecv(recv, prv)]
-            for r in reqs:
-                r.wait()
+            if partner >= world:
+                return
+            if rank % 2 == 0:
+                dist.send(buf, partner)
+                dist.recv(recv, partner)
+            else:
+                dist.recv(recv, partner)
+                dist.send(buf, partner)
 
         ops = {
             "all_reduce": (all_reduce, reset),
@@ -222,24 +232,31 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
         if after:
             after()
     sync()
-    # Every iteration visits every (op, size) once, so a passing slow phase of the
-    # machine touches all points alike instead of one whole series; each op starts
-    # after a barrier and is timed alone; the median over iterations of the slowest
-    # rank's time is kept.
-    durations = torch.zeros(plan.iters, len(points), dtype=torch.float64)
-    for it in range(plan.iters):
+    # nccl-tests style: back-to-back iterations of one (op, size) after a barrier, each
+    # iteration timed. The sweep over all points is repeated `rounds` times so that a
+    # passing slow phase of the machine touches every point alike instead of one whole
+    # series; an op's time is the median over all iterations of the slowest rank's time.
+    per_round = -(-plan.iters // plan.rounds)
+    durations = torch.zeros(plan.rounds * per_round, len(points), dtype=torch.float64)
+    for rnd in range(plan.rounds):
         for j, (_, _, (op, after)) in enumerate(points):
             dist.barrier()
-            t0 = time.perf_counter()
-            op()
-            sync()
-            durations[it, j] = time.perf_counter() - t0
+            stamps = [time.perf_counter()]
+            for _ in range(per_round):
+                op()
+                sync()
+                stamps.append(time.perf_counter())
+            for i in range(per_round):
+                durations[rnd * per_round + i, j] = stamps[i + 1] - stamps[i]
             if after:
                 after()
     durations = durations.to(device)
     dist.all_reduce(durations, op=dist.ReduceOp.MAX)
     medians = durations.median(dim=0).values.cpu()
-    results = {(kind, nbytes): float(medians[j]) for j, (kind, nbytes, _) in enumerate(points)}
+    results = {
+        (kind, nbytes): float(medians[j]) * (0.5 if kind == "p2p" else 1.0)  # p2p: half the round trip
+        for j, (kind, nbytes, _) in enumerate(points)
+    }
     return results
 
 
@@ -254,7 +271,9 @@ def _free_store(timeout_s: float):
     return dist.TCPStore("127.0.0.1", 0, None, True, timeout=_dt.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def run_workers(nproc: int, sizes: list[int], iters: int, warmup: int, backend: str, timeout_s: float) -> dict[tuple[str, int], float]:
+def run_workers(
+    nproc: int, sizes: list[int], iters: int, warmup: int, backend: str, timeout_s: float, rounds: int = 3
+) -> dict[tuple[str, int], float]:
     """Start the workers, wait (bounded) for rank 0's measurements, reap every process."""
     import multiprocessing as mp
 
@@ -271,6 +290,7 @@ def run_workers(nproc: int, sizes: list[int], iters: int, warmup: int, backend: 
         world=nproc,
         sizes=tuple(sizes),
         iters=iters,
+        rounds=max(1, min(rounds, iters)),
         warmup=max(0, warmup),
         backend=backend,
         store_port=store.port,
@@ -457,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.warmup} warm-up + {args.iters} timed iterations", flush=True)
     started = time.monotonic()
     try:
-        measured = run_workers(p, args.sizes, args.iters, args.warmup, backend, args.timeout)
+        measured = run_workers(p, args.sizes, args.iters, args.warmup, backend, args.timeout, args.rounds)
         fits = fit_measurements(measured, p)
     except (NetbenchError, ValueError) as e:
         print(f"netbench: error: {e}", file=sys.stderr)
@@ -492,8 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         f"on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs, torch {torch.__version__}), "
         f"{_dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}:",
         f"{p} processes, backend {backend}{' over loopback' if backend == 'gloo' else ''}; "
-        f"all_reduce, all_gather, broadcast and ring send/recv at {','.join(map(_fmt_size, args.sizes))};",
-        f"time of an op: median over {args.iters} timed iterations of the slowest rank, after {args.warmup} warm-up.",
+        f"all_reduce, all_gather, broadcast and send/recv ping-pong (p2p: half the round trip) at {','.join(map(_fmt_size, args.sizes))};",
+        f"time of an op: median over {_total_iters(args)} back-to-back timed iterations (in {min(args.rounds, args.iters)} rounds) "
+        f"of the slowest rank, after {args.warmup} warm-up.",
         f"intra_node: least-squares fit of latency per hop and bus bandwidth to the {args.fit} times"
         + (" of every op jointly" if args.fit == "all" else "") + ",",
         "launch overhead folded into the per-hop latency (so protocol_latency_us is 0).",
@@ -506,6 +527,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {args.out}")
     return 0
+
+
+def _total_iters(args: argparse.Namespace) -> int:
+    rounds = max(1, min(args.rounds, args.iters))
+    return rounds * -(-args.iters // rounds)
 
 
 def _inter_origin(args: argparse.Namespace) -> str:

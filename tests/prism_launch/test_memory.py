@@ -103,14 +103,14 @@ def test_exact_bytes_views_inplace_and_frees(tracker, function_mode):
     c = a + b
     assert p() == (3072 * F32, 3072 * F32)
     del c
-    assert p() == (2048 * F32, 2048 * F32)  # the unit peak restarts from the current bytes
+    assert p() == (2048 * F32, 3072 * F32)  # a unit's peak starts from the bytes alive when it begins
 
     del a
     assert p() == (2048 * F32, 2048 * F32), "views keep the storage alive"
     views.clear()
-    assert p() == (1024 * F32, 1024 * F32)
+    assert p() == (1024 * F32, 2048 * F32)
     del b
-    assert p() == (0, 0)
+    assert p() == (0, 1024 * F32)
     assert function_mode.calls > 0
 
 
@@ -149,10 +149,10 @@ def test_autograd_saved_tensors_are_freed_after_backward(tracker):
     assert p() == (2 * n * F32 + F32, 3 * n * F32 + 2 * F32)
     assert x.grad is not None and x.grad.shape == (n,)
     del loss
-    assert p() == (2 * n * F32, 2 * n * F32)
+    assert p() == (2 * n * F32, 2 * n * F32 + F32)
     x.grad = None
     del x
-    assert p() == (0, 0)
+    assert p() == (0, 2 * n * F32)
 
 
 def test_storage_constructors_and_non_allocator_memory(tracker):
@@ -167,6 +167,7 @@ def test_storage_constructors_and_non_allocator_memory(tracker):
     arr = np.zeros(1000, dtype=np.float32)
     t1 = torch.from_numpy(arr)  # numpy's memory, not the CPU allocator's
     t2 = torch.frombuffer(bytearray(100), dtype=torch.uint8)
+    assert p() == (0, 3000)
     assert p() == (0, 0)
     t3 = t1.clone()  # a real allocation
     assert p() == (1000 * F32, 1000 * F32)
@@ -277,6 +278,7 @@ def test_start_is_idempotent_and_one_cpu_tracker_at_a_time(tracker):
         other.start()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU compatibility layer is for CPU-only torch")
 def test_late_install_under_cpu_compat_layer_in_subprocess():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -301,6 +303,30 @@ def test_late_install_under_cpu_compat_layer_in_subprocess():
     assert all(u["peak"] > u["current"] for u in out["units"])
     assert out["oom"] and "CPU out of memory" in out["oom"]
     assert out["summary"]["peak_bytes"] == max(u["peak"] for u in out["units"])
+
+
+def test_without_the_hook_the_summary_says_so():
+    code = (
+        "import json, torch\n"
+        "from prism_launch.memory import MemoryTracker, set_memory_limit\n"
+        "t = MemoryTracker('cpu'); t.start(); x = torch.empty(100); t.mark_unit(0)\n"
+        "try:\n"
+        "    set_memory_limit('cpu', 1 << 20); err = None\n"
+        "except RuntimeError as e:\n"
+        "    err = str(e)\n"
+        "print('MEMSUMMARY ' + json.dumps({'summary': t.summary(), 'limit_error': err}))\n"
+    )
+    env = dict(os.environ, PRISM_CPU_MEMORY_HOOK="0", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("MEMSUMMARY ")]
+    out = json.loads(line[len("MEMSUMMARY ") :])
+    method = out["summary"]["method"]
+    assert method["name"] == "unavailable" and method["complete"] is False
+    assert "PRISM_CPU_MEMORY_HOOK=0" in method["detail"]
+    assert out["summary"]["peak_bytes"] == 0
+    assert "PRISM_CPU_MEMORY_HOOK=0" in out["limit_error"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

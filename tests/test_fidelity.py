@@ -1,0 +1,64 @@
+"""Calibration and predictions end to end on the bundled recipe (2 ranks, CPU)."""
+
+import json
+
+import pytest
+
+from tests.conftest import EXAMPLES, run_prism
+
+RECIPE = EXAMPLES / "megatron_gpt.py"
+ARGS = ["--tensor-model-parallel-size", "2", "--train-iters", "3"]
+FLAGS = ["--nproc-per-node", "2", "-r", "3", "device=cpu", "comm.timeout_s=120"]
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fid")
+    trace = d / "trace"
+    r = run_prism([*FLAGS, "mode=capture", f"trace.dir={trace}", RECIPE, *ARGS], cwd=d, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_prism([*FLAGS, "mode=calibrate", "calibrate.slice_size=1", f"trace.dir={trace}", RECIPE, *ARGS],
+                  cwd=d, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, trace
+
+
+def test_calibration_writes_a_new_trace_version(calibrated):
+    _d, trace = calibrated
+    bare = json.loads((trace / "manifest.json").read_text())
+    cal = json.loads((trace / "calibrated" / "manifest.json").read_text())
+    assert cal["fingerprint"] == bare["fingerprint"]
+    assert cal["extra"]["slices"] == [[0], [1]]
+    assert cal["extra"]["ranks_mismatched"] == []
+    import pyarrow.parquet as pq
+
+    events = pq.read_table(trace / "events.parquet")
+    assert cal["extra"]["events_calibrated"] == events.num_rows
+    calibrated_rows = pq.read_table(trace / "calibrated" / "events.parquet").to_pylist()
+    assert all("bare_wall_s" in json.loads(r["extra"]) for r in calibrated_rows)
+    # the bare graph is kept as it was captured
+    assert "calibrated_from" not in bare["extra"]
+    import hashlib
+
+    assert hashlib.sha256((trace / "events.parquet").read_bytes()).hexdigest() == bare["files"]["events.parquet"]
+
+
+def test_emulation_report_has_predictions_timeline_and_plots(calibrated):
+    d, trace = calibrated
+    r = run_prism([*FLAGS, "mode=emulate", "cluster=h100_ib", "sandbox.ranks=[1]", f"trace.dir={trace}",
+                   RECIPE, *ARGS], cwd=d, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "predicted on h100_ib (calibrated compute spans)" in r.stderr
+    rep = json.loads((trace / "report" / "report.json").read_text())
+    pred = rep["predicted"]
+    assert pred["compute_source"] == "calibrated" and pred["cluster"] == "h100_ib"
+    assert pred["iteration_time_s"] > 0 and len(pred["iteration_times_s"]) == 3
+    assert pred["oom_ranks"] == []
+    assert set(rep["ranks"]) == {"0", "1"}
+    assert rep["ranks"]["1"]["sandbox"] is True and rep["ranks"]["0"]["sandbox"] is False
+    assert all(rep["ranks"][r]["iteration_time_s"] > 0 for r in ("0", "1"))
+    timeline = json.loads((trace / "report" / "timeline.json").read_text())
+    tids = {e["tid"] for e in timeline["traceEvents"] if e["ph"] == "X"}
+    assert tids == {0, 1}
+    for png in ("step_time_per_rank.png", "pipeline_timeline.png"):
+        assert (trace / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
