@@ -137,6 +137,14 @@ def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()
     # per-rank binding info for the critical path: pos -> (start, end, bound_by)
     binding: dict[int, dict[int, tuple[float, float, tuple | None]]] = {r: {} for r in ops}
     queue = deque(sorted(ops))
+    cost_cache: dict = {}
+
+    def coll_cost(kind, nbytes, members) -> float:
+        key = (kind, nbytes, members)
+        c = cost_cache.get(key)
+        if c is None:
+            c = cost_cache[key] = model.collective_time(kind, nbytes, members)
+        return c
 
     def complete(key, t, by) -> None:
         done[key] = t
@@ -144,39 +152,61 @@ def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()
         for r in blocked.pop(key, ()):
             queue.append(r)
 
+    p2p_cache: dict = {}
     while queue:
         r = queue.popleft()
         evs = ops[r]
+        n = len(evs)
         res = results[r]
         tl = timelines.get(r)
-        while pos[r] < len(evs):
-            p = pos[r]
+        p = pos[r]
+        t = clock[r]
+        fresh = pending_compute[r]
+        bind = binding[r]
+        while p < n:
             code, span, key, info = evs[p]
-            t = clock[r]
-            if pending_compute[r]:
-                if tl is not None and span > 0:
-                    tl.append(("compute", t, t + span))
-                t += span
-                res.compute_s += span
-                clock[r] = t
-                pending_compute[r] = False
-            if code == COLL:
-                kind, nbytes, members = info
+            if fresh:
+                if span > 0:
+                    if tl is not None:
+                        tl.append(("compute", t, t + span))
+                    t += span
+                    res.compute_s += span
+            fresh = True
+            if code == WAIT:
+                end = done.get(key)
+                if end is None:
+                    blocked[key].append(r)
+                    fresh = False
+                    break
+                if end > t:
+                    res.blocked_s += end - t
+                    if key[0] == "r":
+                        res.bubble_s += end - t
+                    if tl is not None:
+                        tl.append(("wait" if key[0] == "c" else "p2p-wait", t, end))
+                    bind[p] = (t, end, cause.get(key))
+                    t = end
+            elif code == COLL:
                 st = coll.get(key)
                 if st is None:
-                    st = coll[key] = [len(members), t, r, p, []]
+                    st = coll[key] = [len(info[2]), t, r, p, []]
                 st[0] -= 1
-                st[4].append((t, r))
+                st[4].append(t)
                 if t >= st[1]:
                     st[1], st[2], st[3] = t, r, p
                 if st[0] == 0:
-                    arrivals = sorted(st[4])
+                    arrivals = st[4]
                     if len(arrivals) > 1:
-                        delay_caused[st[2]] += arrivals[-1][0] - arrivals[-2][0]
-                    complete(key, st[1] + model.collective_time(kind, nbytes, members), (st[2], st[3], st[1]))
+                        arrivals.sort()
+                        delay_caused[st[2]] += arrivals[-1] - arrivals[-2]
+                    complete(key, st[1] + coll_cost(*info), (st[2], st[3], st[1]))
                     del coll[key]
             elif code == SEND:
-                arrive = t + model.p2p_time(info, key[1], key[2])
+                pk = (info, key[1], key[2])
+                cost = p2p_cache.get(pk)
+                if cost is None:
+                    cost = p2p_cache[pk] = model.p2p_time(info, key[1], key[2])
+                arrive = t + cost
                 issued[("m", key)] = (arrive, r, p, t)
                 complete(("s", key), arrive, (r, p, t))
                 rv = issued.get(("rv", key))
@@ -187,24 +217,11 @@ def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()
                 msg = issued.get(("m", key))
                 if msg is not None:
                     complete(("r", key), max(t, msg[0]), (msg[1], msg[2], msg[3]) if msg[0] >= t else (r, p, t))
-            elif code == WAIT:
-                end = done.get(key)
-                if end is None:
-                    blocked[key].append(r)
-                    break
-                if end > t:
-                    res.blocked_s += end - t
-                    if key[0] == "r":
-                        res.bubble_s += end - t
-                    if tl is not None:
-                        tl.append(("wait" if key[0] == "c" else "p2p-wait", t, end))
-                    binding[r][p] = (t, end, cause.get(key))
-                    clock[r] = end
             elif code == MARK:
                 res.step_ends.append(t)
-            pos[r] += 1
-            pending_compute[r] = True
-        res.end = clock[r]
+            p += 1
+        pos[r], clock[r], pending_compute[r] = p, t, fresh
+        res.end = t
 
     stuck = [r for r in ops if pos[r] < len(ops[r])]
     if stuck:
