@@ -13,8 +13,9 @@ reads back as ``B`` in an nccl-tests style report.
 Units: sizes in bytes, times in seconds (``*_us`` fields in microseconds), bandwidths
 in GB/s with 1 GB = 1e9 bytes (the nccl-tests convention).
 
-What ``nbytes`` means, per collective kind (one member's view; nccl-tests' reported
-``size`` is given alongside, :func:`nccl_tests_bytes` converts):
+What ``nbytes`` means, per collective kind: the bytes of the tensors one member puts
+into the op (for broadcast and scatter, the root's), which is what a PrismTrace records
+for it; nccl-tests' reported ``size`` is given alongside (:func:`nccl_tests_bytes`):
 
 =================  ====================================================  ===============
 kind               ``nbytes`` is                                         nccl-tests size
@@ -26,7 +27,8 @@ reduce_scatter     one member's *input* (all ``p`` chunks)               nbytes
 all_to_all         one member's *input* (all ``p`` per-peer chunks)      nbytes
 all_gather         one member's *contribution* (output is ``p`` × it)    p × nbytes
 gather             one member's contribution (the root receives ``p``×)  p × nbytes
-scatter            one member's received chunk (the root sends ``p``×)   p × nbytes
+scatter            the root's input (all ``p`` chunks; one member gets   nbytes
+                   ``nbytes / p``)
 barrier            ignored (costed as a 4-byte all_reduce, as torch
                    implements a barrier over NCCL)                       --
 =================  ====================================================  ===============
@@ -108,7 +110,8 @@ class LinkSpec:
         self.validate()
 
     def validate(self, where: str = "link") -> None:
-        if not (isinstance(self.bandwidth_gbps, (int, float)) and self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
+        bw = self.bandwidth_gbps
+        if not (isinstance(bw, (int, float)) and bw > 0 and math.isfinite(bw)):
             raise ValueError(f"{where}.bandwidth_gbps must be a finite number > 0 (got {self.bandwidth_gbps!r})")
         if not (isinstance(self.latency_us, (int, float)) and self.latency_us >= 0 and math.isfinite(self.latency_us)):
             raise ValueError(f"{where}.latency_us must be a finite number >= 0 (got {self.latency_us!r})")
@@ -185,7 +188,9 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
         path = preset_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
         names = sorted(p.stem for p in preset_dir().glob("*.yaml"))
-        raise FileNotFoundError(f"no cluster config {str(name_or_path)!r} (a YAML path or one of the presets: {', '.join(names)})")
+        raise FileNotFoundError(
+            f"no cluster config {str(name_or_path)!r} (a YAML path or one of the presets: {', '.join(names)})"
+        )
     try:
         return cluster_from_config(OmegaConf.load(path))
     except Exception as e:  # OmegaConf errors carry the offending key
@@ -223,9 +228,9 @@ def busbw_factor(kind: str, p: int) -> float:
 
 def nccl_tests_bytes(kind: str, nbytes: int, p: int) -> int:
     """The ``size`` nccl-tests would report for this op (the module table): ``p × nbytes``
-    for all_gather/gather/scatter, ``nbytes`` otherwise."""
+    for all_gather/gather, ``nbytes`` otherwise."""
     kind = _check_kind(kind, allow_p2p=True)
-    return p * nbytes if kind in ("all_gather", "gather", "scatter") else nbytes
+    return p * nbytes if kind in ("all_gather", "gather") else nbytes
 
 
 def bus_bandwidth_gbps(kind: str, nbytes: int, p: int, seconds: float) -> float:
@@ -243,9 +248,9 @@ def _link_coefficients(kind: str, p: int) -> tuple[int, float]:
     """
     if kind == "all_reduce":
         return 2 * (p - 1), 2 * (p - 1) / p
-    if kind in ("reduce_scatter", "all_to_all"):
+    if kind in ("reduce_scatter", "all_to_all", "scatter"):
         return p - 1, (p - 1) / p
-    if kind in ("all_gather", "gather", "scatter"):
+    if kind in ("all_gather", "gather"):
         return p - 1, float(p - 1)
     if kind in ("broadcast", "reduce"):
         return p - 1, 1.0
@@ -455,8 +460,9 @@ class NcclCostModel:
             k_lat = g.k_min
         else:
             # The root receives (gather) or sends (scatter) one chunk per peer.
+            chunk = nbytes if kind == "gather" else nbytes / p
             k = g.k_root
-            transfer = max((k - 1) * nbytes / (intra_bw * GB), (p - k) * nbytes / (net_bw * GB))
+            transfer = max((k - 1) * chunk / (intra_bw * GB), (p - k) * chunk / (net_bw * GB))
             k_lat = k
         hop_us = (k_lat - 1) * c.intra_node.latency_us + (p - k_lat) * c.inter_node.latency_us
         bw = intra_bw if g.n_nodes == 1 else min(intra_bw, net_bw) if g.k_max > 1 else net_bw
@@ -464,9 +470,13 @@ class NcclCostModel:
 
 
 def _check_nbytes(nbytes: int) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or nbytes < 0:
+    try:
+        value = operator.index(nbytes)
+    except TypeError:
+        value = int(nbytes) if isinstance(nbytes, float) and math.isfinite(nbytes) else -1
+    if isinstance(nbytes, bool) or value < 0:
         raise ValueError(f"nbytes must be a non-negative number of bytes (got {nbytes!r})")
-    return int(nbytes)
+    return value
 
 
 def _check_rank(r: int) -> int:

@@ -80,7 +80,9 @@ _CPP_SOURCE = r"""
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <exception>
 #include <mutex>
 #include <unordered_map>
@@ -152,10 +154,14 @@ inline std::int64_t reserve(std::size_t n) {
   if (lim > 0 && now > lim) {
     g_current.fetch_sub(sn);
     g_ooms.fetch_add(1, std::memory_order_relaxed);
-    TORCH_CHECK_WITH(OutOfMemoryError, false,
-        "CPU out of memory: tried to allocate ", n, " bytes with ", now - sn,
-        " bytes already allocated; the emulated device's memory limit is ", lim,
-        " bytes (prism memory limit)");
+    // snprintf, not c10::str: no iostreams in this library (a toolchain may
+    // link its own libstdc++ copy, whose locale facets are never initialised).
+    char msg[256];
+    std::snprintf(msg, sizeof(msg),
+        "CPU out of memory: tried to allocate %lld bytes with %lld bytes already allocated; "
+        "the emulated device's memory limit is %lld bytes (prism memory limit)",
+        static_cast<long long>(sn), static_cast<long long>(now - sn), static_cast<long long>(lim));
+    C10_THROW_ERROR(OutOfMemoryError, std::string(msg));
   }
   return now;
 }

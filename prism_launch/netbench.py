@@ -3,22 +3,33 @@ machine and write them as a ``cluster`` config.
 
     python -m prism_launch.netbench [--nproc 2] [--sizes 1K,4K,...,16M] [--iters 20]
                                     [--name local] [--out configs/cluster/local.yaml]
-                                    [--gpus-per-node N] [--memory-gib G]
+                                    [--gpus-per-node N] [--memory-gib G] [--fit KIND]
 
 ``nproc`` worker processes are started here (backend ``nccl`` when CUDA is available,
-``gloo`` over loopback otherwise). At every size each worker runs warm-up and timed
-iterations of all_reduce, all_gather, broadcast and a send/recv ping-pong (back to back, a
-barrier between measurements); an op's time is the median over iterations of the
-slowest rank. The sweep is split into ``--rounds`` passes over every (op, size), so a
-transient slow phase of the machine does not bias one series. Buffers for every size stay allocated: about (nproc + 3) × the sum
-of the sizes per process. One link is fitted
-to all of them with :func:`nccl_ext.cost_model.fit_link` (the launch overhead is folded
-into the per-hop latency: ``protocol_latency_us`` is written as 0), a table of measured
-vs fitted times is printed, and a cluster YAML is written atomically.
+``gloo`` over loopback otherwise), meeting at a rendezvous store the launcher hosts on
+a port of 127.0.0.1 the OS picks. At every size the workers run warm-up and then timed
+iterations of all_reduce, all_gather, broadcast and a send/recv ping-pong (p2p: half
+the round trip), back to back with a barrier between measurements; an op's time is
+the median over iterations of the slowest rank. The iterations are split into
+``--rounds`` passes over every (op, size), so a passing slow phase of the machine does
+not bias one series. Buffers for every size stay allocated: about (nproc + 3) × the sum
+of the sizes per process.
+
+Each op's times are fitted with :func:`nccl_ext.cost_model.fit_alpha_beta`, and all of
+them jointly with :func:`~nccl_ext.cost_model.fit_link`; ``--fit`` picks the fit that is
+written (default all_reduce, the op whose bus bandwidth nccl-tests quotes and which
+carries data-parallel gradients). The launch overhead is folded into the per-hop
+latency, so ``protocol_latency_us`` is written as 0. A table of measured vs predicted
+times is printed and the cluster YAML is written atomically (temporary file + rename).
 
 Everything measured here is one link class, so ``intra_node`` is the fit and
 ``inter_node`` is a copy of it unless ``--inter-bandwidth-gbps`` / ``--inter-latency-us``
 give the network's figures.
+
+Every wait is bounded by ``--timeout`` (the process group's timeout and the launcher's
+wait for results and exits); a failing worker's traceback is reported and the exit
+status is non-zero; workers are reaped on every path and leave on their own if the
+launcher disappears.
 
 Sizes follow the cost model's convention (``nccl_ext/cost_model.py``): the buffer of one
 member for all_reduce/broadcast/send, one member's contribution for all_gather.
@@ -49,12 +60,14 @@ from nccl_ext.cost_model import (
     bus_bandwidth_gbps,
     fit_alpha_beta,
     fit_link,
+    preset_dir,
 )
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M"
 KINDS = ("all_reduce", "all_gather", "broadcast", "p2p")
 ELEMENT_BYTES = 4  # float32 payloads
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {"": 1, "B": 1}
+_UNITS.update({f"{u}{suffix}": 1 << (10 * (i + 1)) for i, u in enumerate("KMG") for suffix in ("", "B", "IB")})
 
 
 class NetbenchError(RuntimeError):
@@ -71,7 +84,9 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 4096, 64K, 16M)")
     n = int(m.group(1)) * _UNITS[m.group(2).upper()]
     if n < ELEMENT_BYTES or n % ELEMENT_BYTES:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of {ELEMENT_BYTES} bytes (float32 elements)")
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} must be a positive multiple of {ELEMENT_BYTES} bytes (float32 elements)"
+        )
     return n
 
 
@@ -107,22 +122,32 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m prism_launch.netbench",
         description="Measure α/β between ranks on this machine and write a cluster config.",
     )
-    ap.add_argument("--nproc", type=_positive_int, default=2, help="worker processes (>= 2; default 2)")
-    ap.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES), help=f"comma-separated sizes (default {DEFAULT_SIZES})")
-    ap.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per op and size, rounded up to a multiple of --rounds (default 20)")
-    ap.add_argument("--rounds", type=_positive_int, default=3, help="passes over all ops and sizes the iterations are split into (default 3)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed iterations before them (default 3)")
-    ap.add_argument("--name", default="local", help="cluster name written in the YAML (default local)")
-    ap.add_argument("--out", type=Path, default=Path("configs/cluster/local.yaml"), help="YAML to write (default configs/cluster/local.yaml; '-' for none)")
-    ap.add_argument("--gpus-per-node", type=_positive_int, default=None, help="gpus_per_node to write (default: --nproc)")
-    ap.add_argument("--memory-gib", type=_positive_float, default=None, help="gpu_memory_gib to write (default: the GPU's memory, or RAM / nproc on CPU)")
-    ap.add_argument("--nics-per-node", type=_positive_int, default=1, help="nics_per_node to write (default 1)")
-    ap.add_argument("--inter-bandwidth-gbps", type=_positive_float, default=None, help="inter_node bandwidth per NIC (default: the measured one)")
-    ap.add_argument("--inter-latency-us", type=float, default=None, help="inter_node per-hop latency (default: the measured one)")
-    ap.add_argument("--fit", choices=(*KINDS, "all"), default="all_reduce",
-                    help="measurements the written link is fitted to: one op, or all of them jointly (default all_reduce)")
-    ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl with CUDA, else gloo")
-    ap.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds for the whole run and any single wait (default 300)")
+    add = ap.add_argument
+    add("--nproc", type=_positive_int, default=2, help="worker processes (>= 2; default 2)")
+    add("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
+        help=f"comma-separated sizes in bytes, K/M/G binary units (default {DEFAULT_SIZES})")
+    add("--iters", type=_positive_int, default=20,
+        help="timed iterations per op and size, rounded up to a multiple of --rounds (default 20)")
+    add("--rounds", type=_positive_int, default=3,
+        help="passes over all ops and sizes the iterations are split into (default 3)")
+    add("--warmup", type=int, default=3, help="untimed iterations before them (default 3)")
+    add("--name", default="local", help="cluster name written in the YAML (default local)")
+    add("--out", type=Path, default=preset_dir() / "local.yaml",
+        help="YAML to write (default configs/cluster/local.yaml of this checkout, where the `cluster`"
+        " config group is read from; '-' for none)")
+    add("--gpus-per-node", type=_positive_int, default=None, help="gpus_per_node to write (default: --nproc)")
+    add("--memory-gib", type=_positive_float, default=None,
+        help="gpu_memory_gib to write (default: the GPU's memory, or RAM / nproc on CPU)")
+    add("--nics-per-node", type=_positive_int, default=1, help="nics_per_node to write (default 1)")
+    add("--inter-bandwidth-gbps", type=_positive_float, default=None,
+        help="inter_node bandwidth per NIC in GB/s (default: the measured one)")
+    add("--inter-latency-us", type=float, default=None, help="inter_node per-hop latency (default: the measured one)")
+    add("--fit", choices=(*KINDS, "all"), default="all_reduce",
+        help="measurements the written link is fitted to: one op, or all of them jointly (default all_reduce)")
+    add("--comment", action="append", default=[], help="extra line for the YAML's header comment (repeatable)")
+    add("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl with CUDA, else gloo")
+    add("--timeout", type=_positive_float, default=300.0,
+        help="seconds for the whole run and any single wait (default 300)")
     return ap
 
 
@@ -140,6 +165,7 @@ class _Plan:
     store_port: int
     timeout_s: float
     parent_pid: int
+    gloo_ifname: str
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -170,6 +196,8 @@ def _measure(rank: int, plan: _Plan) -> dict[tuple[str, int], float]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if plan.gloo_ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = plan.gloo_ifname
     timeout = _dt.timedelta(seconds=plan.timeout_s)
     store = dist.TCPStore("127.0.0.1", plan.store_port, plan.world, False, timeout=timeout)
     if plan.backend == "nccl":
@@ -198,15 +226,9 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
     points: list[tuple[str, int, object]] = []
     for nbytes in plan.sizes:
         numel = nbytes // ELEMENT_BYTES
-        buf = torch.ones(numel, dtype=torch.float32, device=device)
+        buf = torch.zeros(numel, dtype=torch.float32, device=device)  # sums stay 0 however often reduced
         gathered = torch.empty(numel * world, dtype=torch.float32, device=device)
         recv = torch.empty(numel, dtype=torch.float32, device=device)
-
-        def all_reduce(buf=buf) -> None:
-            dist.all_reduce(buf)
-
-        def reset(buf=buf) -> None:
-            buf.fill_(1.0)  # keep summed values bounded across iterations
 
         def p2p(buf=buf, recv=recv) -> None:
             if partner >= world:
@@ -219,18 +241,16 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
                 dist.send(buf, partner)
 
         ops = {
-            "all_reduce": (all_reduce, reset),
-            "all_gather": (lambda buf=buf, out=gathered: all_gather(out, buf), None),
-            "broadcast": (lambda buf=buf: dist.broadcast(buf, 0), None),
-            "p2p": (p2p, None),
+            "all_reduce": lambda buf=buf: dist.all_reduce(buf),
+            "all_gather": lambda buf=buf, out=gathered: all_gather(out, buf),
+            "broadcast": lambda buf=buf: dist.broadcast(buf, 0),
+            "p2p": p2p,
         }
         points.extend((kind, nbytes, ops[kind]) for kind in KINDS)
 
-    for _, _, (op, after) in points:
+    for _, _, op in points:
         for _ in range(plan.warmup):
             op()
-        if after:
-            after()
     sync()
     # nccl-tests style: back-to-back iterations of one (op, size) after a barrier, each
     # iteration timed. The sweep over all points is repeated `rounds` times so that a
@@ -239,7 +259,7 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
     per_round = -(-plan.iters // plan.rounds)
     durations = torch.zeros(plan.rounds * per_round, len(points), dtype=torch.float64)
     for rnd in range(plan.rounds):
-        for j, (_, _, (op, after)) in enumerate(points):
+        for j, (_, _, op) in enumerate(points):
             dist.barrier()
             stamps = [time.perf_counter()]
             for _ in range(per_round):
@@ -248,8 +268,6 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
                 stamps.append(time.perf_counter())
             for i in range(per_round):
                 durations[rnd * per_round + i, j] = stamps[i + 1] - stamps[i]
-            if after:
-                after()
     durations = durations.to(device)
     dist.all_reduce(durations, op=dist.ReduceOp.MAX)
     medians = durations.median(dim=0).values.cpu()
@@ -279,10 +297,8 @@ def run_workers(
 
     if nproc < 2:
         raise NetbenchError("--nproc must be >= 2: a link needs two ends")
-    env_set: list[str] = []
-    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo on loopback; inherited by spawned workers
-        env_set.append("GLOO_SOCKET_IFNAME")
+    # Keep gloo on loopback unless the user chose an interface.
+    loopback = backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists()
     store = _free_store(timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -296,6 +312,7 @@ def run_workers(
         store_port=store.port,
         timeout_s=timeout_s,
         parent_pid=os.getpid(),
+        gloo_ifname="lo" if loopback else "",
     )
     procs = [ctx.Process(target=_worker, args=(r, plan, results), name=f"netbench-{r}", daemon=True) for r in range(nproc)]
     deadline = time.monotonic() + timeout_s
@@ -311,14 +328,14 @@ def run_workers(
                 outcome = results.get(timeout=min(0.5, remaining))
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
+                if dead or all(p.exitcode is not None for p in procs):
                     # Give a failing worker's traceback a moment to arrive before reporting.
                     try:
                         outcome = results.get(timeout=2.0)
                     except queue.Empty:
                         raise NetbenchError(
                             "worker(s) exited without a result: "
-                            + ", ".join(f"rank {procs.index(p)} (exit code {p.exitcode})" for p in dead)
+                            + ", ".join(f"rank {procs.index(p)} (exit code {p.exitcode})" for p in dead or procs)
                         ) from None
         status, rank, payload = outcome
         if status != "ok":
@@ -336,9 +353,6 @@ def run_workers(
         _reap(procs)
         results.close()
         results.join_thread()
-        for key in env_set:
-            os.environ.pop(key, None)
-        del store
 
 
 def _reap(procs) -> None:
@@ -388,7 +402,8 @@ def _model_time(link: LinkSpec, kind: str, nbytes: int, p: int) -> float:
 def format_table(measured: dict[tuple[str, int], float], link: LinkSpec, fits: dict[str, LinkSpec], p: int) -> str:
     """Measured times against the written link's prediction and against each op's own fit."""
     lines = [
-        f"{'op':<11} {'size':>6} {'measured us':>12} {'model us':>10} {'error':>7} {'own fit us':>11} {'error':>7} {'busbw GB/s':>11}"
+        f"{'op':<11} {'size':>6} {'measured us':>12} {'model us':>10} {'error':>7}"
+        f" {'own fit us':>11} {'error':>7} {'busbw GB/s':>11}"
     ]
     for kind in KINDS:
         for (k, n), t in sorted(measured.items(), key=lambda kv: kv[0][1]):
@@ -468,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 2:
         print("netbench: error: --nproc must be >= 2 (a link needs two ends)", file=sys.stderr)
         return 2
+    if backend == "nccl" and args.nproc > torch.cuda.device_count():
+        print(f"netbench: error: --nproc {args.nproc} needs as many GPUs with nccl, "
+              f"but {torch.cuda.device_count()} are visible", file=sys.stderr)
+        return 2
     if args.inter_latency_us is not None and not (args.inter_latency_us >= 0 and math.isfinite(args.inter_latency_us)):
         print("netbench: error: --inter-latency-us must be >= 0", file=sys.stderr)
         return 2
@@ -486,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         print("netbench: interrupted", file=sys.stderr)
         return 130
     if args.fit not in fits:
-        print(f"netbench: error: the {args.fit} measurements could not be fitted; try larger --sizes or --fit all", file=sys.stderr)
+        print(f"netbench: error: the {args.fit} measurements could not be fitted; try larger --sizes or --fit all",
+              file=sys.stderr)
         return 1
 
     chosen = fits[args.fit]
@@ -508,17 +528,20 @@ def main(argv: list[str] | None = None) -> int:
     if str(args.out) == "-":
         return 0
     header = [
-        f"Measured by `python -m prism_launch.netbench {shlex.join(argv if argv is not None else sys.argv[1:])}`",
+        f"Measured by `python -m prism_launch.netbench {shlex.join(_without_comments(argv))}`",
         f"on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs, torch {torch.__version__}), "
         f"{_dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}:",
         f"{p} processes, backend {backend}{' over loopback' if backend == 'gloo' else ''}; "
-        f"all_reduce, all_gather, broadcast and send/recv ping-pong (p2p: half the round trip) at {','.join(map(_fmt_size, args.sizes))};",
-        f"time of an op: median over {_total_iters(args)} back-to-back timed iterations (in {min(args.rounds, args.iters)} rounds) "
+        "all_reduce, all_gather, broadcast and send/recv ping-pong (p2p: half the round trip)",
+        f"at {','.join(map(_fmt_size, args.sizes))} bytes;",
+        f"time of an op: median over {_total_iters(args)} back-to-back timed iterations"
+        f" (in {min(args.rounds, args.iters)} rounds) "
         f"of the slowest rank, after {args.warmup} warm-up.",
-        f"intra_node: least-squares fit of latency per hop and bus bandwidth to the {args.fit} times"
-        + (" of every op jointly" if args.fit == "all" else "") + ",",
+        "intra_node: least-squares fit of latency per hop and bus bandwidth to "
+        + ("the times of every op jointly," if args.fit == "all" else f"the {args.fit} times,"),
         "launch overhead folded into the per-hop latency (so protocol_latency_us is 0).",
         "inter_node: " + _inter_origin(args),
+        *(line for text in args.comment for line in text.splitlines()),
     ]
     try:
         write_atomic(args.out, cluster_yaml(spec, header))
@@ -527,6 +550,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {args.out}")
     return 0
+
+
+def _without_comments(argv: list[str] | None) -> list[str]:
+    """The command line as given, less ``--comment`` (its text is in the header already)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--comment":
+            skip = True
+        elif not a.startswith("--comment="):
+            out.append(a)
+    return out
 
 
 def _total_iters(args: argparse.Namespace) -> int:

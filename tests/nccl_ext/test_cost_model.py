@@ -74,7 +74,7 @@ def test_one_node_kinds(model):
     assert model.collective_time("reduce", n, ranks) == pytest.approx(lat + 3 * 0.5 * US + n / bw)
     assert model.collective_time("all_to_all", n, ranks) == pytest.approx(lat + 3 * 0.5 * US + 0.75 * n / bw)
     assert model.collective_time("gather", n, ranks) == pytest.approx(lat + 3 * 0.5 * US + 3 * n / bw)
-    assert model.collective_time("scatter", n, ranks) == pytest.approx(lat + 3 * 0.5 * US + 3 * n / bw)
+    assert model.collective_time("scatter", n, ranks) == pytest.approx(lat + 3 * 0.5 * US + 0.75 * n / bw)
     assert p == len(ranks)
 
 
@@ -137,6 +137,8 @@ def test_gather_root_receives_through_its_nic(model):
     ranks = [0, 1, 8, 9]  # root 0 shares its node with 1
     expected = 5 * US + 1 * 0.5 * US + 2 * 5 * US + max(1 * n / (360 * GB), 2 * n / (50 * GB))
     assert model.collective_time("gather", n, ranks) == pytest.approx(expected)
+    # scatter's nbytes is the root's whole input: each member gets a quarter of it
+    assert model.collective_time("scatter", 4 * n, ranks) == pytest.approx(expected)
 
 
 def test_tree_chosen_for_large_groups_small_messages(model):
@@ -197,6 +199,8 @@ def test_busbw_factors():
     assert busbw_factor("all_reduce", 1) == 0.0
     assert nccl_tests_bytes("all_gather", 100, 8) == 800
     assert nccl_tests_bytes("reduce_scatter", 800, 8) == 800
+    assert nccl_tests_bytes("gather", 100, 8) == 800
+    assert nccl_tests_bytes("scatter", 800, 8) == 800
     # busbw of a 1 GB all_reduce over 8 ranks taking 1 ms: algbw 1000 GB/s × 1.75
     assert bus_bandwidth_gbps("all_reduce", 10**9, 8, 1e-3) == pytest.approx(1750.0)
 
@@ -244,7 +248,10 @@ def test_spec_validation():
 
 @pytest.mark.parametrize(
     ("kind", "p"),
-    [("all_reduce", 8), ("all_reduce", 2), ("all_gather", 4), ("reduce_scatter", 8), ("broadcast", 2), ("p2p", 2), ("all_to_all", 4)],
+    [
+        ("all_reduce", 8), ("all_reduce", 2), ("all_gather", 4), ("reduce_scatter", 8),
+        ("broadcast", 2), ("p2p", 2), ("all_to_all", 4),
+    ],
 )
 def test_fit_recovers_alpha_beta(kind, p):
     truth = NcclCostModel(
@@ -271,10 +278,14 @@ def test_fit_recovers_alpha_beta(kind, p):
 
 def test_fit_with_protocol_latency_and_joint_kinds():
     link = LinkSpec(bandwidth_gbps=300.0, latency_us=0.7)
-    c = ClusterSpec(name="t", gpus_per_node=8, gpu_memory_gib=1.0, intra_node=link, inter_node=link, nics_per_node=8, protocol_latency_us=6.0)
+    c = ClusterSpec(
+        name="t", gpus_per_node=8, gpu_memory_gib=1.0, intra_node=link, inter_node=link,
+        nics_per_node=8, protocol_latency_us=6.0,
+    )
     m = NcclCostModel(c)
     sizes = [1 << s for s in range(8, 30, 3)]
-    fit = fit_alpha_beta([(n, m.collective_time("all_reduce", n, range(8))) for n in sizes], "all_reduce", 8, protocol_latency_us=6.0)
+    samples = [(n, m.collective_time("all_reduce", n, range(8))) for n in sizes]
+    fit = fit_alpha_beta(samples, "all_reduce", 8, protocol_latency_us=6.0)
     assert fit.latency_us == pytest.approx(0.7, rel=1e-6)
     assert fit.bandwidth_gbps == pytest.approx(300.0, rel=1e-6)
     joint = fit_link(

@@ -24,7 +24,7 @@ F32 = 4
 
 
 class _DeviceToCpuMode(TorchFunctionMode):
-    """A process-style TorchFunctionMode (like the CPU compatibility layer): sends device="cuda" to CPU."""
+    """A process-wide style TorchFunctionMode (like the CPU compatibility layer): device="cuda" -> CPU without CUDA."""
 
     def __init__(self):
         super().__init__()
@@ -34,7 +34,7 @@ class _DeviceToCpuMode(TorchFunctionMode):
         self.calls += 1
         kwargs = dict(kwargs or {})
         dev = kwargs.get("device")
-        if dev is not None and str(dev).startswith("cuda"):
+        if dev is not None and str(dev).startswith("cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
 
@@ -83,7 +83,8 @@ def test_hook_is_active_here():
 
 def test_exact_bytes_views_inplace_and_frees(tracker, function_mode):
     p = Probe(tracker)
-    a = torch.empty(1024, device="cuda")  # the function mode sends it to the CPU allocator
+    where = "cpu" if torch.cuda.is_available() else "cuda"  # without CUDA the function mode redirects it
+    a = torch.empty(1024, device=where)
     assert a.device.type == "cpu"
     assert p() == (1024 * F32, 1024 * F32)
     b = torch.ones(1024)

@@ -41,7 +41,10 @@ def test_parse_sizes():
 
 def test_fit_measurements_and_table():
     link = LinkSpec(bandwidth_gbps=2.0, latency_us=40.0)
-    c = ClusterSpec(name="t", gpus_per_node=2, gpu_memory_gib=1.0, intra_node=link, inter_node=link, nics_per_node=1, protocol_latency_us=0.0)
+    c = ClusterSpec(
+        name="t", gpus_per_node=2, gpu_memory_gib=1.0, intra_node=link, inter_node=link,
+        nics_per_node=1, protocol_latency_us=0.0,
+    )
     m = NcclCostModel(c)
     sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 22]
     measured = {}
@@ -79,6 +82,12 @@ def test_timeout_is_reported_and_workers_reaped():
     # Far too short for the workers even to import torch: the wait must end, with an error.
     with pytest.raises(netbench.NetbenchError, match="timed out"):
         netbench.run_workers(2, [1024, 4096], 1, 0, "gloo", 0.3)
+    assert multiprocessing.active_children() == []
+
+
+def test_worker_failure_is_reported():
+    with pytest.raises(netbench.NetbenchError, match=r"worker rank \d failed:(.|\n)*Traceback"):
+        netbench.run_workers(2, [1024, 4096], 1, 0, "no_such_backend", 60.0)
     assert multiprocessing.active_children() == []
 
 
