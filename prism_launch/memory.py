@@ -436,19 +436,19 @@ _HOOK_LOCK = threading.Lock()
 
 
 def _verify(hook: _Hook) -> None:
-    """Checks, on this thread, that allocations and frees reach the hook to the byte."""
+    """Checks that a tensor's and a storage's blocks reach the hook, and leave it when freed."""
     with torch._C.DisableTorchFunction():
         for make in (
-            lambda: torch.empty(4099, dtype=torch.uint8),
+            lambda: torch.empty(4099, dtype=torch.uint8).untyped_storage(),
             lambda: torch.UntypedStorage(4099),
         ):
-            before, allocs = hook.current(), hook.allocs()
             obj = make()
-            seen = hook.current() - before
+            ptr = obj.data_ptr()
+            tracked = bool(hook.is_tracked(ptr))
+            frees = hook.frees()
             del obj
-            back = hook.current() - before
-            if hook.allocs() <= allocs or seen < 4099 or back != 0:
-                raise RuntimeError(f"CPU allocator hook self-check failed (saw {seen} bytes, {back} left)")
+            if not tracked or hook.frees() <= frees:
+                raise RuntimeError("CPU allocator hook self-check failed: an allocation was not seen")
 
 
 def _hook() -> _Hook | None:
@@ -562,6 +562,8 @@ class MemoryTracker:
         self._install_s = 0.0
         self._mark_s = 0.0
         self._counts_at_start: dict = {}
+        self._index = _cuda_index(self.device) if self._cuda else -1
+        self._peak_reserved = 0
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -570,10 +572,9 @@ class MemoryTracker:
             return
         t0 = time.perf_counter()
         if self._cuda:
-            idx = _cuda_index(self.device)
-            self._index = idx
-            torch.cuda.reset_peak_memory_stats(idx)
-            self._peak = torch.cuda.memory_allocated(idx)
+            torch.cuda.reset_peak_memory_stats(self._index)
+            self._peak = int(torch.cuda.memory_allocated(self._index))
+            self._peak_reserved = int(torch.cuda.memory_reserved(self._index))
         else:
             if _ACTIVE_CPU_TRACKER is not None and _ACTIVE_CPU_TRACKER is not self:
                 raise RuntimeError("another CPU MemoryTracker is active in this process; stop() it first")
@@ -622,8 +623,10 @@ class MemoryTracker:
         if self._cuda:
             unit_peak = int(torch.cuda.max_memory_allocated(self._index))
             current = int(torch.cuda.memory_allocated(self._index))
+            reserved_peak = int(torch.cuda.max_memory_reserved(self._index))
             torch.cuda.reset_peak_memory_stats(self._index)
             self._peak = max(self._peak, unit_peak)
+            self._peak_reserved = max(self._peak_reserved, reserved_peak)
         elif self._hook is not None:
             current = int(self._hook.current())
             unit_peak = int(self._hook.take_unit_peak())
@@ -701,6 +704,10 @@ class MemoryTracker:
             "samples": [asdict(s) for s in self._samples],
             "overhead": overhead,
         }
+        if self._cuda and self._final is None and self._started:
+            # what the caching allocator holds from the device (fragmentation included)
+            out["reserved_bytes"] = int(torch.cuda.memory_reserved(self._index))
+            out["peak_reserved_bytes"] = max(self._peak_reserved, int(torch.cuda.max_memory_reserved(self._index)))
         limit = _LIMITS.get("cuda" if self._cuda else "cpu")
         if limit is not None:
             out["limit_bytes"] = limit
