@@ -99,6 +99,9 @@ class CaptureTransport:
             self._last_wall = t1  # the blocked time is the wait's, not the next compute span's
         self._send(("wait", ref, self.unit, t, wall, cpu, t0, t1))
 
+    def report_memory(self, summary: dict) -> None:
+        self._send(("memory", self.rank, summary))
+
     def marker(self, name: str) -> None:
         t, wall, cpu = self._span()
         self._send(("marker", name, self.unit, t, wall, cpu))

@@ -67,7 +67,11 @@ def reduce_kind(op) -> ReduceKind:
 
 def fold(kind: ReduceKind, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Reduce ``tensors`` left to right in the given (group-rank) order."""
-    acc = tensors[0].clone()
+    from nccl_ext.wire import untracked_empty
+
+    first = tensors[0]
+    acc = untracked_empty(first.shape, first.dtype) if first.device.type == "cpu" else torch.empty_like(first)
+    acc.copy_(first)
     for t in tensors[1:]:
         match kind:
             case ReduceKind.SUM | ReduceKind.AVG:

@@ -62,6 +62,10 @@ class Transport(Protocol):
         """The rank waited on op ``ref`` from ``t0`` to ``t1`` (None: it was already done)."""
         ...
 
+    def report_memory(self, summary: dict) -> None:
+        """The rank's memory accounting at the end of its program."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -79,13 +83,15 @@ class PrismWorld:
     """Communication ops this rank has issued (all groups)."""
     _ops_at_last_step: int = -1
 
-    def step_boundary(self) -> None:
+    def step_boundary(self) -> bool:
         """Mark a scheduling-unit boundary, once per iteration even when a chained optimizer
-        (e.g. megatron's dense + expert optimizers) steps several torch optimizers."""
+        (e.g. megatron's dense + expert optimizers) steps several torch optimizers.
+        Returns whether a boundary was marked."""
         if self.ops_issued == self._ops_at_last_step:
-            return
+            return False
         self._ops_at_last_step = self.ops_issued
         self.transport.marker("step")
+        return True
 
     def __post_init__(self) -> None:
         self.registry = GroupRegistry(self.rank, self.world_size)
@@ -103,6 +109,23 @@ def _no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
     with torch.no_grad():
         dst.copy_(src.reshape(dst.shape))
+
+
+def _copy_pieces(dst: torch.Tensor, pieces, what: str) -> None:
+    """Write ``pieces`` back to back into ``dst`` without a temporary concatenation."""
+    total = sum(p.numel() for p in pieces)
+    if dst.numel() != total:
+        raise RuntimeError(f"{what}: result has {total} elements, output tensor has {dst.numel()}")
+    flat = dst.view(-1) if dst.is_contiguous() else None
+    with torch.no_grad():
+        if flat is None:
+            dst.copy_(torch.cat([p.reshape(-1) for p in pieces]).reshape(dst.shape))
+            return
+        offset = 0
+        for p in pieces:
+            k = p.numel()
+            flat[offset : offset + k].copy_(p.reshape(-1))
+            offset += k
 
 
 class PrismProcessGroup(dist.ProcessGroup):
@@ -223,7 +246,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         def apply(res):
             for i, out in enumerate(outputs):
-                _no_grad_copy(out, torch.cat([r.reshape(-1) for r in res[i * n : (i + 1) * n]]), api)
+                _copy_pieces(out, res[i * n : (i + 1) * n], api)
 
         return self._submit(CollectiveCall(api, Collective.ALL_GATHER, list(inputs)), apply, opts)
 
@@ -281,7 +304,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         pieces = list(input.split(in_splits, dim=0)) if input.dim() else [input]
 
         def apply(res):
-            _no_grad_copy(output, torch.cat([r.reshape(-1) for r in res]), api)
+            _copy_pieces(output, res, api)
 
         return self._submit(CollectiveCall(api, Collective.ALL_TO_ALL, pieces), apply, opts)
 

@@ -138,6 +138,7 @@ class ReplayTransport:
         self._unit_start: float | None = None
         self._last_wall = self._t0
         self._last_cpu: dict[int, float] = {threading.get_ident(): time.thread_time()}
+        self.memory: dict | None = None
         self.spans: list[tuple[str, float, float]] = []
         """(event code, CPU s, wall s) of compute before each of this rank's events, in order:
         what slice calibration takes from a sandbox run."""
@@ -240,7 +241,7 @@ class ReplayTransport:
 
         works: list = []
         if served:
-            buf = torch.empty(sum(rec.nbytes for _, rec in served), dtype=torch.uint8)
+            buf = wire.untracked_empty((sum(rec.nbytes for _, rec in served),), torch.uint8)
             works.append(self.physical.recv([buf], self.assistant, own.idx))
             inner = finish
 
@@ -285,7 +286,7 @@ class ReplayTransport:
                 continue
             rec = self.recording.collective(group.ranks[m], gid, seq)
             shapes = rec.shapes if rec else ()
-            bufs = [torch.empty(s, dtype=_dtype(d)) for s, d in zip(shapes, rec.dtypes)] if rec else []
+            bufs = [wire.untracked_empty(s, _dtype(d)) for s, d in zip(shapes, rec.dtypes)] if rec else []
             contributions[m] = bufs
             src = self._phys_rank(group.ranks[m])
             for i, b in enumerate(bufs):
@@ -316,7 +317,7 @@ class ReplayTransport:
         what = f"rank {self.rank}: recv #{seq} from rank {src} tag {tag} on group {group.desc or group.key}"
         pending = Pending(what, self.timeout_s)
         if src in self.sandbox:
-            buf = torch.empty(like.shape, dtype=like.dtype)
+            buf = wire.untracked_empty(like.shape, like.dtype)
             work = self.physical.recv([buf], self._phys_rank(src), _tag(gid, src, self.rank, tag, seq, 7))
             _when_all([work], lambda: pending.complete([buf]), pending)
             return pending
@@ -329,11 +330,14 @@ class ReplayTransport:
         if self.assistant is None:
             self._finish_after(pending, [tensor()], delay)
             return pending
-        buf = torch.empty(rec_send.nbytes, dtype=torch.uint8)
+        buf = wire.untracked_empty((rec_send.nbytes,), torch.uint8)
         work = self.physical.recv([buf], self.assistant, own.idx)
         out: list = [None]
         _when_all([work], lambda: self._finish_after(pending, _unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending
+
+    def report_memory(self, summary: dict) -> None:
+        self.memory = summary
 
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         self._span("w", until=t0)
@@ -372,7 +376,7 @@ class ReplayTransport:
             "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
             "physical_exchanges": self.stats.physical_exchanges, "waited_s": self.stats.waited_s,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
-            "spans": self.spans,
+            "spans": self.spans, "memory": self.memory,
         }, indent=1))
         tmp.replace(self.summary_path)
         self.summary_path = None
@@ -396,9 +400,17 @@ def _unpack(buf: torch.Tensor, served: list[tuple[int, RecordedOp]], into: list)
         tensors = []
         for shape, dtype in zip(rec.shapes, rec.dtypes):
             nbytes = _numel(shape) * _dtype(dtype).itemsize
+            dt = _dtype(dtype)
             piece = buf[offset : offset + nbytes]
+            if nbytes == 0:
+                t = torch.empty(tuple(shape), dtype=dt)
+            elif offset % dt.itemsize == 0:
+                t = piece.view(dt).reshape(tuple(shape))
+            else:  # unaligned for this dtype: copy into a fresh (untracked) buffer
+                t = wire.untracked_empty(tuple(shape), dt)
+                t.reshape(-1).view(torch.uint8).copy_(piece)
             offset += nbytes
-            tensors.append(wire.tensor_from_bytes(wire.TensorDesc(dtype, tuple(shape)), piece.numpy().tobytes()))
+            tensors.append(t)
         into[m] = tensors
     return into
 

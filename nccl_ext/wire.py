@@ -48,6 +48,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def untracked_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor whose memory does not come from torch's CPU allocator, so the
+    communication layer's own buffers never show in the program's memory accounting
+    (a real backend writes into the program's tensors without allocating through it)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(bytearray(nbytes), dtype=dtype).reshape(tuple(shape))
+
+
 def digest(t: torch.Tensor) -> str:
     """Content hash of a tensor's bytes (dtype and shape are compared separately)."""
     import hashlib

@@ -92,6 +92,34 @@ def _replay_transport(ctx: RankContext):
     return make
 
 
+_TRACKER: list = []
+
+
+def _start_memory(ctx: RankContext):
+    """Allocator-level memory accounting for this rank (and the target's cap when asked)."""
+    if os.environ.get("PRISM_MEMORY", "1") != "1":
+        return None
+    from prism_launch.memory import MemoryTracker, set_memory_limit
+
+    tracker = MemoryTracker(ctx.device)
+    tracker.start()
+    limit = int(os.environ.get("PRISM_MEMORY_LIMIT", "0"))
+    if limit > 0:
+        set_memory_limit(ctx.device, limit)
+    _TRACKER.append(tracker)
+    return tracker
+
+
+def _finish_memory() -> None:
+    from nccl_ext import install
+
+    world = install.current_world()
+    if _TRACKER and world is not None:
+        tracker = _TRACKER.pop()
+        tracker.stop()
+        world.transport.report_memory(tracker.summary())
+
+
 def activate(ctx: RankContext) -> None:
     """Prepare this process to be logical rank ``ctx.rank``; idempotent per process."""
     import torch
@@ -102,16 +130,23 @@ def activate(ctx: RankContext) -> None:
     if ctx.device == "cpu":
         for name in ctx.compat:
             importlib.import_module(name).install()
+    if ctx.mode == "real":
+        tracker = _start_memory(ctx) if os.environ.get("PRISM_MEMORY_OUT") else None
+        if tracker is not None:
+            from nccl_ext import install
+
+            install.install_step_marker(lambda: tracker.mark_unit(len(tracker.samples)))
     if ctx.mode in ("capture", "emulate"):
         from nccl_ext import install
 
         make = _capture_transport(ctx) if ctx.mode == "capture" else _replay_transport(ctx)
         install.install(rank=ctx.rank, world_size=ctx.world_size, make_transport=make, timeout_s=ctx.timeout_s)
+        tracker = _start_memory(ctx)
 
         def on_step() -> None:
             world = install.current_world()
-            if world is not None:
-                world.step_boundary()
+            if world is not None and world.step_boundary() and tracker is not None:
+                tracker.mark_unit(len(tracker.samples))
 
         install.install_step_marker(on_step)
 
@@ -137,10 +172,21 @@ def run(script: str, args: list[str], *, module: bool = False) -> int:
         print(code, file=sys.stderr)
         return 1
     finally:
+        if ctx.mode == "real" and _TRACKER and os.environ.get("PRISM_MEMORY_OUT"):
+            import json
+
+            tracker = _TRACKER.pop()
+            tracker.stop()
+            out = Path(os.environ["PRISM_MEMORY_OUT"])
+            out.with_suffix(".tmp").write_text(json.dumps(tracker.summary()))
+            out.with_suffix(".tmp").replace(out)
         if ctx.mode in ("capture", "emulate"):
             from nccl_ext import install
 
-            install.close()
+            try:
+                _finish_memory()
+            finally:
+                install.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,6 +139,15 @@ class ReplayConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MemoryConfig:
+    track: bool = True
+    """Allocator-level accounting of every rank's memory (CUDA caching allocator / c10 CPU allocator)."""
+    enforce_limit: bool | None = None
+    """Cap sandbox ranks' allocators at ``cluster.gpu_memory_gib`` so a real OOM happens where the
+    target's would. Default: on CUDA only."""
+
+
+@dataclass(kw_only=True, slots=True)
 class CommConfig:
     timeout_s: float = 300.0
     """Deadline of every communication wait; a wait past it fails naming rank, group, op and sequence number."""
@@ -186,6 +195,7 @@ class PrismConfig:
     compat: CompatConfig = field(default_factory=CompatConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     cluster: ClusterSpec = MISSING
     """The target machine room (Hydra group ``cluster``: h100_ib, h200_ib, a100_ib, gb200_nvl72, cpu_local)."""

@@ -84,6 +84,8 @@ class Coordinator:
         self.events: list[dict] = []
         self.tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
         self.finished: set[int] = set()
+        self.memory: dict[int, dict] = {}
+        """Each rank's memory accounting summary (peak bytes, per-unit samples, method)."""
         self.t0 = time.monotonic()
         self.ops_completed = 0
         self._accepting = True
@@ -156,6 +158,8 @@ class Coordinator:
                 peer, extra["tag"] = ref[2], ref[3]
             self._row(rank, unit, "wait", "wait", group, seq, peer, None, t, t if t1 is None else t1, wall, cpu,
                       None, extra)
+        elif kind == "memory":
+            self.memory[header[1]] = header[2]
         elif kind == "bye":
             self.finished.add(header[1])
 

@@ -96,7 +96,10 @@ class Launcher:
     def run(self) -> RunOutcome:
         mode = self.cfg.mode
         if mode is Mode.real:
-            log_dir = self._run_ranks(Mode.real, list(range(self.topo.world_size)), {})
+            log_dir = self.log_dir(Mode.real)
+            self._fixed_log_dir = log_dir
+            mem = (lambda r: {"PRISM_MEMORY_OUT": str(log_dir / str(r) / "memory.json")}) if self.cfg.memory.track else {}
+            log_dir = self._run_ranks(Mode.real, list(range(self.topo.world_size)), mem)
             return RunOutcome(mode, None, None, log_dir)
         if mode is Mode.capture:
             log_dir = self.capture()
@@ -160,6 +163,7 @@ class Launcher:
             "PRISM_DEVICE": str(self.cfg.device),
             "PRISM_COMPAT": ",".join(self.cfg.compat.modules) if str(self.cfg.device) == "cpu" else "",
             "PRISM_TIMEOUT_S": str(self.cfg.comm.timeout_s),
+            "PRISM_MEMORY": "1" if self.cfg.memory.track else "0",
         })
         if self.no_python:
             env["PRISM_HOOK"] = "1"
@@ -207,7 +211,8 @@ class Launcher:
         specs = [RankSpec(rank=r, env=self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
                           argv=argv if spawn else None) for r in ranks]
         specs += [RankSpec(rank=x.rank, env=x.env, argv=x.argv if spawn else None) for x in extra_specs]
-        log_dir = self.log_dir(mode)
+        log_dir = getattr(self, "_fixed_log_dir", None) or self.log_dir(mode)
+        self._fixed_log_dir = None
         redirects = Std.from_str(tr.redirects)
         tee = Std.from_str(tr.tee)
         if redirects == Std.NONE and tee == Std.NONE:
@@ -305,6 +310,7 @@ class Launcher:
                 if coord.tensors[r]:
                     writer.add_tensors(r, coord.tensors[r])
             writer.write_json("steps.json", {str(r): s for r, s in steps.items()})
+            writer.write_json("memory.json", {str(r): m for r, m in coord.memory.items()})
             writer.commit(
                 fingerprint=self.fingerprint, versions=fp.versions(), world_size=ws,
                 topology=self.topo.to_dict(), groups=coord.groups(), ranks_captured=list(range(ws)),
@@ -337,6 +343,11 @@ class Launcher:
             "PRISM_TIME_SCALE": str(self.cfg.emulate.time_scale),
             "PRISM_STRICT": "1" if self.cfg.emulate.strict else "0",
         }
+        enforce = self.cfg.memory.enforce_limit
+        if enforce is None:
+            enforce = str(self.cfg.device) == "cuda"
+        if enforce:
+            env["PRISM_MEMORY_LIMIT"] = str(int(self.cfg.cluster.gpu_memory_gib * 2**30))
         assistant = self.cfg.emulate.virtual_host is VirtualHost.assistant
         if len(sandbox) + assistant > 1:
             import datetime

@@ -63,6 +63,8 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
             "physical_exchanges": summary.get("physical_exchanges"),
             "replay_wait_s": summary.get("waited_s"),
             "divergences": summary.get("divergences", []),
+            "peak_memory_bytes": (summary.get("memory") or {}).get("peak_bytes"),
+            "memory_method": ((summary.get("memory") or {}).get("method") or {}).get("name"),
         }
     report = {
         "world_size": reader.manifest.world_size,
@@ -82,7 +84,9 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
     out.mkdir(parents=True, exist_ok=True)
     from prism_launch.predict import predict
 
-    memory = {int(r): v["peak_memory_bytes"] for r, v in ranks.items() if v.get("peak_memory_bytes") is not None}
+    captured_memory = reader.read_json("memory.json") if "memory.json" in reader.json_files() else {}
+    memory = {int(r): m["peak_bytes"] for r, m in captured_memory.items() if m.get("peak_bytes") is not None}
+    memory.update({int(r): v["peak_memory_bytes"] for r, v in ranks.items() if v.get("peak_memory_bytes") is not None})
     pred = predict(launcher.cfg, reader, launcher.trace_dir, sandbox, out, memory)
     report["predicted"] = pred["predicted"]
     report["pipeline_ranks"] = pred["pipeline_ranks"]
@@ -128,6 +132,8 @@ def print_report(report: dict, path: Path) -> None:
         console.print(table)
         verdict = {True: "[green]bit-identical to the capture[/green]", False: "[red]DIFFER from the capture[/red]",
                    None: "no loss lines to compare"}[r["losses_match_capture"]]
+        if r.get("peak_memory_bytes") is not None:
+            console.print(f"  peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r.get('memory_method')})")
         console.print(f"  losses: {verdict}; ops replayed {r['ops']} (+{r['p2p']} p2p), "
                       f"divergences {len(r['divergences'])}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
     pred = report.get("predicted")
