@@ -87,8 +87,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cluster", default="h100_ib")
     a = ap.parse_args()
+    import gc
+
     t0 = time.perf_counter()
+    gc.disable()
     g = build(a.world, a.tp, a.pp, a.microbatches, a.steps, a.layers)
+    gc.enable()
     built = time.perf_counter() - t0
     try:
         from nccl_ext.cost_model import load_cluster, make_cost_model

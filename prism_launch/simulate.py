@@ -79,6 +79,18 @@ class Replay:
 def graph_from_events(rows: list[dict], groups: dict[int, tuple[int, ...]], world_size: int,
                       compute: str = "cpu", calibrated: dict[tuple[int, int], float] | None = None) -> Graph:
     """Build a :class:`Graph` from trace event rows (``TraceReader.events().to_pylist()``)."""
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _graph_from_events(rows, groups, world_size, compute, calibrated)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _graph_from_events(rows, groups, world_size, compute, calibrated) -> Graph:
     by_rank: dict[int, list[dict]] = defaultdict(list)
     for row in rows:
         by_rank[row["rank"]].append(row)
@@ -119,77 +131,121 @@ def graph_from_events(rows: list[dict], groups: dict[int, tuple[int, ...]], worl
     return Graph(ranks=ranks, world_size=world_size)
 
 
+def _intern(graph: Graph) -> tuple[list[list[tuple]], int]:
+    """Replace tuple keys by dense integer slots (one hash per event, list lookups after).
+
+    Per rank, events become ``(code, span, slot, info)``: COLL slot of its completion, info
+    ``(kind, nbytes, members)``; SEND slot of the send's completion, info
+    ``(nbytes, src, dst, recv_slot)``; RECV slot of the receive's completion; WAIT the slot
+    it waits on, info ``"c"``/``"s"``/``"r"``; MARK info the unit.
+    """
+    ids: dict = {}
+
+    def slot(key) -> int:
+        i = ids.get(key)
+        if i is None:
+            i = ids[key] = len(ids)
+        return i
+
+    out = []
+    for r in sorted(graph.ranks):
+        evs = []
+        for code, span, key, info in graph.ranks[r]:
+            if code == COLL:
+                evs.append((COLL, span, slot(key), info))
+            elif code == SEND:
+                evs.append((SEND, span, slot(("s", key)), (info, key[1], key[2], slot(("r", key)))))
+            elif code == RECV:
+                evs.append((RECV, span, slot(("r", key)), None))
+            elif code == WAIT:
+                evs.append((WAIT, span, slot(key if key[0] == "c" else (key[0], key[1])), key[0]))
+            else:
+                evs.append((MARK, span, -1, key))
+        out.append(evs)
+    return out, len(ids)
+
+
 def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()) -> Replay:
     """Walk ``graph``; raise ``RuntimeError`` naming the blocked ranks if it deadlocks."""
-    keep = set(timeline_ranks)
-    ops = graph.ranks
-    clock = {r: 0.0 for r in ops}
-    pos = {r: 0 for r in ops}
-    pending_compute = {r: True for r in ops}
-    results = {r: RankResult() for r in ops}
-    timelines: dict[int, list[tuple[str, float, float]]] = {r: [] for r in keep}
-    done: dict = {}             # op key -> completion time
-    cause: dict = {}            # op key -> (rank, event position) whose issue bound the completion
-    issued: dict = {}           # key -> (issue time, rank, pos)  (sends/recvs)
-    coll: dict = {}             # ("c", gid, seq) -> [remaining, max_issue, last_rank, last_pos, lateness per rank]
+    import gc
+
+    # millions of small tuples, none cyclic: the cyclic collector would rescan them all
+    # again and again (measured: ~2x of the whole replay at 8,192 ranks)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _replay(graph, model, timeline_ranks)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Replay:
+    order = sorted(graph.ranks)
+    ops, n_slots = _intern(graph)
+    n = len(order)
+    index = {r: i for i, r in enumerate(order)}
+    keep = {index[r] for r in timeline_ranks if r in index}
+    clock = [0.0] * n
+    pos = [0] * n
+    fresh_at = [True] * n
+    results = [RankResult() for _ in range(n)]
+    timelines: dict[int, list[tuple[str, float, float]]] = {i: [] for i in keep}
+    done: list = [None] * n_slots       # slot -> completion time
+    cause: list = [None] * n_slots      # slot -> (rank index, event position, issue time) that bound it
+    msg_arrival: list = [None] * n_slots  # recv slot -> (arrival, sender index, pos, issue time)
+    recv_issue: list = [None] * n_slots   # recv slot -> (issue time, receiver index, pos)
+    coll: dict = {}                     # slot -> [remaining, max_issue, last_rank, last_pos, arrivals]
     blocked: dict = defaultdict(list)
     delay_caused: dict[int, float] = defaultdict(float)
-    # per-rank binding info for the critical path: pos -> (start, end, bound_by)
-    binding: dict[int, dict[int, tuple[float, float, tuple | None]]] = {r: {} for r in ops}
-    queue = deque(sorted(ops))
+    binding: list[dict[int, tuple]] = [{} for _ in range(n)]
+    queue = deque(range(n))
     cost_cache: dict = {}
-
-    def coll_cost(kind, nbytes, members) -> float:
-        key = (kind, nbytes, members)
-        c = cost_cache.get(key)
-        if c is None:
-            c = cost_cache[key] = model.collective_time(kind, nbytes, members)
-        return c
-
-    def complete(key, t, by) -> None:
-        done[key] = t
-        cause[key] = by
-        for r in blocked.pop(key, ()):
-            queue.append(r)
-
     p2p_cache: dict = {}
+
+    def complete(sl: int, t: float, by) -> None:
+        done[sl] = t
+        cause[sl] = by
+        waiting = blocked.pop(sl, None)
+        if waiting:
+            queue.extend(waiting)
+
     while queue:
         r = queue.popleft()
         evs = ops[r]
-        n = len(evs)
+        ne = len(evs)
         res = results[r]
         tl = timelines.get(r)
         p = pos[r]
         t = clock[r]
-        fresh = pending_compute[r]
+        fresh = fresh_at[r]
         bind = binding[r]
-        while p < n:
-            code, span, key, info = evs[p]
-            if fresh:
-                if span > 0:
-                    if tl is not None:
-                        tl.append(("compute", t, t + span))
-                    t += span
-                    res.compute_s += span
+        while p < ne:
+            code, span, sl, info = evs[p]
+            if fresh and span > 0:
+                if tl is not None:
+                    tl.append(("compute", t, t + span))
+                t += span
+                res.compute_s += span
             fresh = True
             if code == WAIT:
-                end = done.get(key)
+                end = done[sl]
                 if end is None:
-                    blocked[key].append(r)
+                    blocked[sl].append(r)
                     fresh = False
                     break
                 if end > t:
                     res.blocked_s += end - t
-                    if key[0] == "r":
+                    if info == "r":
                         res.bubble_s += end - t
                     if tl is not None:
-                        tl.append(("wait" if key[0] == "c" else "p2p-wait", t, end))
-                    bind[p] = (t, end, cause.get(key))
+                        tl.append(("wait" if info == "c" else "p2p-wait", t, end))
+                    bind[p] = (t, end, cause[sl])
                     t = end
             elif code == COLL:
-                st = coll.get(key)
+                st = coll.get(sl)
                 if st is None:
-                    st = coll[key] = [len(info[2]), t, r, p, []]
+                    st = coll[sl] = [len(info[2]), t, r, p, []]
                 st[0] -= 1
                 st[4].append(t)
                 if t >= st[1]:
@@ -199,49 +255,58 @@ def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()
                     if len(arrivals) > 1:
                         arrivals.sort()
                         delay_caused[st[2]] += arrivals[-1] - arrivals[-2]
-                    complete(key, st[1] + coll_cost(*info), (st[2], st[3], st[1]))
-                    del coll[key]
+                    cost = cost_cache.get(info)
+                    if cost is None:
+                        cost = cost_cache[info] = model.collective_time(*info)
+                    complete(sl, st[1] + cost, (st[2], st[3], st[1]))
+                    del coll[sl]
             elif code == SEND:
-                pk = (info, key[1], key[2])
+                nbytes, src, dst, rsl = info
+                pk = (nbytes, src, dst)
                 cost = p2p_cache.get(pk)
                 if cost is None:
-                    cost = p2p_cache[pk] = model.p2p_time(info, key[1], key[2])
+                    cost = p2p_cache[pk] = model.p2p_time(nbytes, src, dst)
                 arrive = t + cost
-                issued[("m", key)] = (arrive, r, p, t)
-                complete(("s", key), arrive, (r, p, t))
-                rv = issued.get(("rv", key))
+                msg_arrival[rsl] = (arrive, r, p, t)
+                complete(sl, arrive, (r, p, t))
+                rv = recv_issue[rsl]
                 if rv is not None:
-                    complete(("r", key), max(rv[0], arrive), (r, p, t) if arrive >= rv[0] else (rv[1], rv[2], rv[0]))
+                    complete(rsl, max(rv[0], arrive), (r, p, t) if arrive >= rv[0] else (rv[1], rv[2], rv[0]))
             elif code == RECV:
-                issued[("rv", key)] = (t, r, p)
-                msg = issued.get(("m", key))
+                recv_issue[sl] = (t, r, p)
+                msg = msg_arrival[sl]
                 if msg is not None:
-                    complete(("r", key), max(t, msg[0]), (msg[1], msg[2], msg[3]) if msg[0] >= t else (r, p, t))
-            elif code == MARK:
+                    complete(sl, max(t, msg[0]), (msg[1], msg[2], msg[3]) if msg[0] >= t else (r, p, t))
+            else:
                 res.step_ends.append(t)
             p += 1
-        pos[r], clock[r], pending_compute[r] = p, t, fresh
+        pos[r], clock[r], fresh_at[r] = p, t, fresh
         res.end = t
 
-    stuck = [r for r in ops if pos[r] < len(ops[r])]
+    stuck = [i for i in range(n) if pos[i] < len(ops[i])]
     if stuck:
-        r = stuck[0]
-        raise RuntimeError(f"replay deadlocked: {len(stuck)} rank(s) blocked, e.g. rank {r} at event "
-                           f"{pos[r]} waiting on {ops[r][pos[r]][2]} (the trace is incomplete)")
+        i = stuck[0]
+        raise RuntimeError(f"replay deadlocked: {len(stuck)} rank(s) blocked, e.g. rank {order[i]} at event "
+                           f"{pos[i]} (the trace is incomplete)")
 
-    n_steps = min((len(x.step_ends) for x in results.values()), default=0)
+    n_steps = min((len(x.step_ends) for x in results), default=0)
     iteration_times = []
     prev = 0.0
     for k in range(n_steps):
-        end = max(x.step_ends[k] for x in results.values())
+        end = max(x.step_ends[k] for x in results)
         iteration_times.append(end - prev)
         prev = end
+    path = _critical_path(ops, results, binding)
+    for seg in path:
+        seg["rank"] = order[seg["rank"]]
+        if "peer" in seg:
+            seg["peer"] = order[seg["peer"]]
     return Replay(
-        world_size=graph.world_size, ranks=results, iteration_times=iteration_times,
-        critical_path=_critical_path(ops, results, binding),
-        stragglers=[{"rank": r, "delay_caused_s": d} for r, d in
+        world_size=graph.world_size, ranks={order[i]: results[i] for i in range(n)},
+        iteration_times=iteration_times, critical_path=path,
+        stragglers=[{"rank": order[i], "delay_caused_s": d} for i, d in
                     sorted(delay_caused.items(), key=lambda kv: -kv[1])[:5] if d > 0],
-        timelines=timelines,
+        timelines={order[i]: v for i, v in timelines.items()},
     )
 
 
@@ -249,10 +314,10 @@ def _critical_path(ops, results, binding) -> list[dict]:
     """Walk back from the rank that finishes last through the waits that bound it."""
     if not results:
         return []
-    r = max(results, key=lambda k: results[k].end)
+    r = max(range(len(results)), key=lambda k: results[k].end)
     p = len(ops[r]) - 1
     segments: list[dict] = []
-    guard = sum(len(v) for v in ops.values()) + 1
+    guard = sum(len(v) for v in ops) + 1
     while p >= 0 and guard > 0:
         guard -= 1
         b = binding[r].get(p)
