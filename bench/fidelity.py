@@ -6,7 +6,7 @@ peak-memory error and whether losses match.
 Each job runs with 2 ranks (one thread each, so the real run is free of contention on a
 2-core machine): ``mode=real`` gives the measured step time (the recipe's own
 ``step_time_ms``, median of the steps after the first) and losses; ``mode=auto`` captures,
-calibrates and emulates rank 1 as the sandbox, and the report's global replay gives the
+calibrates and emulates rank 0 as the sandbox, and the report's global replay gives the
 predicted iteration time.
 """
 
@@ -60,10 +60,10 @@ def bench(job: str, iters: int, cluster: str) -> dict:
     real = _steps(work / "real")
     real_step = statistics.median(s[2] for s in real[1:]) / 1e3
     _run([*flags, "--log-dir", work / "emu", "mode=auto", "device=cpu", f"cluster={cluster}",
-          f"trace.dir={work / 'trace'}", "sandbox.ranks=[1]", "calibrate.slice_size=2", *args], work)
+          f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]", "calibrate.slice_size=2", *args], work)
     report = json.loads((work / "trace" / "report" / "report.json").read_text())
     predicted = report["predicted"]["iteration_time_s"]
-    sandbox = report["ranks"]["1"]
+    sandbox = report["ranks"]["0"]
     real_losses = [s[1] for s in real]
     emu_losses = sandbox["losses"]
     rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(emu_losses, real_losses)), default=float("nan"))

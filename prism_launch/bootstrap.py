@@ -86,6 +86,7 @@ def _replay_transport(ctx: RankContext):
             rank=rank, sandbox=sandbox, recording=TraceRecording(reader), timeout_s=timeout_s,
             physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "recorded"),
             time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
+            check=env.get("PRISM_CHECK", "1") == "1",
             summary_path=Path(env["PRISM_SUMMARY"]) if env.get("PRISM_SUMMARY") else None,
         )
 

@@ -54,19 +54,20 @@ def calibrate(launcher: Launcher, reader: TraceReader) -> Path:
 
     measured: dict[int, list] = {}
     t0 = time.monotonic()
-    saved = (list(cfg.sandbox.ranks), cfg.emulate.timing, cfg.report.dir)
+    saved = (list(cfg.sandbox.ranks), cfg.emulate.timing, cfg.report.dir, cfg.emulate.check_divergence)
     try:
         for i, sl in enumerate(slices):
             print(f"prism-launch: calibrating slice {i + 1}/{len(slices)}: ranks {sl}", file=sys.stderr)
             cfg.sandbox.ranks = sl
             cfg.emulate.timing = Timing.none  # the slice measures its own compute; waits are the replay's job
+            cfg.emulate.check_divergence = False  # hashing every contribution would inflate the spans
             cfg.report.dir = str(launcher.trace_dir / "report" / "calibration" / f"slice{i}")
             launcher.emulate(reader, quiet=True)
             for r in sl:
                 summary = json.loads((Path(cfg.report.dir) / "sandbox" / f"rank{r}.json").read_text())
                 measured[r] = summary["spans"]
     finally:
-        cfg.sandbox.ranks, cfg.emulate.timing, cfg.report.dir = saved
+        cfg.sandbox.ranks, cfg.emulate.timing, cfg.report.dir, cfg.emulate.check_divergence = saved
 
     use = 1 if cfg.calibrate.measure is Measure.cpu else 2
     replaced, mismatched = 0, []

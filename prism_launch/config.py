@@ -96,6 +96,9 @@ class EmulateConfig:
     """Multiplier on recorded waits (e.g. 0 to disable, 0.5 to halve)."""
     strict: bool = False
     """Divergence of a live contribution from the recorded one is an error instead of a warning."""
+    check_divergence: bool = True
+    """Compare every live contribution with the recorded one (hashing costs sandbox CPU time;
+    calibration turns it off so slices measure the program, not the check)."""
     virtual_host: VirtualHost = VirtualHost.assistant
     """Who serves the virtual ranks' recorded contributions."""
     window: int = 32

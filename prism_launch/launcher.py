@@ -97,9 +97,8 @@ class Launcher:
         mode = self.cfg.mode
         if mode is Mode.real:
             log_dir = self.log_dir(Mode.real)
-            self._fixed_log_dir = log_dir
             mem = (lambda r: {"PRISM_MEMORY_OUT": str(log_dir / str(r) / "memory.json")}) if self.cfg.memory.track else {}
-            log_dir = self._run_ranks(Mode.real, list(range(self.topo.world_size)), mem)
+            self._run_ranks(Mode.real, list(range(self.topo.world_size)), mem, log_dir=log_dir)
             return RunOutcome(mode, None, None, log_dir)
         if mode is Mode.capture:
             log_dir = self.capture()
@@ -202,7 +201,7 @@ class Launcher:
                 pass
 
     def _run_ranks(self, mode: Mode, ranks: list[int], extra_env: dict[str, str], on_tick=None, on_start=None,
-                   extra_specs: list[RankSpec] = ()) -> Path:
+                   extra_specs: list[RankSpec] = (), log_dir: Path | None = None) -> Path:
         tr = self.args.torchrun
         self._master_addr = self._torchrun_master_addr()
         self._master_port = _free_port() if mode is Mode.real or not tr.master_port else int(tr.master_port)
@@ -211,8 +210,7 @@ class Launcher:
         specs = [RankSpec(rank=r, env=self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
                           argv=argv if spawn else None) for r in ranks]
         specs += [RankSpec(rank=x.rank, env=x.env, argv=x.argv if spawn else None) for x in extra_specs]
-        log_dir = getattr(self, "_fixed_log_dir", None) or self.log_dir(mode)
-        self._fixed_log_dir = None
+        log_dir = log_dir or self.log_dir(mode)
         redirects = Std.from_str(tr.redirects)
         tee = Std.from_str(tr.tee)
         if redirects == Std.NONE and tee == Std.NONE:
@@ -342,6 +340,7 @@ class Launcher:
             "PRISM_TIMING": str(self.cfg.emulate.timing),
             "PRISM_TIME_SCALE": str(self.cfg.emulate.time_scale),
             "PRISM_STRICT": "1" if self.cfg.emulate.strict else "0",
+            "PRISM_CHECK": "1" if self.cfg.emulate.check_divergence else "0",
         }
         enforce = self.cfg.memory.enforce_limit
         if enforce is None:
