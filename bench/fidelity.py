@@ -5,9 +5,9 @@ peak-memory error and whether losses match.
 
 Each job runs with 2 ranks (one thread each, so the real run is free of contention on a
 2-core machine): ``mode=real`` gives the measured step time (the recipe's own
-``step_time_ms``, median of the steps after the first) and losses; ``mode=auto`` captures,
-calibrates and emulates rank 0 as the sandbox, and the report's global replay gives the
-predicted iteration time.
+``step_time_ms``, median of the steps after the first) and losses; ``mode=auto`` captures
+and emulates rank 0 as the sandbox (``--compute calibrated`` also calibrates), and the
+report's global replay gives the predicted iteration time.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _steps(log_dir: Path) -> list[tuple[int, float, float]]:
     return out
 
 
-def bench(job: str, iters: int, cluster: str) -> dict:
+def bench(job: str, iters: int, cluster: str, compute: str = "auto") -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"prism-fidelity-{job}-"))
     args = [RECIPE, *JOBS[job], "--train-iters", str(iters)]
     flags = ["--nproc-per-node", "2", "-r", "3"]
@@ -60,7 +60,8 @@ def bench(job: str, iters: int, cluster: str) -> dict:
     real = _steps(work / "real")
     real_step = statistics.median(s[2] for s in real[1:]) / 1e3
     _run([*flags, "--log-dir", work / "emu", "mode=auto", "device=cpu", f"cluster={cluster}",
-          f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]", "calibrate.slice_size=2", *args], work)
+          f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]", "calibrate.slice_size=2", f"replay.compute={compute}",
+          *(["calibrate.in_auto=true"] if compute == "calibrated" else []), *args], work)
     report = json.loads((work / "trace" / "report" / "report.json").read_text())
     predicted = report["predicted"]["iteration_time_s"]
     sandbox = report["ranks"]["0"]
@@ -81,8 +82,9 @@ def main() -> None:
     ap.add_argument("--jobs", default="dense,moe")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--cluster", default="cpu_local")
+    ap.add_argument("--compute", default="auto", help="replay.compute: auto | cpu | wall | calibrated")
     a = ap.parse_args()
-    rows = [bench(j, a.iters, a.cluster) for j in a.jobs.split(",")]
+    rows = [bench(j, a.iters, a.cluster, a.compute) for j in a.jobs.split(",")]
     print(f"{'job':6} {'real step (ms)':>15} {'predicted (ms)':>15} {'error':>8} {'losses vs real':>15} "
           f"{'bit-identical':>14} {'compute spans':>14}")
     for r in rows:

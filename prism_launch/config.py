@@ -106,6 +106,10 @@ class EmulateConfig:
 
 
 class ComputeSource(StrEnum):
+    auto = "auto"
+    """``calibrated`` on CUDA; ``cpu`` on CPU, where a rank's thread CPU time between events is
+    already free of time-slicing and calibration slices would mostly measure the emulation's own
+    work (the sandbox folds collectives on the cores the program computes on)."""
     calibrated = "calibrated"
     """Slice-measured compute spans when a calibrated trace exists, else ``cpu``."""
     cpu = "cpu"
@@ -127,11 +131,13 @@ class CalibrateConfig:
     """Ranks to calibrate (default: every captured rank)."""
     measure: Measure = Measure.wall
     """Which clock of the slice runs becomes the calibrated compute span."""
+    in_auto: bool | None = None
+    """Whether ``mode=auto`` calibrates after capturing. Default: on CUDA only (see replay.compute)."""
 
 
 @dataclass(kw_only=True, slots=True)
 class ReplayConfig:
-    compute: ComputeSource = ComputeSource.calibrated
+    compute: ComputeSource = ComputeSource.auto
     """Where the global replay takes compute spans from."""
     cost_model: str = "nccl"
     """Network cost model (nccl_ext.cost_model registry)."""

@@ -49,10 +49,13 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[
     from prism_launch.trace import TraceReader
 
     source, reader = "bare (cpu)", bare
-    compute = "wall" if cfg.replay.compute is ComputeSource.wall else "cpu"
-    if cfg.replay.compute is ComputeSource.calibrated and (calibrated_dir(trace_dir) / "manifest.json").exists():
+    want = cfg.replay.compute
+    if want is ComputeSource.auto:
+        want = ComputeSource.calibrated if str(cfg.device) == "cuda" else ComputeSource.cpu
+    compute = "wall" if want is ComputeSource.wall else "cpu"
+    if want is ComputeSource.calibrated and (calibrated_dir(trace_dir) / "manifest.json").exists():
         reader, source = TraceReader(calibrated_dir(trace_dir)), "calibrated"
-    elif cfg.replay.compute is ComputeSource.wall:
+    elif want is ComputeSource.wall:
         source = "bare (wall)"
     rows = reader.events().to_pylist()
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}

@@ -46,6 +46,7 @@ def test_calibration_writes_a_new_trace_version(calibrated):
 def test_emulation_report_has_predictions_timeline_and_plots(calibrated):
     d, trace = calibrated
     r = run_prism([*FLAGS, "mode=emulate", "cluster=h100_ib", "sandbox.ranks=[1]", f"trace.dir={trace}",
+                   "replay.compute=calibrated",
                    RECIPE, *ARGS], cwd=d, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "predicted on h100_ib (calibrated compute spans)" in r.stderr
