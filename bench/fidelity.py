@@ -1,5 +1,6 @@
 """Fidelity: the same job run for real and emulated; prints iteration-time error,
-peak-memory error and whether losses match.
+peak-memory error (allocator-level, sandbox rank vs the same rank of the real run) and
+whether losses match.
 
     python bench/fidelity.py [--jobs dense,moe] [--iters 8] [--cluster cpu_local]
 
@@ -58,6 +59,7 @@ def bench(job: str, iters: int, cluster: str, compute: str = "auto") -> dict:
     flags = ["--nproc-per-node", "2", "-r", "3"]
     _run([*flags, "--log-dir", work / "real", "mode=real", "device=cpu", *args], work)
     real = _steps(work / "real")
+    real_memory = json.loads(next((work / "real").glob("*/0/memory.json")).read_text())["peak_bytes"]
     real_step = statistics.median(s[2] for s in real[1:]) / 1e3
     _run([*flags, "--log-dir", work / "emu", "mode=auto", "device=cpu", f"cluster={cluster}",
           f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]", "calibrate.slice_size=2", f"replay.compute={compute}",
@@ -72,7 +74,8 @@ def bench(job: str, iters: int, cluster: str, compute: str = "auto") -> dict:
         "job": job, "real_step_s": real_step, "predicted_s": predicted,
         "error_pct": 100 * (predicted - real_step) / real_step,
         "losses_vs_real_max_rel": rel, "losses_bit_identical_to_capture": sandbox["losses_match_capture"],
-        "peak_memory_bytes": sandbox.get("peak_memory_bytes"),
+        "peak_memory_bytes": sandbox.get("peak_memory_bytes"), "real_peak_memory_bytes": real_memory,
+        "memory_error_pct": 100 * (sandbox["peak_memory_bytes"] - real_memory) / real_memory,
         "compute_source": report["predicted"]["compute_source"], "work": str(work),
     }
 
@@ -86,11 +89,11 @@ def main() -> None:
     a = ap.parse_args()
     rows = [bench(j, a.iters, a.cluster, a.compute) for j in a.jobs.split(",")]
     print(f"{'job':6} {'real step (ms)':>15} {'predicted (ms)':>15} {'error':>8} {'losses vs real':>15} "
-          f"{'bit-identical':>14} {'compute spans':>14}")
+          f"{'bit-identical':>14} {'peak mem (MiB)':>15} {'mem error':>10} {'compute spans':>14}")
     for r in rows:
         print(f"{r['job']:6} {r['real_step_s'] * 1e3:15.2f} {r['predicted_s'] * 1e3:15.2f} {r['error_pct']:7.2f}% "
               f"{r['losses_vs_real_max_rel']:15.2e} {str(r['losses_bit_identical_to_capture']):>14} "
-              f"{r['compute_source']:>14}")
+              f"{r['peak_memory_bytes'] / 2**20:15.2f} {r['memory_error_pct']:9.4f}% {r['compute_source']:>14}")
     print(json.dumps(rows, indent=1))
 
 

@@ -19,6 +19,7 @@ from nccl_ext import wire
 from nccl_ext.groups import GroupInfo
 from nccl_ext.pending import CommDeadlineError, Pending
 from nccl_ext.process_group import CollectiveCall
+from nccl_ext.spans import ComputeClock
 
 
 class CaptureTransport:
@@ -31,8 +32,7 @@ class CaptureTransport:
         self._pending_lock = threading.Lock()
         self._next_id = 0
         self.unit = 0
-        self._last_wall = time.monotonic()
-        self._last_cpu: dict[int, float] = {threading.get_ident(): time.thread_time()}
+        self._clock = ComputeClock()
         self._closed = threading.Event()
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
@@ -44,19 +44,7 @@ class CaptureTransport:
             wire.send(self._conn, header, list(tensors))
 
     def _span(self, until: float | None = None) -> tuple[float, float, float]:
-        """(now, wall and CPU seconds of compute since this rank's previous event).
-
-        CPU time is the issuing thread's own (one compute thread per rank), so it is the
-        compute span free of the time-slicing that distorts wall time when many logical
-        ranks share a few cores.
-        """
-        now, cpu = (until if until is not None else time.monotonic()), time.thread_time()
-        tid = threading.get_ident()
-        last_cpu = self._last_cpu.get(tid, cpu)
-        span = (now, now - self._last_wall, max(cpu - last_cpu, 0.0))
-        self._last_wall = now
-        self._last_cpu[tid] = cpu
-        return span
+        return self._clock.lap(until)
 
     def _new_pending(self, what: str) -> tuple[int, Pending]:
         with self._pending_lock:
@@ -96,7 +84,7 @@ class CaptureTransport:
         global replay needs to tell overlapped communication from exposed waits."""
         t, wall, cpu = self._span(until=t0)
         if t1 is not None:
-            self._last_wall = t1  # the blocked time is the wait's, not the next compute span's
+            self._clock.resume(t1)
         self._send(("wait", ref, self.unit, t, wall, cpu, t0, t1))
 
     def report_memory(self, summary: dict) -> None:
@@ -138,7 +126,6 @@ class CaptureTransport:
                 if p is None:
                     continue
                 if kind == "ok":
-                    self._last_wall = max(self._last_wall, time.monotonic())
                     p.complete(tensors)
                 else:
                     p.fail(CommDeadlineError(header[2]) if kind == "deadline" else RuntimeError(header[2]))

@@ -34,6 +34,7 @@ from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
+from nccl_ext.spans import ComputeClock
 
 
 class DivergenceError(RuntimeError):
@@ -139,8 +140,7 @@ class ReplayTransport:
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._unit_start: float | None = None
-        self._last_wall = self._t0
-        self._last_cpu: dict[int, float] = {threading.get_ident(): time.thread_time()}
+        self._clock = ComputeClock()
         self.memory: dict | None = None
         self.spans: list[tuple[str, float, float]] = []
         """(event code, CPU s, wall s) of compute before each of this rank's events, in order:
@@ -345,15 +345,11 @@ class ReplayTransport:
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         self._span("w", until=t0)
         if t1 is not None:
-            self._last_wall = t1
+            self._clock.resume(t1)
 
     def _span(self, code: str, until: float | None = None) -> None:
-        now, cpu = (until if until is not None else time.monotonic()), time.thread_time()
-        tid = threading.get_ident()
-        last_cpu = self._last_cpu.get(tid, cpu)
-        self.spans.append((code, max(cpu - last_cpu, 0.0), now - self._last_wall))
-        self._last_wall = now
-        self._last_cpu[tid] = cpu
+        _now, wall, cpu = self._clock.lap(until)
+        self.spans.append((code, cpu, wall))
 
     def _note_unit_start(self) -> None:
         if self._unit_start is None:
