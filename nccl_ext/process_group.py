@@ -15,7 +15,6 @@ subclass, including the ``*_single`` spellings that replaced ``_allgather_base``
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from dataclasses import dataclass, field
@@ -455,7 +454,3 @@ class PrismWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
-
-
-def default_timeout() -> datetime.timedelta:
-    return datetime.timedelta(minutes=10)
