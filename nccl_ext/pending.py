@@ -59,6 +59,11 @@ class Pending:
                 return
         cb(self)
 
+    def release(self) -> None:
+        """Drop the result once it has been consumed, so its tensors are freed as soon as a
+        real backend's would be (the handle may outlive them in the program)."""
+        self._value = None
+
     def result(self) -> Any:
         """Wait until done or the deadline passes; raise the op's error if it failed."""
         remaining = self.deadline - time.monotonic()

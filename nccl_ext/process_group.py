@@ -398,7 +398,10 @@ class PrismWork(dist.Work):
                 value = p.result()
                 if apply is not None:
                     apply(value)
-                self._value = value
+                with self._lock:
+                    if self._fut is not None:
+                        self._value = value  # only a future's consumer still needs the tensors
+                p.release()
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self._error = e
             self._applied.set()
@@ -440,6 +443,7 @@ class PrismWork(dist.Work):
         return self._error
 
     def result(self):
+        """The output tensors are the caller's own (written in place); nothing else is kept."""
         self.wait()
         return self._value if isinstance(self._value, list) else []
 

@@ -240,6 +240,7 @@ class ReplayTransport:
 
         def finish() -> None:
             result = compute(call.kind, contributions, reduce=call.reduce, root=call.root)[me]
+            contributions.clear()  # free inputs when a real backend would, not when this closure dies
             self._finish_after(pending, result, delay)
 
         works: list = []
@@ -430,6 +431,7 @@ def _when_all(works: list, then, pending: Pending) -> None:
         try:
             for w in works:
                 w.wait()
+            works.clear()  # the works hold the sent tensors; release them before completing
             then()
         except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
             pending.fail(RuntimeError(f"{pending.what}: sandbox exchange failed: {e}"))
