@@ -393,15 +393,22 @@ class PrismWork(dist.Work):
         self._fut: torch.futures.Future | None = None
         self._lock = threading.Lock()
 
+        self._apply = apply
+
         def on_done(p: Pending) -> None:
             try:
                 value = p.result()
-                if apply is not None:
-                    apply(value)
+                apply_fn, self._apply = self._apply, None
+                if apply_fn is not None:
+                    apply_fn(value)
+                # drop every reference to the caller's tensors before waking the caller, so
+                # they are freed when the program drops them (as with a real backend)
+                del apply_fn
                 with self._lock:
                     if self._fut is not None:
                         self._value = value  # only a future's consumer still needs the tensors
                 p.release()
+                del value
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self._error = e
             self._applied.set()

@@ -241,6 +241,7 @@ class ReplayTransport:
         def finish() -> None:
             result = compute(call.kind, contributions, reduce=call.reduce, root=call.root)[me]
             contributions.clear()  # free inputs when a real backend would, not when this closure dies
+            call.tensors = None
             self._finish_after(pending, result, delay)
 
         works: list = []
