@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nccl_ext import wire
+from nccl_ext.atomic import atomic_write_text
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
@@ -371,15 +372,12 @@ class ReplayTransport:
             on_close()
         if self.summary_path is None:
             return
-        self.summary_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.summary_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({
+        atomic_write_text(self.summary_path, json.dumps({
             "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
             "physical_exchanges": self.stats.physical_exchanges, "waited_s": self.stats.waited_s,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
             "spans": self.spans, "memory": self.memory,
         }, indent=1))
-        tmp.replace(self.summary_path)
         self.summary_path = None
 
 

@@ -6,7 +6,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
+
+from nccl_ext.atomic import atomic_write_text
 
 
 def main() -> int:
@@ -28,11 +29,7 @@ def main() -> int:
                     for r, s in stats.streams.items()},
     }
     if env.get("PRISM_SUMMARY"):
-        path = Path(env["PRISM_SUMMARY"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=1))
-        tmp.replace(path)
+        atomic_write_text(env["PRISM_SUMMARY"], json.dumps(summary, indent=1))
     return 0
 
 

@@ -178,9 +178,9 @@ def run(script: str, args: list[str], *, module: bool = False) -> int:
 
             tracker = _TRACKER.pop()
             tracker.stop()
-            out = Path(os.environ["PRISM_MEMORY_OUT"])
-            out.with_suffix(".tmp").write_text(json.dumps(tracker.summary()))
-            out.with_suffix(".tmp").replace(out)
+            from nccl_ext.atomic import atomic_write_text
+
+            atomic_write_text(os.environ["PRISM_MEMORY_OUT"], json.dumps(tracker.summary()))
         if ctx.mode in ("capture", "emulate"):
             from nccl_ext import install
 

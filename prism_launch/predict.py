@@ -111,9 +111,9 @@ def _write_timeline(path: Path, timelines: dict, gpus_per_node: int) -> None:
         events.append({"ph": "M", "name": "thread_name", "pid": node, "tid": r, "args": {"name": f"rank {r}"}})
         for name, t0, t1 in spans:
             events.append({"ph": "X", "name": name, "pid": node, "tid": r, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    tmp.replace(path)
+    from nccl_ext.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
 def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results: dict) -> None:

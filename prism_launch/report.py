@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nccl_ext.atomic import atomic_write_text
+
 if TYPE_CHECKING:
     from prism_launch.config import ReportConfig
     from prism_launch.launcher import Launcher
@@ -95,9 +97,7 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
         if entry.get("peak_memory_bytes") is not None:
             merged["peak_memory_bytes"] = entry["peak_memory_bytes"]
         report["ranks"][r] = merged
-    tmp = out / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(out / "report.json")
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1))
     print_report(report, out / "report.json")
     return report
 
