@@ -4,6 +4,12 @@ members' real contributions and records it.
 One reader thread per rank receives results (they may complete out of issue order:
 a pipeline stage's irecv from the next stage can finish before one from the previous)
 and enforces each op's deadline, so no wait is unbounded even for async work.
+
+Context switching: a rank runs only while it holds one of the coordinator's execution
+slots. It waits for a slot ("go") before its program communicates for the first time,
+hands it back when it blocks on an op that is not complete (:meth:`park`), and waits for
+a slot again once the op is done — so ``capture.slots`` ranks compute at a time however
+many logical ranks exist.
 """
 
 from __future__ import annotations
@@ -34,9 +40,33 @@ class CaptureTransport:
         self.unit = 0
         self._clock = ComputeClock()
         self._closed = threading.Event()
+        self._go = threading.Semaphore(0)
+        self.parked_s = 0.0
+        """Time this rank waited for an execution slot."""
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()
+        self._await_slot(f"rank {rank}: waiting for a first capture slot")
+
+    # -- context switching ----------------------------------------------------------------
+    def _await_slot(self, what: str) -> None:
+        t0 = time.monotonic()
+        while not self._go.acquire(timeout=0.5):
+            if self._closed.is_set():
+                raise RuntimeError(f"{what}: the capture coordinator closed the connection")
+            if time.monotonic() - t0 > self.timeout_s:
+                raise CommDeadlineError(
+                    f"deadline exceeded: {what} ({self.timeout_s:g}s; the coordinator never resumed this rank; "
+                    "raise comm.timeout_s= or capture.slots=)"
+                )
+        self.parked_s += time.monotonic() - t0
+
+    def park(self, pending: Pending):
+        if pending.op_id < 0:
+            return None
+        self._send(("park", pending.op_id))
+        what = f"{pending.what}: resuming after the op completed"
+        return lambda: self._await_slot(what)
 
     # -- sending --------------------------------------------------------------------------
     def _send(self, header, tensors=()) -> None:
@@ -50,7 +80,7 @@ class CaptureTransport:
         with self._pending_lock:
             op_id = self._next_id
             self._next_id += 1
-            p = Pending(what, self.timeout_s)
+            p = Pending(what, self.timeout_s, op_id)
             self._pending[op_id] = p
         return op_id, p
 
@@ -120,7 +150,11 @@ class CaptureTransport:
                 except (OSError, EOFError):
                     self._fail_all("the capture coordinator closed the connection")
                     return
-                kind, op_id = header[0], header[1]
+                kind = header[0]
+                if kind == "go":
+                    self._go.release()
+                    continue
+                op_id = header[1]
                 with self._pending_lock:
                     p = self._pending.pop(op_id, None)
                 if p is None:
@@ -136,6 +170,7 @@ class CaptureTransport:
                 p.check_deadline(now)
 
     def _fail_all(self, why: str) -> None:
+        self._closed.set()
         with self._pending_lock:
             pend, self._pending = list(self._pending.values()), {}
         for p in pend:

@@ -15,10 +15,12 @@ class CommDeadlineError(RuntimeError):
 class Pending:
     """One outstanding op: completed by a transport, observed by the process group."""
 
-    __slots__ = ("what", "deadline", "_event", "_value", "_error", "_callbacks", "_lock")
+    __slots__ = ("what", "deadline", "op_id", "_event", "_value", "_error", "_callbacks", "_lock")
 
-    def __init__(self, what: str, timeout_s: float):
+    def __init__(self, what: str, timeout_s: float, op_id: int = -1):
         self.what = what
+        self.op_id = op_id
+        """The transport's id of this op (-1: none)."""
         self.deadline = time.monotonic() + timeout_s
         self._event = threading.Event()
         self._value: Any = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,6 +62,12 @@ class Transport(Protocol):
         """The rank waited on op ``ref`` from ``t0`` to ``t1`` (None: it was already done)."""
         ...
 
+    def park(self, pending: Pending) -> Callable[[], None] | None:
+        """The rank is about to block on ``pending``; returns what to call once it is done
+        (before the program continues), or None. Capture's context switching hands the
+        rank's execution slot back here and waits for a new one on resume."""
+        ...
+
     def report_memory(self, summary: dict) -> None:
         """The rank's memory accounting at the end of its program."""
         ...
@@ -96,6 +103,9 @@ class PrismWorld:
         self.registry = GroupRegistry(self.rank, self.world_size)
 
     def make_group(self, ranks: tuple[int, ...], desc: str = "", name: str = "") -> PrismProcessGroup | None:
+        observe = getattr(self.transport, "observe_group", None)
+        if observe is not None:  # group discovery sees every new_group call, members or not
+            observe(ranks, desc)
         info = self.registry.make(ranks, desc)
         if info is None:
             return None
@@ -430,9 +440,12 @@ class PrismWork(dist.Work):
     def wait(self, timeout=None) -> bool:
         if not self._applied.is_set():
             t0 = time.monotonic()
+            resume = self._transport.park(self._pending)
             self._pending.result()  # raises past the op's deadline
             if not self._applied.wait(max(self._pending.deadline - time.monotonic(), 1.0)):
                 raise RuntimeError(f"{self._pending.what}: result arrived but was not applied in time")
+            if resume is not None:
+                resume()
             self._transport.waited(self._ref, t0, time.monotonic())
         else:
             self._transport.waited(self._ref, None, None)

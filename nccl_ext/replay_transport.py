@@ -87,10 +87,21 @@ class Recording(Protocol):
         """The rank's communication ops in issue order: (op, group_id, seq, peer, tag)."""
         ...
 
+    def folded(self, group_id: int) -> bool:
+        """Folded capture: the group has uncaptured members, whose data captured stand-ins
+        provided; its results were recorded (:meth:`result`)."""
+        ...
+
+    def result(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
+        """A folded collective's recorded result for ``rank``."""
+        ...
+
 
 @dataclass(slots=True)
 class ReplayStats:
     ops: int = 0
+    folded_ops: int = 0
+    """Collectives answered from the recorded result of a folded capture."""
     p2p: int = 0
     physical_exchanges: int = 0
     waited_s: float = 0.0
@@ -207,6 +218,8 @@ class ReplayTransport:
             )
         if own.op != call.api:
             raise DivergenceError(f"{what}: the capture recorded {own.op} here; the program diverged")
+        if self.recording.folded(gid):
+            return self._folded_collective(group, gid, seq, call, own, what)
         n = group.size
         needed = contributors(call.kind, n, call.root)
         contributions: list[list[torch.Tensor] | None] = [None] * n
@@ -258,6 +271,41 @@ class ReplayTransport:
         if live_peers:
             works += self._exchange(group, gid, seq, call, me, needed, live_peers, contributions)
         _when_all(works, finish, pending)
+        return pending
+
+    def _folded_collective(self, group, gid, seq, call, own: RecordedOp, what: str) -> Pending:
+        """A collective whose group spans uncaptured replicas. Recomputing it would fold
+        one stand-in contribution per replica (O(data-parallel size) work and traffic per
+        op): the capture's result is the precomputed answer — the compensation — and it is
+        exact whenever this rank's live contribution equals the recorded one. On a
+        divergence the result is recomputed from the live tensor and the recorded peers."""
+        me = group.group_rank(self.rank)
+        self.stats.ops += 1
+        self.stats.folded_ops += 1
+        self._note_unit_start()
+        others = []
+        for r in group.ranks:
+            if r != self.rank and r not in self.sandbox:
+                rec = self.recording.collective(r, gid, seq)
+                if rec is not None:
+                    others.append(rec)
+        live = [t.detach() for t in call.tensors] if call.tensors is not None else None
+        diverged = False
+        if live is not None and me in contributors(call.kind, group.size, call.root) and self.check:
+            before = len(self.stats.divergences)
+            self._check(call.api, group, seq, gid, live, own)
+            diverged = len(self.stats.divergences) > before
+        if diverged:
+            contributions: list = [None] * group.size
+            for m in contributors(call.kind, group.size, call.root):
+                r = group.ranks[m]
+                contributions[m] = live if r == self.rank else self.recording.contribution(r, gid, seq)
+            result = compute(call.kind, contributions, reduce=call.reduce, root=call.root)[me]
+        else:
+            result = self.recording.result(self.rank, gid, seq)
+        call.tensors = None
+        pending = Pending(what, self.timeout_s)
+        self._finish_after(pending, result, self._delay(own, others))
         return pending
 
     def _check(self, api, group, seq, gid, live, own: RecordedOp) -> None:
@@ -345,6 +393,9 @@ class ReplayTransport:
     def report_memory(self, summary: dict) -> None:
         self.memory = summary
 
+    def park(self, pending: Pending):
+        return None  # sandbox ranks own their device: nothing to hand back while blocked
+
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         self._span("w", until=t0)
         if t1 is not None:
@@ -374,7 +425,7 @@ class ReplayTransport:
             return
         atomic_write_text(self.summary_path, json.dumps({
             "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
-            "physical_exchanges": self.stats.physical_exchanges, "waited_s": self.stats.waited_s,
+            "physical_exchanges": self.stats.physical_exchanges, "folded_ops": self.stats.folded_ops, "waited_s": self.stats.waited_s,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
             "spans": self.spans, "memory": self.memory,
         }, indent=1))

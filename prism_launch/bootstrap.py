@@ -51,6 +51,15 @@ def _capture_transport(ctx: RankContext):
     return make
 
 
+def _discover_transport(ctx: RankContext):
+    from nccl_ext.discover import DiscoverTransport
+
+    def make(rank: int, world_size: int, timeout_s: float):
+        return DiscoverTransport(os.environ["PRISM_DISCOVER"])
+
+    return make
+
+
 def physical_group(rank: int, size: int, timeout_s: float):
     """The gloo group of the emulation's physical processes (sandbox ranks, then the assistant)."""
     if size < 2:
@@ -140,7 +149,10 @@ def activate(ctx: RankContext) -> None:
     if ctx.mode in ("capture", "emulate"):
         from nccl_ext import install
 
-        make = _capture_transport(ctx) if ctx.mode == "capture" else _replay_transport(ctx)
+        if os.environ.get("PRISM_DISCOVER"):
+            make = _discover_transport(ctx)
+        else:
+            make = _capture_transport(ctx) if ctx.mode == "capture" else _replay_transport(ctx)
         install.install(rank=ctx.rank, world_size=ctx.world_size, make_transport=make, timeout_s=ctx.timeout_s)
         tracker = _start_memory(ctx)
 

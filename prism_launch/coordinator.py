@@ -37,6 +37,10 @@ class _Group:
     ranks: tuple[int, ...]
     occurrence: int
     desc: str
+    sources: tuple[int, ...] | None = None
+    """Folded capture: the captured stand-in of every member (None: all members captured)."""
+    present: int = 0
+    """Members that run in this capture."""
 
 
 @dataclass(slots=True)
@@ -67,9 +71,13 @@ def _describe(ranks: tuple[int, ...]) -> str:
 class Coordinator:
     """Serves ``world_size`` capture ranks; collects events and tensors for the trace."""
 
-    def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float):
+    def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
+                 slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None):
         self.world_size = world_size
+        self.fold = fold
+        """A :class:`prism_launch.fold.FoldPlan` when only representative ranks run."""
         self.timeout_s = timeout_s
+        self.scheduler = SlotScheduler(slots, parker=parker, stall_s=stall_s)
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self.address = address
         self._new_conns: list[Connection] = []
@@ -84,6 +92,9 @@ class Coordinator:
         self.events: list[dict] = []
         self.tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
         self.finished: set[int] = set()
+        self.approximated_groups: list[dict] = []
+        """Folded capture: model-parallel groups (by description) created after group discovery
+        with uncaptured members — their results are approximations, not exact."""
         self.memory: dict[int, dict] = {}
         """Each rank's memory accounting summary (peak bytes, per-unit samples, method)."""
         self.t0 = time.monotonic()
@@ -107,6 +118,7 @@ class Coordinator:
                 self._new_conns.append(conn)
 
     def close(self) -> None:
+        self.scheduler.close()
         self._accepting = False
         try:
             self._listener.close()
@@ -128,17 +140,35 @@ class Coordinator:
                     self._handle(conn, header, tensors)
             except (EOFError, OSError):
                 self._conns.remove(conn)
+                rank = self._rank_of.get(conn)
+                if rank is not None:
+                    self.scheduler.gone(rank)
+        self.scheduler.schedule()
         self._check_deadlines()
 
     def _handle(self, conn: Connection, header: tuple, tensors: list[torch.Tensor]) -> None:
         kind = header[0]
         if kind == "hello":
-            _, rank, _pid = header
+            _, rank, pid = header
             self._rank_of[conn] = rank
+            self.scheduler.arrive(rank, pid, conn)
+        elif kind == "park":
+            self.scheduler.park(self._rank_of[conn], header[1])
         elif kind == "group":
             _, key, ranks, occurrence, desc = header
             if key not in self._groups:
-                self._groups[key] = _Group(len(self._groups), key, tuple(ranks), occurrence, desc)
+                ranks = tuple(ranks)
+                g = _Group(len(self._groups), key, ranks, occurrence, desc, present=len(ranks))
+                if self.fold is not None and self.fold.folded:
+                    sources = self.fold.sources(ranks)
+                    if sources is not None and sources != ranks:
+                        g.sources = sources
+                        g.present = sum(1 for r in ranks if self.fold.is_captured(r))
+                        from prism_launch.fold import is_replicated
+
+                        if not is_replicated(desc, ranks, self.world_size, self.fold.replicated):
+                            self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
+                self._groups[key] = g
         elif kind == "coll":
             self._on_collective(conn, header, tensors)
         elif kind == "send":
@@ -162,6 +192,7 @@ class Coordinator:
             self.memory[header[1]] = header[2]
         elif kind == "bye":
             self.finished.add(header[1])
+            self.scheduler.gone(header[1])
 
     def _row(self, rank, unit, kind, op, group, seq, peer, tensors, t_start, t_end, wall, cpu, key, extra) -> dict:
         idx = self._next_idx[rank]
@@ -219,17 +250,31 @@ class Coordinator:
             store = self.tensors[rank]
             for i, tensor in enumerate(contribution):
                 store[f"{tkey}/{i}"] = tensor
+        self.scheduler.issued(rank, op_id)
         pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
-        if len(pc.arrivals) == len(group.ranks):
+        if len(pc.arrivals) == group.present:
             self._complete(pc)
 
     def _complete(self, pc: _PendingCollective) -> None:
         del self._collectives[(pc.group.key, pc.seq)]
-        results = compute(pc.kind, pc.contributions, reduce=pc.reduce, root=pc.root)
+        group = pc.group
+        if group.sources is not None:  # folded: uncaptured members contribute their stand-ins' data
+            index = {r: i for i, r in enumerate(group.ranks)}
+            contributions = [c if c is not None else pc.contributions[index[group.sources[i]]]
+                             for i, c in enumerate(pc.contributions)]
+        else:
+            contributions = pc.contributions
+        results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)
         now = time.monotonic() - self.t0
         for grank, arrival in pc.arrivals.items():
+            if group.sources is not None and results[grank] is not None:
+                # replay cannot recompute a folded result without O(replicas) work: keep it
+                store = self.tensors[arrival.rank]
+                for i, t in enumerate(results[grank]):
+                    store[f"r/{group.id}/{pc.seq}/{i}"] = t
             arrival.row["t_end"] = now
             wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
+            self.scheduler.answered(arrival.rank, arrival.op_id)
         self.ops_completed += 1
 
     # -- point to point -----------------------------------------------------------------
@@ -237,6 +282,7 @@ class Coordinator:
         _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header
         src = self._rank_of[conn]
         group = self._group(key)
+        self._check_p2p_peer(src, dst, group, "send to")
         tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
         self.tensors[src][tkey] = tensor
         self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey,
@@ -253,8 +299,10 @@ class Coordinator:
         _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
         dst = self._rank_of[conn]
         group = self._group(key)
+        self._check_p2p_peer(dst, src, group, "receive from")
         row = self._row(dst, unit, "p2p", "recv", group, seq, src, None, t, t, wall, cpu, None,
                         {"tag": tag, "kind": "recv"})
+        self.scheduler.issued(dst, op_id)
         waiter = (op_id, conn, row, seq, dst, time.monotonic())
         chan = (key, src, dst, tag)
         queued = self._sends.get(chan)
@@ -264,6 +312,16 @@ class Coordinator:
         else:
             self._recvs.setdefault(chan, deque()).append(waiter)
 
+    def _check_p2p_peer(self, rank: int, peer: int, group: _Group, verb: str) -> None:
+        if self.fold is not None and not self.fold.is_captured(peer):
+            raise CaptureError(
+                f"folded capture: rank {rank} wants to {verb} rank {peer} on group {_describe(group.ranks)} "
+                f"({group.desc or group.key}), but rank {peer} is not in the captured set "
+                f"{_describe(tuple(self.fold.captured))}: point-to-point traffic crosses data-parallel replicas. "
+                "Capture without folding (capture.fold=false) or name the group's pattern differently in "
+                "capture.replicated_groups"
+            )
+
     def _deliver(self, waiter, send_seq: int, tensor: torch.Tensor, src: int) -> None:
         op_id, conn, row, seq, dst, _ = waiter
         if seq != send_seq:
@@ -272,6 +330,7 @@ class Coordinator:
         row["dtype"], row["shape"] = wire.dtype_name(tensor.dtype), list(tensor.shape)
         row["nbytes"] = tensor.numel() * tensor.element_size()
         wire.send(conn, ("ok", op_id), [tensor])
+        self.scheduler.answered(dst, op_id)
         self.ops_completed += 1
 
     # -- deadlines ------------------------------------------------------------------------
@@ -280,7 +339,8 @@ class Coordinator:
         for pc in self._collectives.values():
             if now - pc.first_t > self.timeout_s:
                 arrived = sorted(a.rank for a in pc.arrivals.values())
-                missing = [r for r in pc.group.ranks if r not in arrived]
+                missing = [r for r in pc.group.ranks if r not in arrived
+                           and (self.fold is None or self.fold.is_captured(r))]
                 raise CaptureDeadlineError(
                     f"{pc.api} (seq {pc.seq}) on group {_describe(pc.group.ranks)} "
                     f"({pc.group.desc or pc.group.key}): ranks {_describe(tuple(arrived))} waited "
@@ -312,3 +372,106 @@ class Coordinator:
         if any(self._recvs.values()):
             return "a recv never completed"
         return None
+
+
+class SlotScheduler:
+    """Context switching of capture ranks: at most ``slots`` ranks run at once.
+
+    A rank gets a slot when it connects; it hands the slot back when it blocks on an op
+    that is not complete yet (``park``), and joins the ready queue (FIFO) once the op it
+    blocked on is answered. A ``parker`` (e.g. the CUDA checkpoint parker) may move a
+    parked rank's device state to host memory and bring it back before the rank resumes.
+
+    A rank that blocks somewhere the prism group cannot see (not in a ``Work.wait``) keeps
+    its slot; if nothing at all happens for ``stall_s`` while ranks are ready, one more slot
+    is opened (with a warning) rather than letting the capture deadlock.
+    """
+
+    def __init__(self, slots: int | None, *, parker=None, stall_s: float = 30.0):
+        self.slots = slots if slots and slots > 0 else None
+        self.parker = parker
+        self.stall_s = stall_s
+        self.extra = 0
+        self._conn: dict[int, Connection] = {}
+        self._pid: dict[int, int] = {}
+        self.running: set[int] = set()
+        self.ready: deque[int] = deque()
+        self._parked_on: dict[int, int] = {}
+        self._outstanding: dict[int, set[int]] = {}
+        self._last_progress = time.monotonic()
+        self.max_running = 0
+        self.switches = 0
+        """How many times a parked rank was resumed."""
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self.slots is None else self.slots + self.extra
+
+    def arrive(self, rank: int, pid: int, conn: Connection) -> None:
+        self._conn[rank], self._pid[rank] = conn, pid
+        self._outstanding[rank] = set()
+        self.ready.append(rank)
+        self._progress()
+
+    def issued(self, rank: int, op_id: int) -> None:
+        if op_id >= 0:
+            self._outstanding.setdefault(rank, set()).add(op_id)
+        self._progress()
+
+    def answered(self, rank: int, op_id: int) -> None:
+        self._outstanding.get(rank, set()).discard(op_id)
+        if self._parked_on.get(rank) == op_id:
+            del self._parked_on[rank]
+            self.ready.append(rank)
+        self._progress()
+
+    def park(self, rank: int, op_id: int) -> None:
+        self.running.discard(rank)
+        if op_id in self._outstanding.get(rank, ()):
+            self._parked_on[rank] = op_id
+            if self.parker is not None:
+                self.parker.parked(rank, self._pid[rank])
+        else:  # answered while the park message was in flight
+            self.ready.append(rank)
+        self._progress()
+
+    def gone(self, rank: int) -> None:
+        self.running.discard(rank)
+        self._parked_on.pop(rank, None)
+        self._conn.pop(rank, None)
+        if self.parker is not None:
+            self.parker.gone(rank)
+        self._progress()
+
+    def _progress(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def schedule(self) -> None:
+        cap = self.capacity
+        while self.ready and (cap is None or len(self.running) < cap):
+            rank = self.ready.popleft()
+            conn = self._conn.get(rank)
+            if conn is None:
+                continue
+            if self.parker is not None:
+                self.parker.resume(rank, self._pid[rank], running=self.running)
+            self.running.add(rank)
+            self.switches += 1
+            self.max_running = max(self.max_running, len(self.running))
+            try:
+                wire.send(conn, ("go",))
+            except OSError:
+                self.gone(rank)
+        if self.ready and cap is not None and time.monotonic() - self._last_progress > self.stall_s:
+            import warnings
+
+            self.extra += 1
+            self._progress()
+            warnings.warn(
+                f"capture: ranks {sorted(self.running)} hold every slot and none communicated for "
+                f"{self.stall_s:g}s while ranks {list(self.ready)[:8]} are ready; opening slot #{self.capacity} "
+                "(a rank may be blocked outside a prism wait)", stacklevel=2)
+
+    def close(self) -> None:
+        if self.parker is not None:
+            self.parker.close()

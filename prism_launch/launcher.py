@@ -119,6 +119,12 @@ class Launcher:
                   f"{self.topo.world_size} logical ranks into {self.trace_dir}", file=sys.stderr)
             self.capture()
             reader = self.open_trace()
+        missing = [r for r in self.cfg.sandbox.ranks if r not in reader.manifest.ranks_captured]
+        if missing:
+            print(f"prism-launch: sandbox ranks {missing} are outside the folded capture in {self.trace_dir}; "
+                  "capturing again around them", file=sys.stderr)
+            self.capture()
+            reader = self.open_trace()
         from prism_launch.calibrate import calibrate, calibrated_dir
 
         in_auto = self.cfg.calibrate.in_auto
@@ -284,19 +290,82 @@ class Launcher:
         return "\n".join(lines)
 
     # -- capture --------------------------------------------------------------------------
+    def fold_wanted(self) -> bool:
+        fold = self.cfg.capture.fold
+        return self.topo.world_size > self.cfg.capture.fold_threshold if fold is None else bool(fold)
+
+    def discover_groups(self) -> list[tuple[list[int], str]]:
+        """Run one logical rank up to its first communication op; return every ``new_group``
+        call it made (rank list, description) — the whole world's group layout."""
+        out_dir = Path(tempfile.mkdtemp(prefix="prism-discover-"))
+        out = out_dir / "groups.json"
+        rank = self.cfg.sandbox.ranks[0]
+        try:
+            self._run_ranks(Mode.capture, [rank], {"PRISM_DISCOVER": str(out)}, log_dir=out_dir / "logs")
+            if not out.exists():
+                raise RunFailedError(f"group discovery: rank {rank} ended without reporting its groups; logs in {out_dir}")
+            groups = [(list(r), d) for r, d in json.loads(out.read_text())["groups"]]
+        finally:
+            import shutil
+
+            shutil.rmtree(out_dir, ignore_errors=True)
+        return groups
+
+    def fold_plan(self):
+        from prism_launch.fold import FoldPlan, plan
+
+        ws = self.topo.world_size
+        if not self.fold_wanted():
+            return FoldPlan.identity(ws)
+        t0 = time.monotonic()
+        groups = self.discover_groups()
+        p = plan(groups, self.cfg.sandbox.ranks, ws, self.cfg.capture.replicated_groups)
+        print(f"prism-launch: folded capture: {len(p.captured)} of {ws} logical ranks closed under the "
+              f"model-parallel groups of sandbox ranks {list(self.cfg.sandbox.ranks)} "
+              f"({len(groups)} new_group calls, {time.monotonic() - t0:.1f}s)", file=sys.stderr)
+        return p
+
+    def capture_slots(self) -> int | None:
+        slots = self.cfg.capture.slots
+        if slots is None:
+            if str(self.cfg.device) == "cuda":
+                import torch
+
+                slots = max(1, torch.cuda.device_count())
+            else:
+                slots = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return slots or None
+
+    def parker(self, slots: int | None):
+        from prism_launch.config import Park
+
+        park = self.cfg.capture.park
+        if park is Park.auto:
+            park = Park.cuda_checkpoint if str(self.cfg.device) == "cuda" else Park.none
+        if park is Park.none:
+            return None
+        from prism_launch.parking import CudaCheckpointParker
+
+        return CudaCheckpointParker(self.cfg.capture.resident or slots or 1)
+
     def capture(self) -> Path:
         from prism_launch.coordinator import CaptureError, Coordinator
         from prism_launch.report import parse_rank_log
 
         ws = self.topo.world_size
+        fold = self.fold_plan()
+        ranks = list(fold.captured)
+        slots = self.capture_slots()
+        parker = self.parker(slots)
         sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
         authkey = os.urandom(16)
-        coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, self.cfg.comm.timeout_s)
+        coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, self.cfg.comm.timeout_s, slots=slots,
+                            parker=parker, fold=fold if fold.folded else None)
         env = {"PRISM_COORD": coord.address, "PRISM_AUTHKEY": authkey.hex()}
         t0 = time.monotonic()
         try:
             try:
-                log_dir = self._run_ranks(Mode.capture, list(range(ws)), env,
+                log_dir = self._run_ranks(Mode.capture, ranks, env,
                                           on_tick=lambda: coord.pump(0.02), on_start=coord.start)
             except CaptureError as e:
                 raise RunFailedError(f"capture failed: {e}") from None
@@ -311,24 +380,34 @@ class Launcher:
                 p.unlink(missing_ok=True)
             sock_dir.rmdir()
         wall = time.monotonic() - t0
-        steps = {r: parse_rank_log(log_dir / str(r) / "stdout.log", self.cfg.report) for r in range(ws)}
+        steps = {r: parse_rank_log(log_dir / str(r) / "stdout.log", self.cfg.report) for r in ranks}
+        sched = coord.scheduler
+        capture_stats = {"wall_s": wall, "slots": slots, "max_running": sched.max_running,
+                         "resumes": sched.switches, "extra_slots": sched.extra,
+                         "parking": parker.stats.to_dict() if parker is not None else None,
+                         "ranks": len(ranks), "folded": fold.folded}
         with TraceWriter(self.trace_dir) as writer:
             writer.add_events(coord.events)
-            for r in range(ws):
+            for r in ranks:
                 if coord.tensors[r]:
                     writer.add_tensors(r, coord.tensors[r])
             writer.write_json("steps.json", {str(r): s for r, s in steps.items()})
             writer.write_json("memory.json", {str(r): m for r, m in coord.memory.items()})
+            writer.write_json("capture.json", capture_stats)
+            if fold.folded:
+                writer.write_json("fold.json", {**fold.to_dict(), "approximated_groups": coord.approximated_groups})
             writer.commit(
                 fingerprint=self.fingerprint, versions=fp.versions(), world_size=ws,
-                topology=self.topo.to_dict(), groups=coord.groups(), ranks_captured=list(range(ws)),
+                topology=self.topo.to_dict(), groups=coord.groups(), ranks_captured=ranks,
                 extra={"script": self.args.script, "script_args": self.args.script_args, "module": self.module,
                        "program_config": self.program_config(), "capture_wall_s": wall,
-                       "ops": coord.ops_completed, "log_dir": str(log_dir)},
+                       "ops": coord.ops_completed, "log_dir": str(log_dir), "capture": capture_stats},
             )
         nbytes = sum(t.numel() * t.element_size() for d in coord.tensors for t in d.values())
-        print(f"prism-launch: captured {ws} logical ranks, {coord.ops_completed} ops, {len(coord.events)} events, "
-              f"{nbytes / 2**20:.1f} MiB of tensors in {wall:.1f}s -> {self.trace_dir}", file=sys.stderr)
+        what = f"{len(ranks)} of {ws} logical ranks (folded)" if fold.folded else f"{ws} logical ranks"
+        print(f"prism-launch: captured {what}, {coord.ops_completed} ops, {len(coord.events)} events, "
+              f"{nbytes / 2**20:.1f} MiB of tensors in {wall:.1f}s ({slots or 'unlimited'} slots, "
+              f"{sched.switches} resumes) -> {self.trace_dir}", file=sys.stderr)
         return log_dir
 
     # -- emulate --------------------------------------------------------------------------
@@ -340,7 +419,10 @@ class Launcher:
         sandbox = list(self.cfg.sandbox.ranks)
         missing = [r for r in sandbox if r not in reader.manifest.ranks_captured]
         if missing:
-            raise PrismError(f"sandbox.ranks {missing} are not in the trace {self.trace_dir}; capture them first")
+            raise PrismError(
+                f"sandbox.ranks {missing} are not in the trace {self.trace_dir} (a folded capture holds only the "
+                f"ranks closed under its sandbox ranks' model-parallel groups); capture around them: "
+                f"{self.capture_command()} with sandbox.ranks={list(self.cfg.sandbox.ranks)}, or use mode=auto")
         report_dir = self.report_dir
         summaries = report_dir / "sandbox"
         store = None

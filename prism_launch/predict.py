@@ -78,6 +78,11 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[
             "bubble_s": res.bubble_s, "peak_memory_bytes": peak,
             "oom": None if peak is None else peak > limit,
         }
+    fold = bare.read_json("fold.json") if "fold.json" in bare.json_files() else None
+    if fold is not None:  # expand to the whole world: an uncaptured rank mirrors its stand-in
+        for u, src in enumerate(fold["rep"]):
+            if str(u) not in ranks and str(src) in ranks:
+                ranks[str(u)] = {**ranks[str(src)], "sandbox": False, "mirrors": src}
     predicted = {
         "iteration_time_s": rep.iteration_time_s,
         "iteration_times_s": rep.iteration_times,
@@ -87,6 +92,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[
         "cluster": cfg.cluster.name,
         "critical_path": _summarize_path(rep.critical_path),
         "stragglers": rep.stragglers,
+        "ranks_replayed": len(rep.ranks),
     }
     out.mkdir(parents=True, exist_ok=True)
     _write_timeline(out / "timeline.json", rep.timelines, cfg.cluster.gpus_per_node)

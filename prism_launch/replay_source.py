@@ -1,4 +1,10 @@
-"""A PrismTrace seen through the :class:`nccl_ext.replay_transport.Recording` interface."""
+"""A PrismTrace seen through the :class:`nccl_ext.replay_transport.Recording` interface.
+
+A folded trace (``fold.json``) holds only the captured ranks; an uncaptured member of a
+group is answered by its captured stand-in (:meth:`prism_launch.fold.FoldPlan.sources`),
+exactly as the capture coordinator filled it in, and collectives on such groups carry
+their recorded results (``r/<group>/<seq>/<i>``).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,11 @@ class TraceRecording:
     """Indexes a trace's events by (rank, group, seq) for O(1) lookups during replay."""
 
     def __init__(self, reader: TraceReader):
+        from prism_launch.fold import FoldPlan
+
         self.reader = reader
+        self.fold = FoldPlan.from_dict(reader.read_json("fold.json")) if "fold.json" in reader.json_files() else None
+        self._sources: dict[int, dict[int, int] | None] = {}
         self._gids = {g["key"]: int(g["id"]) for g in reader.manifest.groups}
         self._ranks = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
         self._coll: dict[tuple[int, int, int], RecordedOp] = {}
@@ -50,6 +60,38 @@ class TraceRecording:
         for ops in self._ops.values():
             ops.sort(key=lambda o: o[0].idx)
 
+    def _map(self, group_id: int) -> dict[int, int] | None:
+        """member -> captured stand-in for a folded group; None when every member was captured."""
+        m = self._sources.get(group_id, False)
+        if m is False:
+            m = None
+            if self.fold is not None:
+                ranks = self._ranks[group_id]
+                src = self.fold.sources(ranks)
+                if src is not None and src != ranks:
+                    m = dict(zip(ranks, src))
+            self._sources[group_id] = m
+        return m
+
+    def _source(self, rank: int, group_id: int) -> int:
+        """The captured rank whose recording stands in for ``rank`` in this group."""
+        if self.fold is None or self.fold.is_captured(rank):
+            return rank
+        m = self._map(group_id)
+        return rank if m is None else m[rank]
+
+    def folded(self, group_id: int) -> bool:
+        """Whether the group has members that were not captured (its results are recorded)."""
+        return self.fold is not None and self._map(group_id) is not None
+
+    def result(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
+        """A folded collective's recorded result for captured ``rank``."""
+        out, i = [], 0
+        while self.reader.has_tensor(rank, f"r/{group_id}/{seq}/{i}"):
+            out.append(self.reader.tensor(rank, f"r/{group_id}/{seq}/{i}"))
+            i += 1
+        return out
+
     def group_id(self, key: str) -> int | None:
         return self._gids.get(key)
 
@@ -60,9 +102,10 @@ class TraceRecording:
         return self._ops.get(rank, [])
 
     def collective(self, rank: int, group_id: int, seq: int) -> RecordedOp | None:
-        return self._coll.get((rank, group_id, seq))
+        return self._coll.get((self._source(rank, group_id), group_id, seq))
 
     def contribution(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
+        rank = self._source(rank, group_id)
         rec = self._coll[(rank, group_id, seq)]
         return [self.reader.tensor(rank, f"c/{group_id}/{seq}/{i}") for i in range(rec.n_tensors)]
 

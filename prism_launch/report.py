@@ -82,6 +82,19 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
         if (summaries / "assistant.json").exists() else None,
         "ranks": ranks,
     }
+    if "fold.json" in reader.json_files():
+        fold = reader.read_json("fold.json")
+        report["fold"] = {
+            "captured_ranks": len(fold["captured"]),
+            "world_size": fold["world_size"],
+            "exact": "sandbox ranks inside the captured set: everything they compute from their own data and "
+                     "their model-parallel peers, bit-identical to the folded capture",
+            "approximated": "contributions of uncaptured data-parallel replicas (copies of their captured "
+                            "stand-ins' data; exact only when replicas see the same data), MoE routing of "
+                            "uncaptured replicas (that of the stand-in), and uncaptured ranks' timelines "
+                            "(their stand-ins')",
+            "approximated_model_parallel_groups": fold.get("approximated_groups", []),
+        }
     out = launcher.report_dir
     out.mkdir(parents=True, exist_ok=True)
     from prism_launch.predict import predict

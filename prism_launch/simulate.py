@@ -94,6 +94,10 @@ def _graph_from_events(rows, groups, world_size, compute, calibrated) -> Graph:
     by_rank: dict[int, list[dict]] = defaultdict(list)
     for row in rows:
         by_rank[row["rank"]].append(row)
+    present = set(by_rank)
+    # folded traces hold only captured ranks: a collective completes when its captured
+    # members arrive (uncaptured replicas mirror them); its cost is the full group's
+    n_present = {gid: sum(1 for r in ranks if r in present) for gid, ranks in groups.items()}
     coll_bytes: dict[tuple[int, int], int] = defaultdict(int)
     for row in rows:
         if row["kind"] == "collective":
@@ -111,7 +115,10 @@ def _graph_from_events(rows, groups, world_size, compute, calibrated) -> Graph:
             gid, seq = row["group"], row["seq"]
             kind = row["kind"]
             if kind == "collective":
-                out.append((COLL, span, ("c", gid, seq), (extra.get("kind", row["op"]), coll_bytes[(gid, seq)], groups[gid])))
+                info = (extra.get("kind", row["op"]), coll_bytes[(gid, seq)], groups[gid])
+                if n_present[gid] != len(groups[gid]):
+                    info += (n_present[gid],)
+                out.append((COLL, span, ("c", gid, seq), info))
             elif kind == "p2p" and row["op"] == "send":
                 out.append((SEND, span, (gid, rank, row["peer"], extra.get("tag", 0), seq), row["nbytes"]))
             elif kind == "p2p":
@@ -245,7 +252,7 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Re
             elif code == COLL:
                 st = coll.get(sl)
                 if st is None:
-                    st = coll[sl] = [len(info[2]), t, r, p, []]
+                    st = coll[sl] = [len(info[2]) if len(info) < 4 else info[3], t, r, p, []]
                 st[0] -= 1
                 st[4].append(t)
                 if t >= st[1]:
@@ -257,7 +264,7 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Re
                         delay_caused[st[2]] += arrivals[-1] - arrivals[-2]
                     cost = cost_cache.get(info)
                     if cost is None:
-                        cost = cost_cache[info] = model.collective_time(*info)
+                        cost = cost_cache[info] = model.collective_time(*info[:3])
                     complete(sl, st[1] + cost, (st[2], st[3], st[1]))
                     del coll[sl]
             elif code == SEND:
