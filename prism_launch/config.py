@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -59,6 +60,25 @@ class StartMethod(StrEnum):
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Parallelism of the target job, rendered into the recipe's own arguments by the
+    integration (``integration.kind``). None leaves the script's arguments alone."""
+
+    tp: int | None = None
+    """Tensor-parallel size."""
+    pp: int | None = None
+    """Pipeline-parallel size."""
+    ep: int | None = None
+    """Expert-parallel size."""
+    cp: int | None = None
+    """Context-parallel size."""
+    etp: int | None = None
+    """Expert tensor-parallel size."""
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
 class TargetConfig:
     """The job being emulated."""
 
@@ -68,6 +88,8 @@ class TargetConfig:
     """Nodes of the target job (from ``--nnodes``)."""
     nproc_per_node: int = 1
     """Ranks per target node (from ``--nproc-per-node``)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallelism rendered into the script's arguments (sweep it: ``target.parallel.tp=2,4``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -218,6 +240,51 @@ class ReportConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FlagNames:
+    """The recipe's own flag for each ``target.parallel`` field; None: the integration's
+    default (Megatron-LM's names, e.g. ``--tensor-model-parallel-size``)."""
+
+    tp: str | None = None
+    pp: str | None = None
+    ep: str | None = None
+    cp: str | None = None
+    etp: str | None = None
+    micro_batch_size: str | None = None
+    global_batch_size: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class IntegrationConfig:
+    """How ``target.parallel`` and ``script.args`` reach the recipe. Core code imports the
+    integration modules by name only."""
+
+    kind: str = "megatron"
+    """Key into ``modules``: ``megatron`` (flags), ``deepspeed`` (JSON config), ``none``."""
+    modules: dict[str, str] = field(default_factory=lambda: {
+        "megatron": "integrations.megatron_flags", "deepspeed": "integrations.deepspeed_config"})
+    """Renderer module per kind; each exposes ``render(cfg, script_args, out_dir) -> list[str]``."""
+    flags: FlagNames = field(default_factory=FlagNames)
+    render_dir: str | None = None
+    """Where rendered files (DeepSpeed configs) go. Default: the run's output dir (a sweep
+    point's directory; ``prism_rendered/`` for a single run)."""
+    moe: str | None = "integrations.megatron_moe"
+    """Module that finds MoE token dispatches in a trace (for the report's ``moe`` section)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ScriptConfig:
+    args: dict[str, Any] = field(default_factory=dict)
+    """Script flags set from the config (sweepable): ``script.args.moe_router_topk=1,2`` renders
+    ``--moe-router-topk 1``; ``true`` adds a bare flag, ``false`` removes it, null leaves it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SweepConfig:
+    rank_by: str = "iteration_time_s"
+    """Summary column the terminal table is ranked by (ascending)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class PrismConfig:
     mode: Mode = Mode.auto
     """real | capture | emulate | auto."""
@@ -235,6 +302,9 @@ class PrismConfig:
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    integration: IntegrationConfig = field(default_factory=IntegrationConfig)
+    script: ScriptConfig = field(default_factory=ScriptConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     cluster: ClusterSpec = MISSING
     """The target machine room (Hydra group ``cluster``: h100_ib, h200_ib, a100_ib, gb200_nvl72, cpu_local)."""
 
@@ -253,6 +323,11 @@ def config_dir() -> Path:
     return Path(configs.__file__).parent
 
 
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """``script.args.KEY=V`` adds or replaces a key of an open dict: Hydra spells that ``++``."""
+    return [f"++{o}" if o.startswith("script.args.") else o for o in overrides]
+
+
 def compose(overrides: list[str]) -> PrismConfig:
     """Compose ``configs/config.yaml`` with ``overrides`` into a validated-type PrismConfig."""
     from hydra import compose as hydra_compose
@@ -266,7 +341,7 @@ def compose(overrides: list[str]) -> PrismConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+            cfg = hydra_compose(config_name="config", overrides=normalize_overrides(list(overrides)))
         return OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ or e
@@ -316,6 +391,13 @@ def validate(cfg: PrismConfig) -> None:
         raise ConfigError(f"capture.slots must be >= 0 (got {cfg.capture.slots}; 0 means no limit)")
     if cfg.capture.fold_threshold < 1:
         raise ConfigError(f"capture.fold_threshold must be >= 1 (got {cfg.capture.fold_threshold})")
+    for name in ("tp", "pp", "ep", "cp", "etp", "micro_batch_size", "global_batch_size"):
+        v = getattr(cfg.target.parallel, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"target.parallel.{name} must be >= 1 (got {v})")
+    if cfg.integration.kind != "none" and cfg.integration.kind not in cfg.integration.modules:
+        raise ConfigError(f"integration.kind={cfg.integration.kind!r} is not one of "
+                          f"{sorted(cfg.integration.modules)} or 'none' (see integration.modules)")
     if cfg.emulate.window < 1:
         raise ConfigError(f"emulate.window must be >= 1 (got {cfg.emulate.window})")
     if cfg.emulate.time_scale < 0:
