@@ -1,5 +1,5 @@
 # Two entry points, each builds .venv from nothing on a fresh machine:
-#   make demo   run the bundled Megatron recipe in a 16-rank virtual world (one sandbox rank)
+#   make demo   run the bundled Megatron recipe in a 1,024-rank virtual world (one sandbox rank)
 #   make test   run the test suite
 PYTHON ?= python3.11
 VENV   := .venv
@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/prism-launch --nnodes 2 --nproc-per-node 8 \
-	    device=cpu sandbox.ranks=[10] trace.dir=prism_traces/demo \
+	OMP_NUM_THREADS=1 $(BIN)/prism-launch --nnodes 128 --nproc-per-node 8 \
+	    device=cpu sandbox.ranks=[1000] trace.dir=prism_traces/demo \
 	    examples/megatron_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
 test: $(STAMP)

@@ -11,7 +11,9 @@ step, op and group, and an error in strict mode.
 
 Virtual members arrive when the recording says, relative to the sandbox's own
 progress: a member recorded as arriving ``d`` seconds after this rank at this op
-delays completion by ``d`` (``timing="recorded"``), or not at all (``timing="none"``).
+delays completion by ``d`` (``timing="recorded"``: the capture's wall clock; ``"predicted"``:
+the global replay's schedule on the target cluster, given to the recording), or not at all
+(``timing="none"``).
 """
 
 from __future__ import annotations

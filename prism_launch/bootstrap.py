@@ -91,9 +91,14 @@ def _replay_transport(ctx: RankContext):
 
                 store.set(done_key(rank), "1")
         reader = TraceReader(env["PRISM_TRACE_DIR"], verify=False)  # verified once by the launcher
+        schedule = None
+        if env.get("PRISM_SCHEDULE"):
+            import json
+
+            schedule = {int(r): v for r, v in json.loads(Path(env["PRISM_SCHEDULE"]).read_text()).items()}
         return ReplayTransport(
-            rank=rank, sandbox=sandbox, recording=TraceRecording(reader), timeout_s=timeout_s,
-            physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "recorded"),
+            rank=rank, sandbox=sandbox, recording=TraceRecording(reader, schedule), timeout_s=timeout_s,
+            physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "predicted"),
             time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
             check=env.get("PRISM_CHECK", "1") == "1",
             summary_path=Path(env["PRISM_SUMMARY"]) if env.get("PRISM_SUMMARY") else None,

@@ -39,8 +39,12 @@ class Device(StrEnum):
 
 
 class Timing(StrEnum):
+    predicted = "predicted"
+    """Virtual members arrive at each op with the lag the global replay predicts on the target
+    cluster (the capture's compute spans + the network model), relative to the sandbox."""
     recorded = "recorded"
-    """Virtual members arrive at each op with their recorded lag relative to the sandbox."""
+    """Virtual members arrive with their lag in the capture's wall clock (distorted when the
+    capture context-switched ranks)."""
     none = "none"
     """Virtual members are always already there (fastest; results are unchanged)."""
 
@@ -141,7 +145,7 @@ class CaptureConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EmulateConfig:
-    timing: Timing = Timing.recorded
+    timing: Timing = Timing.predicted
     """How virtual members' arrival times are replayed."""
     time_scale: float = 1.0
     """Multiplier on recorded waits (e.g. 0 to disable, 0.5 to halve)."""

@@ -459,6 +459,16 @@ class Launcher:
             ))
         for old in summaries.glob("*.json") if summaries.exists() else ():
             old.unlink()
+        from prism_launch.config import Timing
+
+        if self.cfg.emulate.timing is Timing.predicted:
+            from nccl_ext.atomic import atomic_write_text
+            from prism_launch.predict import schedule
+
+            path = summaries / "schedule.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(schedule(self.cfg, reader, self.trace_dir)))
+            env["PRISM_SCHEDULE"] = str(path)
         t0 = time.monotonic()
         log_dir = self._run_ranks(Mode.emulate, sandbox,
                                   lambda r: {**env, "PRISM_SUMMARY": str(summaries / f"rank{r}.json")},

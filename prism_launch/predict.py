@@ -40,12 +40,10 @@ def _timeline_ranks(cfg: PrismConfig, world: int, sandbox: list[int], pipeline: 
     return sorted(chosen)
 
 
-def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[int], out: Path,
-            memory: dict[int, int]) -> dict:
-    from nccl_ext.cost_model import make_cost_model
+def _graph_source(cfg: PrismConfig, bare: TraceReader, trace_dir: Path):
+    """The trace whose compute spans the replay uses, its label, and which clock."""
     from prism_launch.calibrate import calibrated_dir
     from prism_launch.config import ComputeSource
-    from prism_launch.simulate import graph_from_events, replay
     from prism_launch.trace import TraceReader
 
     source, reader = "bare (cpu)", bare
@@ -57,6 +55,28 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[
         reader, source = TraceReader(calibrated_dir(trace_dir)), "calibrated"
     elif want is ComputeSource.wall:
         source = "bare (wall)"
+    return reader, source, compute
+
+
+def schedule(cfg: PrismConfig, bare: TraceReader, trace_dir: Path) -> dict[int, list[float]]:
+    """Each captured rank's predicted issue time of every event (trace order) on the target
+    cluster: the arrival times emulation gives virtual peers (``emulate.timing=predicted``)."""
+    from nccl_ext.cost_model import make_cost_model
+    from prism_launch.simulate import graph_from_events, replay
+
+    reader, _source, compute = _graph_source(cfg, bare, trace_dir)
+    rows = reader.events().to_pylist()
+    groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+    graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
+    return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True).issue_times
+
+
+def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[int], out: Path,
+            memory: dict[int, int]) -> dict:
+    from nccl_ext.cost_model import make_cost_model
+    from prism_launch.simulate import graph_from_events, replay
+
+    reader, source, compute = _graph_source(cfg, bare, trace_dir)
     rows = reader.events().to_pylist()
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     world = reader.manifest.world_size
@@ -130,8 +150,13 @@ def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results:
 
     xs = sorted(int(r) for r in ranks)
     fig, ax = plt.subplots(figsize=(10, 3.5))
-    colors = ["tab:red" if ranks[str(r)]["sandbox"] else "tab:blue" for r in xs]
-    ax.bar(xs, [ranks[str(r)]["iteration_time_s"] * 1e3 for r in xs], color=colors, width=1.0)
+    ys = [ranks[str(r)]["iteration_time_s"] * 1e3 for r in xs]
+    if len(xs) <= 512:
+        ax.bar(xs, ys, color=["tab:red" if ranks[str(r)]["sandbox"] else "tab:blue" for r in xs], width=1.0)
+    else:  # thousands of ranks: one line instead of one patch per rank
+        ax.fill_between(xs, ys, step="mid", color="tab:blue", lw=0)
+        sb = [r for r in xs if ranks[str(r)]["sandbox"]]
+        ax.scatter(sb, [ranks[str(r)]["iteration_time_s"] * 1e3 for r in sb], color="tab:red", zorder=3, s=12)
     ax.set_xlabel("logical rank (red: sandbox)")
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title("Predicted per-rank iteration time")
@@ -144,8 +169,11 @@ def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results:
         fig, ax = plt.subplots(figsize=(11, 0.5 + 0.45 * len(shown)))
         palette = {"compute": "tab:green", "wait": "tab:orange", "p2p-wait": "tab:gray"}
         for y, r in enumerate(shown):
+            bars: dict[str, list] = {}
             for name, t0, t1 in timelines[r]:
-                ax.broken_barh([(t0 * 1e3, (t1 - t0) * 1e3)], (y - 0.4, 0.8), color=palette.get(name, "tab:purple"))
+                bars.setdefault(name, []).append((t0 * 1e3, (t1 - t0) * 1e3))
+            for name, xs in bars.items():  # one collection per kind: thousands of spans stay fast
+                ax.broken_barh(xs, (y - 0.4, 0.8), color=palette.get(name, "tab:purple"))
             for t in results[r].step_ends:
                 ax.axvline(t * 1e3, color="k", lw=0.3)
         ax.set_yticks(range(len(shown)), [f"rank {r}" for r in shown])

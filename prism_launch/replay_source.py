@@ -19,7 +19,9 @@ from prism_launch.trace import TraceReader
 class TraceRecording:
     """Indexes a trace's events by (rank, group, seq) for O(1) lookups during replay."""
 
-    def __init__(self, reader: TraceReader):
+    def __init__(self, reader: TraceReader, schedule: dict[int, list[float]] | None = None):
+        """``schedule``: per rank, the predicted time of each event (by trace index); it
+        replaces the capture's wall-clock ``t_start`` of the ops."""
         from prism_launch.fold import FoldPlan
 
         self.reader = reader
@@ -42,8 +44,13 @@ class TraceRecording:
             extra = json.loads(cols["extra"][i]) if cols["extra"][i] else {}
             rank, gid, seq, peer = cols["rank"][i], cols["group"][i], cols["seq"][i], cols["peer"][i]
             tag = int(extra.get("tag", 0))
+            t_start = cols["t_start"][i]
+            if schedule is not None:
+                times = schedule.get(rank)
+                if times is not None and cols["idx"][i] < len(times):
+                    t_start = times[cols["idx"][i]]
             rec = RecordedOp(
-                op=cols["op"][i], unit=cols["unit"][i], t_start=cols["t_start"][i], t_end=cols["t_end"][i],
+                op=cols["op"][i], unit=cols["unit"][i], t_start=t_start, t_end=cols["t_end"][i],
                 n_tensors=int(extra.get("n", 1)),
                 shapes=tuple(tuple(s) for s in extra.get("shapes", ())),
                 dtypes=tuple(extra.get("dtypes", ())),

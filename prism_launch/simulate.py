@@ -63,6 +63,8 @@ class Replay:
     critical_path: list[dict]
     stragglers: list[dict]
     timelines: dict[int, list[tuple[str, float, float]]]
+    issue_times: dict[int, list[float]] | None = None
+    """With ``record_issue``: each rank's predicted time of every event, in trace order."""
 
     @property
     def iteration_time_s(self) -> float:
@@ -172,7 +174,7 @@ def _intern(graph: Graph) -> tuple[list[list[tuple]], int]:
     return out, len(ids)
 
 
-def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()) -> Replay:
+def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = (), record_issue: bool = False) -> Replay:
     """Walk ``graph``; raise ``RuntimeError`` naming the blocked ranks if it deadlocks."""
     import gc
 
@@ -181,13 +183,13 @@ def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _replay(graph, model, timeline_ranks)
+        return _replay(graph, model, timeline_ranks, record_issue)
     finally:
         if enabled:
             gc.enable()
 
 
-def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Replay:
+def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], record_issue: bool = False) -> Replay:
     order = sorted(graph.ranks)
     ops, n_slots = _intern(graph)
     n = len(order)
@@ -198,6 +200,7 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Re
     fresh_at = [True] * n
     results = [RankResult() for _ in range(n)]
     timelines: dict[int, list[tuple[str, float, float]]] = {i: [] for i in keep}
+    issue: list[list[float]] | None = [[] for _ in range(n)] if record_issue else None
     done: list = [None] * n_slots       # slot -> completion time
     cause: list = [None] * n_slots      # slot -> (rank index, event position, issue time) that bound it
     msg_arrival: list = [None] * n_slots  # recv slot -> (arrival, sender index, pos, issue time)
@@ -227,6 +230,7 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Re
         t = clock[r]
         fresh = fresh_at[r]
         bind = binding[r]
+        iss = issue[r] if issue is not None else None
         while p < ne:
             code, span, sl, info = evs[p]
             if fresh and span > 0:
@@ -234,6 +238,8 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Re
                     tl.append(("compute", t, t + span))
                 t += span
                 res.compute_s += span
+            if fresh and iss is not None:
+                iss.append(t)
             fresh = True
             if code == WAIT:
                 end = done[sl]
@@ -314,6 +320,7 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int]) -> Re
         stragglers=[{"rank": order[i], "delay_caused_s": d} for i, d in
                     sorted(delay_caused.items(), key=lambda kv: -kv[1])[:5] if d > 0],
         timelines={order[i]: v for i, v in timelines.items()},
+        issue_times=None if issue is None else {order[i]: issue[i] for i in range(n)},
     )
 
 
