@@ -85,6 +85,8 @@ def parse_args(argv=None):
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--replicate-data", action="store_true",
+                   help="every data-parallel replica draws the same samples (replicas stay identical)")
     g.add_argument("--log-all-ranks", action="store_true",
                    help="every rank also prints its grad norm and a parameter checksum each step")
     return p.parse_args(argv)
@@ -195,7 +197,8 @@ def synthetic_sample(seed, index, seq_length, vocab_size):
 def data_iterator(args, num_microbatches, iteration):
     dp_rank = parallel_state.get_data_parallel_rank()
     per_dp = args.micro_batch_size * num_microbatches
-    base = iteration * args.global_batch_size + dp_rank * per_dp
+    # --replicate-data: every data-parallel replica trains on the samples of replica 0
+    base = iteration * args.global_batch_size + (0 if args.replicate_data else dp_rank * per_dp)
     device = torch.cuda.current_device()
     position_ids = torch.arange(args.seq_length).unsqueeze(0).expand(args.micro_batch_size, -1)
     causal = torch.tril(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool))
