@@ -24,6 +24,9 @@ prism-launch options (besides torchrun's):
                        target.world_size=N  device=cpu|cuda  emulate.strict=true
                        comm.timeout_s=60 (see --cfg for every field)
   --cfg                print the composed config (YAML) and exit
+  --multirun           sweep: key=a,b overrides become points (Hydra's sweeper and launcher,
+                       hydra/launcher=joblib|submitit_local|prism_slurm|prism_ray); writes
+                       summary.csv, summary.png and a ranked table in hydra.sweep.dir
 
 The torchrun flags describe the TARGET job: --nnodes x --nproc-per-node is the logical
 world. Only sandbox ranks run for real in emulation; the rest are replayed.
@@ -42,6 +45,8 @@ class LaunchArgs:
     """Training script path, module (with -m) or executable (with --no-python)."""
     script_args: list[str] = field(default_factory=list)
     print_config: bool = False
+    multirun: bool = False
+    """Sweep the ``key=a,b`` overrides (prism_launch.sweep)."""
 
     @property
     def nnodes(self) -> int:
@@ -65,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--cfg", "--print-config", dest="print_config", action="store_true",
                         help="Print the composed PrismLLM config and exit.")
+    parser.add_argument("--multirun", dest="multirun", action="store_true",
+                        help="Sweep: every combination of key=a,b overrides is one point (Hydra multirun).")
     return parser
 
 
@@ -141,4 +148,5 @@ def parse(argv: list[str]) -> LaunchArgs:
         script=rest[0] if rest else "",
         script_args=rest[1:],
         print_config=ns.print_config,
+        multirun=ns.multirun,
     )

@@ -12,6 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     from prism_launch.trace import TraceError
 
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    if args.multirun and not args.print_config:
+        from prism_launch.sweep import run_sweep
+
+        try:
+            return run_sweep(args)
+        except KeyboardInterrupt as e:
+            print(f"prism-launch: sweep interrupted ({e or 'SIGINT'}); all ranks stopped", file=sys.stderr)
+            return 130
     try:
         cfg = compose(args.overrides)
         if args.nnodes and "target.nnodes" not in " ".join(args.overrides):
@@ -25,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
             return 0
         validate(cfg)
+        from prism_launch.sweep import render_args
+
+        args = render_args(cfg, args)  # target.parallel / script.args -> script args, before fingerprinting
         from prism_launch.launcher import Launcher
 
         Launcher(cfg, args).run()
