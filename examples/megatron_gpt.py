@@ -66,6 +66,10 @@ def parse_args(argv=None):
     g.add_argument("--num-experts", type=int, default=None)
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+                   default=None, help="default: aux_loss when --moe-aux-loss-coeff > 0, else none")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="tokens beyond capacity factor x fair share per expert are dropped (default: dropless)")
     g.add_argument(
         "--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="alltoall"
     )
@@ -132,10 +136,13 @@ def build_config(args):
             num_moe_experts=args.num_experts,
             moe_router_topk=args.moe_router_topk,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff > 0 else "none",
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type
+            or ("aux_loss" if args.moe_aux_loss_coeff > 0 else "none"),
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
             moe_grouped_gemm=False,
         )
+        if args.moe_expert_capacity_factor is not None:
+            kwargs["moe_expert_capacity_factor"] = args.moe_expert_capacity_factor
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -104,6 +104,14 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
     memory.update({int(r): v["peak_memory_bytes"] for r, v in ranks.items() if v.get("peak_memory_bytes") is not None})
     pred = predict(launcher.cfg, reader, launcher.trace_dir, sandbox, out, memory)
     report["predicted"] = pred["predicted"]
+    try:
+        from prism_launch.moe_stats import moe_stats
+
+        moe = moe_stats(launcher.cfg, reader, launcher.trace_dir)
+    except Exception as e:  # noqa: BLE001 - the MoE section never breaks a report
+        moe = {"error": f"{type(e).__name__}: {e}"}
+    if moe:
+        report["moe"] = moe
     report["pipeline_ranks"] = pred["pipeline_ranks"]
     for r, entry in pred["ranks"].items():
         merged = {**entry, **ranks.get(r, {})}
@@ -162,6 +170,13 @@ def print_report(report: dict, path: Path) -> None:
             console.print(f"  top straggler: rank {s0['rank']} (made peers wait {s0['delay_caused_s'] * 1e3:.2f} ms)")
         console.print(f"  OOM at {pred['memory_limit_bytes'] / 2**30:.0f} GiB: "
                       f"{pred['oom_ranks'] or 'none'}")
+    if report.get("moe"):
+        if "error" in report["moe"]:
+            console.print(f"  MoE statistics unavailable: {report['moe']['error']}")
+        else:
+            from prism_launch.moe_stats import print_moe
+
+            print_moe(report["moe"], console)
     if report.get("assistant"):
         streams = report["assistant"]["streams"].values()
         console.print(f"  assistant streamed {sum(s['messages'] for s in streams)} messages, "
