@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-_OVERRIDE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.\-]*(@[\w.]+)?=")
+_OVERRIDE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.\-/]*(@[\w.]+)?=")  # group/option=value too (hydra/launcher=joblib)
 
 EPILOG = """\
 prism-launch options (besides torchrun's):
