@@ -212,6 +212,20 @@ class MemoryConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PhysicalConfig:
+    """The machines the sandbox ranks run on (emulation)."""
+
+    nodes: int = 1
+    """Physical machines sharing the sandbox ranks; start one prism-launch per machine with the
+    same command and its ``physical.node_rank``."""
+    node_rank: int = 0
+    """This machine's index; node 0 hosts the rendezvous store, the assistant and the report."""
+    endpoint: str | None = None
+    """``host:port`` of node 0's c10d TCPStore (required when ``nodes > 1``; node 0 listens on
+    the port, like torchrun's ``--rdzv-endpoint``)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class CommConfig:
     timeout_s: float = 300.0
     """Deadline of every communication wait; a wait past it fails naming rank, group, op and sequence number."""
@@ -306,6 +320,7 @@ class PrismConfig:
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    physical: PhysicalConfig = field(default_factory=PhysicalConfig)
     integration: IntegrationConfig = field(default_factory=IntegrationConfig)
     script: ScriptConfig = field(default_factory=ScriptConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
@@ -402,6 +417,16 @@ def validate(cfg: PrismConfig) -> None:
     if cfg.integration.kind != "none" and cfg.integration.kind not in cfg.integration.modules:
         raise ConfigError(f"integration.kind={cfg.integration.kind!r} is not one of "
                           f"{sorted(cfg.integration.modules)} or 'none' (see integration.modules)")
+    ph = cfg.physical
+    if ph.nodes < 1 or not 0 <= ph.node_rank < ph.nodes:
+        raise ConfigError(f"physical.node_rank must be in [0, physical.nodes={ph.nodes}) (got {ph.node_rank})")
+    if ph.nodes > 1:
+        if not ph.endpoint or ":" not in ph.endpoint or not ph.endpoint.rsplit(":", 1)[1].isdigit():
+            raise ConfigError(f"physical.nodes={ph.nodes} needs physical.endpoint=HOST:PORT of node 0's store "
+                              f"(got {ph.endpoint!r})")
+        if len(cfg.sandbox.ranks) < ph.nodes:
+            raise ConfigError(f"physical.nodes={ph.nodes} but only {len(cfg.sandbox.ranks)} sandbox rank(s): "
+                              "every node needs at least one sandbox rank")
     if cfg.emulate.window < 1:
         raise ConfigError(f"emulate.window must be >= 1 (got {cfg.emulate.window})")
     if cfg.emulate.time_scale < 0:

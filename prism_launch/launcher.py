@@ -424,7 +424,9 @@ class Launcher:
                 f"ranks closed under its sandbox ranks' model-parallel groups); capture around them: "
                 f"{self.capture_command()} with sandbox.ranks={list(self.cfg.sandbox.ranks)}, or use mode=auto")
         report_dir = self.report_dir
-        summaries = report_dir / "sandbox"
+        ph = self.cfg.physical
+        local = self.local_sandbox()
+        summaries = report_dir / "sandbox" if ph.node_rank == 0 else report_dir / f"node{ph.node_rank}" / "sandbox"
         store = None
         env = {
             "PRISM_TRACE_DIR": str(self.trace_dir),
@@ -440,16 +442,22 @@ class Launcher:
         if enforce:
             env["PRISM_MEMORY_LIMIT"] = str(int(self.cfg.cluster.gpu_memory_gib * 2**30))
         assistant = self.cfg.emulate.virtual_host is VirtualHost.assistant
-        if len(sandbox) + assistant > 1:
-            import datetime
+        import datetime
 
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=self.cfg.comm.timeout_s))
+        timeout = datetime.timedelta(seconds=self.cfg.comm.timeout_s)
+        if ph.nodes > 1:  # node 0 hosts the store every node's sandbox ranks rendezvous through
+            host, port = ph.endpoint.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=ph.node_rank == 0, wait_for_workers=False,
+                                  timeout=timeout)
+            env["PRISM_STORE"] = ph.endpoint
+        elif len(sandbox) + assistant > 1:
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
             env["PRISM_STORE"] = f"127.0.0.1:{store.port}"
         extra_specs = []
-        if assistant:
+        if assistant:  # on node 0; every node's sandbox ranks count it in the physical group
             env["PRISM_ASSISTANT"] = "1"
             env["PRISM_WINDOW"] = str(self.cfg.emulate.window)
+        if assistant and ph.node_rank == 0:
             # The assistant is a physical process, not a logical rank; its logs go under <log-dir>/<world_size>.
             extra_specs.append(RankSpec(
                 rank=self.topo.world_size,
@@ -470,11 +478,48 @@ class Launcher:
             atomic_write_text(path, json.dumps(schedule(self.cfg, reader, self.trace_dir)))
             env["PRISM_SCHEDULE"] = str(path)
         t0 = time.monotonic()
-        log_dir = self._run_ranks(Mode.emulate, sandbox,
+        log_dir = self._run_ranks(Mode.emulate, local,
                                   lambda r: {**env, "PRISM_SUMMARY": str(summaries / f"rank{r}.json")},
                                   extra_specs=extra_specs)
+        if ph.nodes > 1:
+            self._exchange_summaries(store, sandbox, local, summaries)
         wall = time.monotonic() - t0
         del store
-        if not quiet:
+        if ph.node_rank != 0:
+            print(f"prism-launch: node {ph.node_rank} ran sandbox ranks {local}; the report is written by node 0",
+                  file=sys.stderr)
+        elif not quiet:
             build_report(self, reader, sandbox, log_dir, summaries, wall)
         return log_dir
+
+    def local_sandbox(self) -> list[int]:
+        """The sandbox ranks this physical node runs: the sandbox list split into
+        ``physical.nodes`` contiguous chunks, in order."""
+        sandbox, ph = list(self.cfg.sandbox.ranks), self.cfg.physical
+        k, extra = divmod(len(sandbox), ph.nodes)
+        start = ph.node_rank * k + min(ph.node_rank, extra)
+        return sandbox[start : start + k + (ph.node_rank < extra)]
+
+    def _exchange_summaries(self, store, sandbox: list[int], local: list[int], summaries: Path) -> None:
+        """Other nodes hand their sandbox ranks' summaries to node 0 through the store."""
+        import datetime
+
+        if self.cfg.physical.node_rank != 0:
+            for r in local:
+                path = summaries / f"rank{r}.json"
+                store.set(f"prism/summary/{r}", path.read_text() if path.exists() else "")
+            return
+        from nccl_ext.atomic import atomic_write_text
+
+        remote = [r for r in sandbox if r not in local]
+        keys = [f"prism/summary/{r}" for r in remote]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.cfg.comm.timeout_s))
+        except Exception as e:  # noqa: BLE001 - c10d raises its own error types
+            late = [r for r, k in zip(remote, keys) if not store.check([k])]
+            raise RunFailedError(f"node 0: sandbox ranks {late} on other nodes never reported within "
+                                 f"comm.timeout_s={self.cfg.comm.timeout_s:g}s ({e})") from None
+        for r, key in zip(remote, keys):
+            text = store.get(key).decode()
+            if text:
+                atomic_write_text(summaries / f"rank{r}.json", text)

@@ -70,3 +70,39 @@ def test_context_switching_changes_no_result(tmp_path):
         a = rank_lines(runs[1], rank, f"R{rank} ")
         b = rank_lines(runs[0], rank, f"R{rank} ")
         assert a and a == b, rank
+
+
+def test_sandboxes_on_two_physical_nodes(tmp_path):
+    """Two prism-launch processes, one per physical "node", share sandbox ranks [0, 3] through
+    node 0's c10d store; results are bit-identical to the capture, node 0 writes the report."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import _env
+
+    common = ["--nproc-per-node", "4", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=60"]
+    script = WORKERS / "collectives.py"
+    trace = tmp_path / "trace"
+    r = run_prism([*common, "--log-dir", tmp_path / "cap", "mode=capture", f"trace.dir={trace}", script], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "prism_launch", *common, "--log-dir", str(tmp_path / f"node{node}"),
+               "mode=emulate", "sandbox.ranks=[0,3]", f"trace.dir={trace}", "physical.nodes=2",
+               f"physical.node_rank={node}", f"physical.endpoint=127.0.0.1:{port}", str(script)]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_o, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert rank_lines(tmp_path / "node0", 0, "R0 ") == rank_lines(tmp_path / "cap", 0, "R0 ")
+    assert rank_lines(tmp_path / "node1", 3, "R3 ") == rank_lines(tmp_path / "cap", 3, "R3 ")
+    assert not list((tmp_path / "node0").glob("*/3")) and not list((tmp_path / "node1").glob("*/0"))
+    report = json.loads((trace / "report" / "report.json").read_text())
+    assert report["ranks"]["0"]["sandbox"] and report["ranks"]["3"]["sandbox"]
+    assert report["ranks"]["3"]["divergences"] == [] and report["ranks"]["3"]["ops"] > 0
+    assert "report is written by node 0" in outs[1][1]
