@@ -215,6 +215,12 @@ class Launcher:
         # pauses and copy-on-write page faults do not grow with the launcher's state.
         gc.collect()
         gc.freeze()
+        try:  # hand freed heap back to the OS: children must not inherit (and copy) the capture's garbage
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
     def _run_ranks(self, mode: Mode, ranks: list[int], extra_env: dict[str, str], on_tick=None, on_start=None,
                    extra_specs: list[RankSpec] = (), log_dir: Path | None = None) -> Path:

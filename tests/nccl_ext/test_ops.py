@@ -70,3 +70,19 @@ def test_contributors():
     assert contributors(Collective.BROADCAST, 4, 2) == [2]
     assert contributors(Collective.ALL_REDUCE, 3, None) == [0, 1, 2]
     assert contributors(Collective.BARRIER, 3, None) == []
+
+
+def test_long_folds_are_chunked_without_changing_a_bit(monkeypatch):
+    """A data-parallel reduction over many members folds slice by slice; every element sees
+    the same additions in the same order, so the result is bit-identical to the plain fold."""
+    import nccl_ext.ops as ops
+
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(200_003, generator=g) * (10.0 ** (i % 5)) for i in range(5)]
+    terms = [xs[i % 5] for i in range(40)]
+    for kind in (ops.ReduceKind.SUM, ops.ReduceKind.AVG):
+        chunked = ops.fold(kind, terms)
+        monkeypatch.setattr(ops, "_CHUNKED_MIN_TERMS", 10**9)
+        plain = ops.fold(kind, terms)
+        monkeypatch.undo()
+        assert torch.equal(chunked, plain)
