@@ -181,9 +181,13 @@ def run_sweep(args: LaunchArgs) -> int:
 
     from prism_launch.config import config_dir, normalize_overrides, register
 
+    import logging
+
     register()
     overrides = normalize_overrides(list(args.overrides))
     GlobalHydra.instance().clear()
+    root = logging.getLogger()
+    saved_logging = (list(root.handlers), root.level)
     try:
         hydra = Hydra.create_main_hydra2(task_name="prism_sweep",
                                          config_search_path=create_config_search_path(f"file://{config_dir()}"))
@@ -200,6 +204,13 @@ def run_sweep(args: LaunchArgs) -> int:
         return 2
     finally:
         GlobalHydra.instance().clear()
+        # Hydra configured logging for its jobs (console + per-job file handlers): give the
+        # process its logging back so repeated in-process sweeps do not pile handlers up
+        for h in root.handlers:
+            if h not in saved_logging[0]:
+                h.close()
+        root.handlers[:] = saved_logging[0]
+        root.setLevel(saved_logging[1])
     rows = collect_rows(ret, sweep_dir)
     if not rows:
         print(f"prism-launch: the sweep produced no points (results: {sweep_dir})", file=sys.stderr)
