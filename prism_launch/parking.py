@@ -9,7 +9,9 @@ communicators, IPC or UVM memory: capture traffic goes through the coordinator, 
 
 Policy (:class:`CudaCheckpointParker`): at most ``resident`` ranks keep device state
 (running + parked-but-resident). A rank about to resume is restored first; if that would
-exceed ``resident``, the parked resident rank parked longest ago is checkpointed.
+exceed ``resident``, the parked resident rank parked *most recently* is checkpointed: ranks
+blocked on the same collective resume in the order they parked, so under this cyclic pattern
+the most recently parked one is needed last (LRU would evict every rank once per round).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class CudaCheckpointParker:
 
     def _make_room(self) -> None:
         while len(self._on_device) >= self.resident and self._parked_resident:
-            victim, _ = self._parked_resident.popitem(last=False)
+            victim, _ = self._parked_resident.popitem(last=True)
             t0 = time.monotonic()
             self.api.checkpoint(self._pid[victim])
             self.stats.checkpoint_s += time.monotonic() - t0
