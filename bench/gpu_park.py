@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--ballast-gib", type=float, default=19.0)
-    ap.add_argument("--resident", type=int, default=7)
+    ap.add_argument("--resident", type=int, default=6)
     a = ap.parse_args()
     import torch
 
