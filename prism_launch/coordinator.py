@@ -120,10 +120,20 @@ class Coordinator:
     def close(self) -> None:
         self.scheduler.close()
         self._accepting = False
+        sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
+        if sock is not None:  # wake the acceptor blocked in accept(); close() alone does not
+            import socket
+
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         try:
             self._listener.close()
         except OSError:
             pass
+        if self._acceptor.is_alive():
+            self._acceptor.join(timeout=2.0)
         for c in self._conns:
             c.close()
 
