@@ -9,7 +9,12 @@ torch gets is process-local. ``dist.get_backend()`` reports the backend the scri
 asked for, so scripts that check for "nccl"/"gloo" keep working.
 
 Checked against torch 2.13, which delegates ``dist.new_group`` to the default group's
-``new_group`` method (so megatron's gloo subgroups also become prism groups).
+``new_group`` method (so megatron's gloo subgroups also become prism groups). Older torch
+(2.11 on the GPU machines) has no such delegation: every subgroup — whatever backend it asks
+for — would go through ``_new_process_group_helper`` and create real gloo/NCCL groups whose
+other members never come. There :func:`_intercept_subgroups` replaces that helper so that
+subgroups of a prism world become prism groups, registered in torch's world state the way
+the helper registers its own.
 """
 
 from __future__ import annotations
@@ -84,11 +89,64 @@ def install(
         _, pg_store = c10d._world.pg_map[pg]
         c10d._world.pg_map[pg] = (world.backend_name, pg_store)
 
+    if not _delegates_new_group():
+        _intercept_subgroups()
+
     init_process_group.__doc__ = real_init.__doc__
     init_process_group.__wrapped__ = real_init
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
     _state["installed"] = True
+
+
+def _delegates_new_group() -> bool:
+    """Whether this torch hands ``new_group`` to the default group's own ``new_group``."""
+    import inspect
+    import os
+
+    if os.environ.get("PRISM_NO_NEW_GROUP_DELEGATION") == "1":  # exercise the fallback on new torch
+        return False
+    try:
+        return "default_pg.new_group" in inspect.getsource(c10d._new_group_with_tag)
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
+def _intercept_subgroups() -> None:
+    real_helper = c10d._new_process_group_helper
+
+    def helper(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs):
+        world = _state.get("world")
+        if world is None or not global_ranks_in_group or c10d.GroupMember.WORLD is None:
+            return real_helper(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
+                               *args, **kwargs)
+        names = list(inspect_params(real_helper))[6:]
+        kw = dict(zip(names, args)) | kwargs
+        pg = world.make_group(tuple(int(r) for r in global_ranks_in_group), desc=kw.get("group_desc") or "",
+                              name=str(group_name))
+        if pg is None:
+            return c10d.GroupMember.NON_GROUP_MEMBER, None
+        prefix_store = dist.PrefixStore(f"{group_name}/", store)
+        w = c10d._world
+        w.pg_map[pg] = (world.backend_name, prefix_store)
+        w.pg_names[pg] = group_name
+        if hasattr(c10d, "_register_process_group"):
+            c10d._register_process_group(group_name, pg)
+        if hasattr(w, "pg_backend_config"):
+            w.pg_backend_config[pg] = str(world.backend_name)
+        pg_tag = kw.get("pg_tag") or f"ptd:{group_name}"
+        if hasattr(w, "tags_to_pg"):
+            w.tags_to_pg.setdefault(pg_tag, []).append(pg)
+            w.pg_to_tag[pg] = pg_tag
+        return pg, prefix_store
+
+    c10d._new_process_group_helper = helper
+
+
+def inspect_params(fn) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
 
 
 def install_step_marker(on_step: Callable[[], None]) -> None:

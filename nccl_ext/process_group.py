@@ -478,3 +478,8 @@ class PrismWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+if __import__("os").environ.get("PRISM_NO_NEW_GROUP_DELEGATION") == "1":
+    # without the method torch takes the path older versions take (tests the fallback on torch 2.13)
+    del PrismProcessGroup.new_group

@@ -18,10 +18,13 @@ PATTERNS = ["DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "def
 
 
 @cache
-def megatron_groups(world: int, rank: int, **sizes) -> tuple:
-    out = f"/tmp/prism-layout-{os.getpid()}-{world}-{rank}-{'-'.join(f'{k}{v}' for k, v in sorted(sizes.items()))}.json"
+def megatron_groups(world: int, rank: int, delegation: bool = True, **sizes) -> tuple:
+    out = (f"/tmp/prism-layout-{os.getpid()}-{world}-{rank}-{int(delegation)}-"
+           f"{'-'.join(f'{k}{v}' for k, v in sorted(sizes.items()))}.json")
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "PRISM_MODE": "capture",
            "PRISM_DISCOVER": out, "PRISM_MEMORY": "0", **{k.upper(): str(v) for k, v in sizes.items()}}
+    if not delegation:
+        env["PRISM_NO_NEW_GROUP_DELEGATION"] = "1"
     r = subprocess.run([sys.executable, "-m", "prism_launch.bootstrap", str(WORKERS / "layout.py")], cwd=ROOT,
                        env=_env(env), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -112,3 +115,13 @@ def test_synthetic_layouts():
     with pytest.raises(FoldError, match="outside the world"):
         plan(groups, [9], world, PATTERNS)
     assert p.sources((0, 1)) is None  # no captured member: never used by the capture
+
+
+def test_subgroups_without_new_group_delegation():
+    """torch < 2.13 does not hand new_group to the default group: the interception below the
+    public API must see (and make prism groups of) exactly the same groups, gloo ones included."""
+    with_delegation = megatron_groups(16, 10, tp=2, pp=2)
+    without = megatron_groups(16, 10, delegation=False, tp=2, pp=2)
+    assert len(with_delegation) > 20
+    assert [sorted(r) for r, _ in without] == [sorted(r) for r, _ in with_delegation]
+    assert [d for _, d in without] == [d for _, d in with_delegation]
