@@ -245,7 +245,7 @@ class ReplayTransport:
                 else:
                     served.append((m, rec))
         if call.tensors is not None:
-            live = [t.detach() for t in call.tensors]
+            live = [_host(t) for t in call.tensors]
             contributions[me] = live
             if me in needed and self.check:
                 self._check(call.api, group, seq, gid, live, own)
@@ -291,7 +291,7 @@ class ReplayTransport:
                 rec = self.recording.collective(r, gid, seq)
                 if rec is not None:
                     others.append(rec)
-        live = [t.detach() for t in call.tensors] if call.tensors is not None else None
+        live = [_host(t) for t in call.tensors] if call.tensors is not None else None
         diverged = False
         if live is not None and me in contributors(call.kind, group.size, call.root) and self.check:
             before = len(self.stats.divergences)
@@ -432,6 +432,12 @@ class ReplayTransport:
             "spans": self.spans, "memory": self.memory,
         }, indent=1))
         self.summary_path = None
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A live contribution where the recorded ones live (host memory), for folding with them."""
+    t = t.detach()
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -110,7 +110,7 @@ class TraceConfig:
 
 class Park(StrEnum):
     auto = "auto"
-    """``cuda_checkpoint`` on CUDA, ``none`` on CPU."""
+    """``cuda_checkpoint`` on CUDA when ``capture.resident`` is set, else ``none``."""
     none = "none"
     """Parked ranks keep their state where it is (host memory on CPU)."""
     cuda_checkpoint = "cuda_checkpoint"
@@ -233,8 +233,9 @@ class CommConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LaunchConfig:
-    start_method: StartMethod = StartMethod.fork
-    """How rank processes start."""
+    start_method: StartMethod | None = None
+    """How rank processes start. Default: fork on CPU; spawn on CUDA (a forked child cannot use
+    a CUDA driver its parent touched)."""
     teardown_timeout_s: float = 10.0
     """Grace between SIGTERM and SIGKILL when tearing ranks down."""
     run_timeout_s: float | None = None

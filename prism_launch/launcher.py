@@ -227,7 +227,10 @@ class Launcher:
         tr = self.args.torchrun
         self._master_addr = self._torchrun_master_addr()
         self._master_port = _free_port() if mode is Mode.real or not tr.master_port else int(tr.master_port)
-        spawn = self.no_python or self.cfg.launch.start_method is StartMethod.spawn
+        method = self.cfg.launch.start_method
+        if method is None:
+            method = StartMethod.spawn if str(self.cfg.device) == "cuda" else StartMethod.fork
+        spawn = self.no_python or method is StartMethod.spawn
         argv = self._argv()
         specs = [RankSpec(rank=r, env=self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
                           argv=argv if spawn else None) for r in ranks]
@@ -346,8 +349,8 @@ class Launcher:
         from prism_launch.config import Park
 
         park = self.cfg.capture.park
-        if park is Park.auto:
-            park = Park.cuda_checkpoint if str(self.cfg.device) == "cuda" else Park.none
+        if park is Park.auto:  # checkpointing costs seconds per switch: only when a budget is given
+            park = Park.cuda_checkpoint if str(self.cfg.device) == "cuda" and self.cfg.capture.resident else Park.none
         if park is Park.none:
             return None
         from prism_launch.parking import CudaCheckpointParker
@@ -484,9 +487,16 @@ class Launcher:
             atomic_write_text(path, json.dumps(schedule(self.cfg, reader, self.trace_dir)))
             env["PRISM_SCHEDULE"] = str(path)
         t0 = time.monotonic()
-        log_dir = self._run_ranks(Mode.emulate, local,
-                                  lambda r: {**env, "PRISM_SUMMARY": str(summaries / f"rank{r}.json")},
-                                  extra_specs=extra_specs)
+        log_dir = self.log_dir(Mode.emulate)
+        oom = None
+        try:
+            self._run_ranks(Mode.emulate, local, lambda r: {**env, "PRISM_SUMMARY": str(summaries / f"rank{r}.json")},
+                            extra_specs=extra_specs, log_dir=log_dir)
+        except RunFailedError as e:
+            # running out of memory at the target's limit is a finding, not a crash: report it
+            if "OutOfMemoryError" not in str(e) or ph.nodes > 1:
+                raise
+            oom = {"message": str(e).splitlines()[0], "limit_bytes": int(env.get("PRISM_MEMORY_LIMIT", 0)) or None}
         if ph.nodes > 1:
             self._exchange_summaries(store, sandbox, local, summaries)
         wall = time.monotonic() - t0
@@ -494,8 +504,13 @@ class Launcher:
         if ph.node_rank != 0:
             print(f"prism-launch: node {ph.node_rank} ran sandbox ranks {local}; the report is written by node 0",
                   file=sys.stderr)
-        elif not quiet:
-            build_report(self, reader, sandbox, log_dir, summaries, wall)
+        elif not quiet or oom is not None:
+            report = build_report(self, reader, sandbox, log_dir, summaries, wall, sandbox_oom=oom)
+            if oom is not None:
+                raise RunFailedError(
+                    f"{oom['message']}\nthe sandbox ran out of memory at the target's limit "
+                    f"(cluster.gpu_memory_gib={self.cfg.cluster.gpu_memory_gib:g}); predicted OOM ranks: "
+                    f"{report['predicted']['oom_ranks'][:16]}; report: {self.report_dir / 'report.json'}")
         return log_dir
 
     def local_sandbox(self) -> list[int]:

@@ -42,7 +42,7 @@ def _step_times(steps: list[dict]) -> list[float]:
 
 
 def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], log_dir: Path,
-                 summaries: Path, wall_s: float) -> dict:
+                 summaries: Path, wall_s: float, sandbox_oom: dict | None = None) -> dict:
     captured = reader.read_json("steps.json") if "steps.json" in reader.json_files() else {}
     ranks = {}
     for r in sandbox:
@@ -118,6 +118,8 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
         if entry.get("peak_memory_bytes") is not None:
             merged["peak_memory_bytes"] = entry["peak_memory_bytes"]
         report["ranks"][r] = merged
+    if sandbox_oom is not None:
+        report["sandbox_oom"] = sandbox_oom
     atomic_write_text(out / "report.json", json.dumps(report, indent=1))
     print_report(report, out / "report.json")
     return report

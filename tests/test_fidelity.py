@@ -63,3 +63,20 @@ def test_emulation_report_has_predictions_timeline_and_plots(calibrated):
     assert tids == {0, 1}
     for png in ("step_time_per_rank.png", "pipeline_timeline.png"):
         assert (trace / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sandbox_ooms_where_the_target_would(calibrated, tmp_path):
+    """A target GPU too small for the job: the virtual ranks are predicted to OOM (capture peaks)
+    and the sandbox's capped allocator really raises; the report is written and the run fails
+    with what happened."""
+    d, trace = calibrated
+    limit_gib = 0.0005  # ~0.5 MiB: below every rank's peak
+    r = run_prism([*FLAGS, "mode=emulate", "sandbox.ranks=[1]", "memory.enforce_limit=true",
+                   f"cluster.gpu_memory_gib={limit_gib}", f"trace.dir={trace}", f"report.dir={tmp_path / 'rep'}",
+                   RECIPE, *ARGS], cwd=d, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "ran out of memory at the target's limit" in r.stderr and "OutOfMemoryError" in r.stderr
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["predicted"]["oom_ranks"] == [0, 1] or 0 in rep["predicted"]["oom_ranks"]
+    assert "OutOfMemoryError" in rep["sandbox_oom"]["message"]
+    assert rep["sandbox_oom"]["limit_bytes"] == int(limit_gib * 2**30)
