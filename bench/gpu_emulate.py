@@ -1,0 +1,110 @@
+"""The bundled Megatron recipe on one GPU in large virtual worlds (run where CUDA is).
+
+    python bench/gpu_emulate.py [--jobs dense,moe] [--worlds 64,1024] [--oom-gib 0.25]
+
+Per job and world size: a folded capture (ranks context-switched on the one GPU through the
+coordinator), then emulation of one sandbox rank on the GPU with its virtual peers served over
+the host path; again with ``emulate.timing=none`` (no virtual peer ever late: the sandbox's own
+step); and once with ``cluster.gpu_memory_gib`` below the job's need, which must OOM. Prints
+losses vs the capture, step times, sandbox GPU peak memory and the predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "megatron_gpt.py"
+MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+         "--micro-batch-size", "4", "--vocab-size", "8192", "--train-iters", "6"]
+JOBS = {
+    "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *MODEL], None),
+    "moe": (["--tensor-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
+             "--sequence-parallel", "--expert-tensor-parallel-size", "1", *MODEL], None),
+}
+_STEP = re.compile(r"step (\d+) \| loss (\S+) .*step_time_ms (\S+)")
+
+
+def run(args: list, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "prism_launch", *map(str, args)], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    print(f"  [{time.monotonic() - t0:.0f}s] prism-launch {' '.join(map(str, args[:12]))} ... -> {r.returncode}",
+          flush=True)
+    if ok and r.returncode != 0:
+        print(r.stderr[-4000:], flush=True)
+        raise SystemExit(1)
+    return r
+
+
+def steps(log_root: Path, rank: int) -> list[tuple[str, float]]:
+    for f in sorted(log_root.glob(f"*/{rank}/stdout.log")):
+        found = [(m.group(2), float(m.group(3))) for m in _STEP.finditer(f.read_text())]
+        if found:
+            return found
+    return []
+
+
+def job(name: str, world: int, work: Path, oom_gib: float | None) -> dict:
+    args, _ = JOBS[name]
+    sandbox = world - 24 if name == "dense" else world - 8  # a last-stage, tensor-rank-0 rank that logs
+    out = work / f"{name}-{world}"
+    flags = ["--nnodes", world // 8, "--nproc-per-node", 8, "-r", "3", "device=cuda", f"sandbox.ranks=[{sandbox}]",
+             f"trace.dir={out / 'trace'}", "comm.timeout_s=900"]
+    cap = run([*flags, "--log-dir", out / "cap", "mode=capture", RECIPE, *args], work)
+    m = re.search(r"captured (.*?) in ([\d.]+)s", cap.stderr)
+    res = {"job": name, "world": world, "sandbox": sandbox, "capture": m.group(0) if m else None}
+    run([*flags, "--log-dir", out / "emu", "mode=emulate", RECIPE, *args], work)
+    rep = json.loads((out / "trace" / "report" / "report.json").read_text())
+    me = rep["ranks"][str(sandbox)]
+    cap_steps, emu_steps = steps(out / "cap", sandbox), steps(out / "emu", sandbox)
+    res.update({
+        "losses_bit_identical": [a for a, _ in cap_steps] == [a for a, _ in emu_steps] and bool(cap_steps),
+        "emulated_step_ms": statistics.median(t for _, t in emu_steps[1:]) if len(emu_steps) > 1 else None,
+        "sandbox_peak_gib": (me.get("peak_memory_bytes") or 0) / 2**30,
+        "predicted_iteration_ms": rep["predicted"]["iteration_time_s"] * 1e3,
+        "divergences": len(me.get("divergences") or []),
+    })
+    run([*flags, "--log-dir", out / "none", "mode=emulate", "emulate.timing=none", f"report.dir={out / 'rep-none'}",
+         RECIPE, *args], work)
+    own = steps(out / "none", sandbox)
+    res["own_step_ms"] = statistics.median(t for _, t in own[1:]) if len(own) > 1 else None
+    if oom_gib:
+        r = run([*flags, "--log-dir", out / "oom", "mode=emulate", f"cluster.gpu_memory_gib={oom_gib}",
+                 f"report.dir={out / 'rep-oom'}", RECIPE, *args], work, ok=False)
+        oom_rep = json.loads((out / "rep-oom" / "report.json").read_text()) if (out / "rep-oom" / "report.json").exists() else {}
+        res["oom"] = {"exit": r.returncode, "sandbox_oom": bool(oom_rep.get("sandbox_oom")),
+                      "predicted_oom_ranks": len((oom_rep.get("predicted") or {}).get("oom_ranks", [])),
+                      "limit_gib": oom_gib}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", default="dense,moe")
+    ap.add_argument("--worlds", default="64,1024")
+    ap.add_argument("--oom-gib", type=float, default=0.25)
+    ap.add_argument("--out", default=None, help="append each result as a JSON line here")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="prism-gpu-"))
+    for name in a.jobs.split(","):
+        for world in (int(w) for w in a.worlds.split(",")):
+            res = job(name, world, work, a.oom_gib if world == max(int(w) for w in a.worlds.split(",")) else None)
+            print(json.dumps(res), flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()
