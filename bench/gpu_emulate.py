@@ -60,7 +60,7 @@ def job(name: str, world: int, work: Path, oom_gib: float | None) -> dict:
     sandbox = world - 24 if name == "dense" else world - 8  # a last-stage, tensor-rank-0 rank that logs
     out = work / f"{name}-{world}"
     flags = ["--nnodes", world // 8, "--nproc-per-node", 8, "-r", "3", "device=cuda", f"sandbox.ranks=[{sandbox}]",
-             f"trace.dir={out / 'trace'}", "comm.timeout_s=900"]
+             f"trace.dir={out / 'trace'}", "comm.timeout_s=900", "capture.fold=true"]
     cap = run([*flags, "--log-dir", out / "cap", "mode=capture", RECIPE, *args], work)
     m = re.search(r"captured (.*?) in ([\d.]+)s", cap.stderr)
     res = {"job": name, "world": world, "sandbox": sandbox, "capture": m.group(0) if m else None}

@@ -142,6 +142,10 @@ def activate(ctx: RankContext) -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))
+    if ctx.device == "cuda" and ctx.mode != "real":
+        from prism_launch import devices
+
+        devices.install()
     if ctx.device == "cpu":
         for name in ctx.compat:
             importlib.import_module(name).install()

@@ -232,8 +232,9 @@ class Launcher:
             method = StartMethod.spawn if str(self.cfg.device) == "cuda" else StartMethod.fork
         spawn = self.no_python or method is StartMethod.spawn
         argv = self._argv()
-        specs = [RankSpec(rank=r, env=self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
-                          argv=argv if spawn else None) for r in ranks]
+        specs = [RankSpec(rank=r, env={**self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
+                                       "PRISM_DEVICE_SLOT": str(i)},
+                          argv=argv if spawn else None) for i, r in enumerate(ranks)]
         specs += [RankSpec(rank=x.rank, env=x.env, argv=x.argv if spawn else None) for x in extra_specs]
         log_dir = log_dir or self.log_dir(mode)
         redirects = Std.from_str(tr.redirects)
