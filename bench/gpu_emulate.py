@@ -24,8 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
-MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
-         "--micro-batch-size", "4", "--vocab-size", "8192", "--train-iters", "6"]
+MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "512",
+         "--micro-batch-size", "4", "--vocab-size", "8192", "--train-iters", "4"]
 JOBS = {
     "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *MODEL], None),
     "moe": (["--tensor-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
