@@ -30,6 +30,17 @@ prism-launch options (besides torchrun's):
 
 The torchrun flags describe the TARGET job: --nnodes x --nproc-per-node is the logical
 world. Only sandbox ranks run for real in emulation; the rest are replayed.
+
+deepspeed launcher flags (instead of torchrun's; the script then gets --local_rank=N):
+  --num_gpus/--num_accelerators N   ranks per node (--nproc-per-node)
+  --num_nodes N                     nodes (--nnodes)
+  -H/--hostfile, -i/--include, -e/--exclude   hosts and slots, as deepspeed reads them
+  --master_addr, --master_port, --node_rank, --module, --no_python   as in torchrun
+  --no_local_rank                   do not pass --local_rank
+  --launcher, --launcher_args, --no_ssh, --no_ssh_check, --force_multi, --ssh_port,
+  --venv_script, --save_pid, --enable_each_rank_log, --bind_cores_to_rank,
+  --bind_core_list, --log_level, -q/--quiet   accepted and ignored (prism-launch starts
+                                    the ranks itself, on this machine)
 """
 
 
@@ -47,6 +58,9 @@ class LaunchArgs:
     print_config: bool = False
     multirun: bool = False
     """Sweep the ``key=a,b`` overrides (prism_launch.sweep)."""
+    local_rank_arg: bool = False
+    """Pass ``--local_rank=N`` to the script, as the deepspeed launcher does (set when the
+    command line used the deepspeed launcher's flags)."""
 
     @property
     def nnodes(self) -> int:
@@ -72,7 +86,148 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Print the composed PrismLLM config and exit.")
     parser.add_argument("--multirun", dest="multirun", action="store_true",
                         help="Sweep: every combination of key=a,b overrides is one point (Hydra multirun).")
+    add_deepspeed_flags(parser)
     return parser
+
+
+# -- the deepspeed launcher's flags ----------------------------------------------------------
+
+DS_IGNORED = ("--launcher", "--launcher_args", "--ssh_port", "--venv_script", "--save_pid", "--enable_each_rank_log",
+              "--bind_core_list", "--log_level", "--no_ssh", "--no_ssh_check", "--force_multi", "--bind_cores_to_rank",
+              "-q", "--quiet")
+"""deepspeed-launcher flags accepted and ignored: how deepspeed would start remote processes
+(pdsh/MPI/Slurm, ssh, virtualenvs, core binding, pid files, per-rank log files, its log
+level). prism-launch starts every rank itself on this machine; ``--log-dir`` keeps per-rank logs."""
+
+
+def add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
+    """The deepspeed launcher's own flags (``deepspeed/launcher/runner.py``, 0.19); the ones it
+    shares with torchrun (``--master_addr``, ``--master_port``, ``--node_rank``, ``--module``,
+    ``--no_python``) are torchrun's already."""
+    g = parser.add_argument_group("deepspeed launcher flags (the script then gets --local_rank=N)")
+    g.add_argument("--num_gpus", "--num_accelerators", dest="ds_num_gpus", type=int, default=None,
+                   help="ranks per node (= --nproc-per-node)")
+    g.add_argument("--num_nodes", dest="ds_num_nodes", type=int, default=None, help="nodes (= --nnodes)")
+    g.add_argument("-H", "--hostfile", dest="ds_hostfile", default=None,
+                   help="MPI-style hostfile ('host slots=N' lines): nodes and ranks per node")
+    g.add_argument("-i", "--include", dest="ds_include", default=None, help="NODE[:SLOT,...][@NODE...] to use")
+    g.add_argument("-e", "--exclude", dest="ds_exclude", default=None, help="NODE[:SLOT,...][@NODE...] to leave out")
+    g.add_argument("--no_local_rank", dest="ds_no_local_rank", action="store_true",
+                   help="do not pass --local_rank=N to the script")
+    for flag in DS_IGNORED:
+        takes_value = flag in ("--launcher", "--launcher_args", "--ssh_port", "--venv_script", "--save_pid",
+                               "--enable_each_rank_log", "--bind_core_list", "--log_level")
+        g.add_argument(flag, dest="ds_ignored_" + flag.lstrip("-"), help=argparse.SUPPRESS,
+                       **({"default": None} if takes_value else {"action": "store_true"}))
+
+
+def _parse_hostfile(path: str) -> dict[str, int]:
+    hosts: dict[str, int] = {}
+    try:
+        text = open(path).read()
+    except OSError as e:
+        raise SystemExit(f"prism-launch: error: --hostfile {path}: {e}") from None
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
+        if m is None:
+            raise SystemExit(f"prism-launch: error: --hostfile {path}: bad line {line!r} (expected 'HOST slots=N')")
+        if m.group(1) in hosts:
+            raise SystemExit(f"prism-launch: error: --hostfile {path}: host {m.group(1)} listed twice")
+        hosts[m.group(1)] = int(m.group(2))
+    if not hosts:
+        raise SystemExit(f"prism-launch: error: --hostfile {path} lists no host")
+    return hosts
+
+
+def _node_specs(spec: str) -> dict[str, list[int] | None]:
+    """``worker-0@worker-1:0,2`` -> {worker-0: None (all slots), worker-1: [0, 2]}."""
+    out: dict[str, list[int] | None] = {}
+    for part in spec.split("@"):
+        host, _, slots = part.partition(":")
+        if not host:
+            raise SystemExit(f"prism-launch: error: bad node spec {spec!r}")
+        out[host] = [int(s) for s in slots.split(",")] if slots else None
+    return out
+
+
+def deepspeed_resources(ns: argparse.Namespace) -> tuple[int, int] | None:
+    """(nnodes, nproc_per_node) from the deepspeed launcher's flags, as its runner computes
+    the resource pool (hostfile or local slots, include/exclude, then num_nodes/num_gpus);
+    None when no such flag was given."""
+    if ns.ds_hostfile is None and ns.ds_include is None and ns.ds_exclude is None:
+        if ns.ds_num_gpus is None and ns.ds_num_nodes is None:
+            return None
+        return max(ns.ds_num_nodes or 1, 1), ns.ds_num_gpus if ns.ds_num_gpus is not None else _local_slots()
+    if ns.ds_include and ns.ds_exclude:
+        raise SystemExit("prism-launch: error: --include and --exclude are mutually exclusive")
+    if ns.ds_hostfile is not None:
+        pool = {h: list(range(n)) for h, n in _parse_hostfile(ns.ds_hostfile).items()}
+    else:
+        pool = {"localhost": list(range(_local_slots()))}
+    if ns.ds_include:
+        chosen = {}
+        for host, slots in _node_specs(ns.ds_include).items():
+            if host not in pool and ns.ds_hostfile is None and host != "localhost":
+                pool[host] = list(range(_local_slots()))
+            if host not in pool:
+                raise SystemExit(f"prism-launch: error: --include names host {host!r}, which the hostfile lacks")
+            chosen[host] = pool[host] if slots is None else slots
+        pool = chosen
+    if ns.ds_exclude:
+        for host, slots in _node_specs(ns.ds_exclude).items():
+            if host in pool:
+                pool[host] = [] if slots is None else [s for s in pool[host] if s not in slots]
+        pool = {h: s for h, s in pool.items() if s}
+    hosts = list(pool.items())
+    if ns.ds_num_nodes is not None and ns.ds_num_nodes > 0:
+        hosts = hosts[: ns.ds_num_nodes]
+    if ns.ds_num_gpus is not None and ns.ds_num_gpus > 0:
+        hosts = [(h, s[: ns.ds_num_gpus]) for h, s in hosts]
+    sizes = sorted({len(s) for _, s in hosts})
+    if not hosts or not sizes[0]:
+        raise SystemExit("prism-launch: error: the deepspeed flags leave no rank to run")
+    if len(sizes) > 1:
+        raise SystemExit(f"prism-launch: error: the deepspeed flags give nodes with different slot counts "
+                         f"{dict((h, len(s)) for h, s in hosts)}; the target job needs the same ranks per node")
+    return len(hosts), sizes[0]
+
+
+def _local_slots() -> int:
+    """deepspeed's default: every local accelerator (1 on a machine without GPUs)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _deepspeed_style(ns: argparse.Namespace) -> bool:
+    return any(v not in (None, False) for k, v in vars(ns).items() if k.startswith("ds_"))
+
+
+def _script_is_deepspeed(script_args: list[str]) -> bool:
+    return any(a.split("=", 1)[0] in ("--deepspeed_config", "--deepspeed-config", "--deepspeed")
+               for a in script_args)
+
+
+def deepspeed_overrides(overrides: list[str], script_args: list[str]) -> list[str]:
+    """Defaults for a DeepSpeed script (``--deepspeed_config``/``--deepspeed`` among its args)
+    that the user did not override: ``integrations.deepspeed_compat`` joins the CPU
+    compatibility modules, and ``deepspeed`` is imported once before ranks are forked."""
+    if not _script_is_deepspeed(script_args):
+        return overrides
+    from prism_launch.config import CaptureConfig, CompatConfig
+
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    extra = []
+    if "compat.modules" not in keys:
+        mods = [*CompatConfig().modules, "integrations.deepspeed_compat"]
+        extra.append(f"compat.modules=[{','.join(dict.fromkeys(mods))}]")
+    if "capture.warm_imports" not in keys:
+        warm = [*CaptureConfig().warm_imports, "deepspeed"]
+        extra.append(f"capture.warm_imports=[{','.join(dict.fromkeys(warm))}]")
+    return [*extra, *overrides]
 
 
 def parse_nnodes(value: str) -> int:
@@ -142,11 +297,15 @@ def parse(argv: list[str]) -> LaunchArgs:
         parser.error("the training script is missing: prism-launch [flags] [key=value ...] SCRIPT [ARGS]")
     if ns.module and ns.no_python:
         parser.error("-m/--module and --no-python cannot be used together")
+    resources = deepspeed_resources(ns)
+    if resources is not None:
+        ns.nnodes, ns.nproc_per_node = str(resources[0]), str(resources[1])
     return LaunchArgs(
         torchrun=ns,
-        overrides=overrides,
+        overrides=deepspeed_overrides(overrides, rest[1:]),
         script=rest[0] if rest else "",
         script_args=rest[1:],
         print_config=ns.print_config,
         multirun=ns.multirun,
+        local_rank_arg=_deepspeed_style(ns) and not ns.ds_no_local_rank,
     )

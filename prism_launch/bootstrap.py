@@ -177,6 +177,8 @@ def run(script: str, args: list[str], *, module: bool = False) -> int:
     """Activate from the environment and run ``script`` as ``__main__``; returns the exit code."""
     ctx = RankContext.from_env()
     activate(ctx)
+    if os.environ.get("PRISM_LOCAL_RANK_ARG") == "1":  # as the deepspeed launcher passes it
+        args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     sys.argv = [script, *args]
     try:
         if module:

@@ -12,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
     from prism_launch.trace import TraceError
 
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    if args.local_rank_arg:  # deepspeed launcher flags: every rank's script gets --local_rank=N
+        import os
+
+        os.environ["PRISM_LOCAL_RANK_ARG"] = "1"
     if args.multirun and not args.print_config:
         from prism_launch.sweep import run_sweep
 
