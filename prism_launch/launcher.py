@@ -495,9 +495,10 @@ class Launcher:
                             extra_specs=extra_specs, log_dir=log_dir)
         except RunFailedError as e:
             # running out of memory at the target's limit is a finding, not a crash: report it
-            if "OutOfMemoryError" not in str(e) or ph.nodes > 1:
+            oom = None if ph.nodes > 1 else self._sandbox_oom(log_dir, local)
+            if oom is None:
                 raise
-            oom = {"message": str(e).splitlines()[0], "limit_bytes": int(env.get("PRISM_MEMORY_LIMIT", 0)) or None}
+            oom["limit_bytes"] = int(env.get("PRISM_MEMORY_LIMIT", 0)) or None
         if ph.nodes > 1:
             self._exchange_summaries(store, sandbox, local, summaries)
         wall = time.monotonic() - t0
@@ -513,6 +514,20 @@ class Launcher:
                     f"(cluster.gpu_memory_gib={self.cfg.cluster.gpu_memory_gib:g}); predicted OOM ranks: "
                     f"{report['predicted']['oom_ranks'][:16]}; report: {self.report_dir / 'report.json'}")
         return log_dir
+
+    def _sandbox_oom(self, log_dir: Path, ranks: list[int]) -> dict | None:
+        """The first sandbox rank whose error file says it ran out of memory, if any (the
+        assistant failing because that rank stopped early is a consequence, not the cause)."""
+        for r in ranks:
+            path = log_dir / str(r) / "error.json"
+            try:
+                msg = json.loads(path.read_text()).get("message", "")
+            except (OSError, ValueError, AttributeError):
+                continue
+            text = msg if isinstance(msg, str) else json.dumps(msg)
+            if "OutOfMemoryError" in text:
+                return {"rank": r, "message": f"rank {r}: {text.splitlines()[0]}"}
+        return None
 
     def local_sandbox(self) -> list[int]:
         """The sandbox ranks this physical node runs: the sandbox list split into
