@@ -12,6 +12,11 @@ The config the script is given through ``--deepspeed_config``/``--deepspeed-conf
   (``deepspeed.moe.layer.MoE(ep_size=...)``), so recipes read it from this key of their config;
 - ``tensor_parallel.autotp_size`` (tp), only when the config already has a
   ``tensor_parallel`` section (DeepSpeed AutoTP training).
+- ``zero_optimization.stage`` (zero_stage); DeepSpeed's pipeline engine takes ZeRO stage 0
+  or 1 only, so a stage above 1 with more than one pipeline stage is an error.
+
+The bundled recipes (``examples/deepspeed_*.py``) read ``pipeline.stages`` and
+``moe.ep_size`` from the config they are given, so what is rendered is what runs.
 
 Fields that a recipe takes as flags (Megatron-DeepSpeed's ``--tensor-model-parallel-size``...)
 are also rendered as flags when ``integration.flags.<field>`` names them. ``script.args``
@@ -69,6 +74,13 @@ def render_config(ds: dict, world: int, parallel) -> dict:
             raise ConfigError(f"target.parallel.ep={parallel.ep} must divide data-parallel x context-parallel "
                               f"size {dp}x{cp}")
         ds["moe"] = {**ds.get("moe", {}), "ep_size": parallel.ep}
+    if parallel.zero_stage is not None:
+        ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": parallel.zero_stage}
+    stage = ds.get("zero_optimization", {}).get("stage")
+    if pp > 1 and _known(stage) is not None and stage > 1:
+        field = "target.parallel.zero_stage" if parallel.zero_stage is not None else "zero_optimization.stage"
+        raise ConfigError(f"{field}={stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only "
+                          f"(pipeline.stages={pp})")
     if parallel.tp is not None and isinstance(ds.get("tensor_parallel"), dict):
         ds["tensor_parallel"] = {**ds["tensor_parallel"], "autotp_size": parallel.tp}
     return ds

@@ -80,6 +80,8 @@ class ParallelConfig:
     """Expert tensor-parallel size."""
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
+    zero_stage: int | None = None
+    """DeepSpeed ZeRO stage 0-3 (``zero_optimization.stage``; ``integration.kind=deepspeed``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -415,6 +417,11 @@ def validate(cfg: PrismConfig) -> None:
         v = getattr(cfg.target.parallel, name)
         if v is not None and v < 1:
             raise ConfigError(f"target.parallel.{name} must be >= 1 (got {v})")
+    zs = cfg.target.parallel.zero_stage
+    if zs is not None and not 0 <= zs <= 3:
+        raise ConfigError(f"target.parallel.zero_stage must be 0, 1, 2 or 3 (got {zs})")
+    if zs is not None and cfg.integration.kind != "deepspeed":
+        raise ConfigError("target.parallel.zero_stage renders into a DeepSpeed config: set integration.kind=deepspeed")
     if cfg.integration.kind != "none" and cfg.integration.kind not in cfg.integration.modules:
         raise ConfigError(f"integration.kind={cfg.integration.kind!r} is not one of "
                           f"{sorted(cfg.integration.modules)} or 'none' (see integration.modules)")
