@@ -524,6 +524,8 @@ class Launcher:
                 msg = json.loads(path.read_text()).get("message", "")
             except (OSError, ValueError, AttributeError):
                 continue
+            if isinstance(msg, dict):  # torchelastic's error file nests {"message": ..., "extraInfo": ...}
+                msg = msg.get("message", "")
             text = msg if isinstance(msg, str) else json.dumps(msg)
             if "OutOfMemoryError" in text:
                 return {"rank": r, "message": f"rank {r}: {text.splitlines()[0]}"}

@@ -120,6 +120,13 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
         report["ranks"][r] = merged
     if sandbox_oom is not None:
         report["sandbox_oom"] = sandbox_oom
+        r = str(sandbox_oom.get("rank"))
+        if r in report["ranks"]:  # it stopped at the limit: its measured peak is a lower bound
+            report["ranks"][r]["oom"] = True
+        oom_ranks = report["predicted"]["oom_ranks"]
+        if sandbox_oom.get("rank") is not None and sandbox_oom["rank"] not in oom_ranks:
+            oom_ranks.append(sandbox_oom["rank"])
+            oom_ranks.sort()
     atomic_write_text(out / "report.json", json.dumps(report, indent=1))
     print_report(report, out / "report.json")
     return report
