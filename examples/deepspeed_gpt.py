@@ -106,17 +106,24 @@ def micro_batch(args, first, size, device):
 
 
 def param_checksum(engine):
-    """Sum of the parameters this rank holds (ZeRO-3: its partition)."""
+    """Sum of the parameters this rank holds (ZeRO-3: its partition, without the padding)."""
     total = 0.0
+    part_rank = engine.data_parallel_group.rank()
     with torch.no_grad():
         for p in engine.module.parameters():
-            local = p.ds_tensor if hasattr(p, "ds_tensor") else p
+            if hasattr(p, "ds_tensor"):
+                size = p.ds_tensor.numel()
+                valid = min(max(p.ds_numel - part_rank * size, 0), size)
+                local = p.ds_tensor.narrow(0, 0, valid)
+            else:
+                local = p
             total += float(local.double().sum())
     return total
 
 
 def main(argv=None):
     args = parse_args(argv)
+    local_rank_arg = args.local_rank  # as given on the command line (deepspeed.initialize fills it in)
     deepspeed.init_distributed()
     with open(args.deepspeed_config) as f:
         ds_config = json.load(f)
@@ -132,7 +139,7 @@ def main(argv=None):
     if rank == 0:
         stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         print(f"zero stage {stage} | dp {dp_size} | micro {micro} | accumulation {accum} "
-              f"| local_rank arg {args.local_rank}", flush=True)
+              f"| local_rank arg {local_rank_arg}", flush=True)
 
     for iteration in range(args.train_iters):
         start = time.perf_counter()

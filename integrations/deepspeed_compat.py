@@ -24,6 +24,12 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
   wait for it until its deadline. ``get_lst_from_rank0`` returns ``[]`` for an empty list
   without communicating (the same result; every mode runs the patched program, so capture,
   emulation and ``mode=real`` issue the same ops).
+* **Deterministic ZeRO-3 padding.** ZeRO-3 pads the last partitions of a parameter with
+  uninitialised memory (``torch.empty``); those bytes travel in every parameter all-gather.
+  The padding is zeroed after partitioning, so every rank's contributions are deterministic
+  and a sandbox's live contributions equal the recorded ones (the values DeepSpeed computes
+  are unchanged: padding is never part of a parameter). This matters in large worlds, where a
+  rank's partition of a small parameter is all padding.
 * **Group descriptions.** DeepSpeed creates its groups with ``new_group(ranks)`` and no
   description; folded capture would then follow every one of them. ``TorchBackend.new_group``
   passes a ``group_desc`` for the groups DeepSpeed builds from its topologies:
@@ -194,8 +200,31 @@ def _patch_zero_utils(mod) -> None:
     mod.get_lst_from_rank0 = get_lst_from_rank0
 
 
+def _patch_partition_parameters(mod) -> None:
+    init = mod.Init
+    original = init._partition_param
+    if getattr(original, "__prism_patched__", False):
+        return
+
+    def _partition_param(self, param, *args, **kwargs):
+        out = original(self, param, *args, **kwargs)
+        part = getattr(param, "ds_tensor", None)
+        if part is not None and part.numel() and getattr(param, "ds_numel", None) is not None:
+            start = part.numel() * self._partition_rank(param)
+            valid = min(max(param.ds_numel - start, 0), part.numel())
+            if valid < part.numel():
+                with mod.torch.no_grad():
+                    part.narrow(0, valid, part.numel() - valid).zero_()
+        return out
+
+    _partition_param.__prism_patched__ = True
+    _partition_param.__wrapped__ = original
+    init._partition_param = _partition_param
+
+
 _PATCHES = {
     "deepspeed.comm.torch": _patch_comm_torch,
+    "deepspeed.runtime.zero.partition_parameters": _patch_partition_parameters,
     "deepspeed.runtime.zero.utils": _patch_zero_utils,
     "deepspeed.runtime.pipe.topology": _patch_topology,
     "deepspeed.utils.groups": _patch_groups,
