@@ -125,6 +125,11 @@ class CudaCheckpointParker:
     def _make_room(self) -> None:
         while len(self._on_device) >= self.resident and self._parked_resident:
             victim, _ = self._parked_resident.popitem(last=True)
+            try:
+                self.api.state(self._pid[victim])
+            except ParkingError:  # no CUDA state in that process (yet): nothing to move
+                self._on_device.discard(victim)
+                continue
             t0 = time.monotonic()
             self.api.checkpoint(self._pid[victim])
             self.stats.checkpoint_s += time.monotonic() - t0
