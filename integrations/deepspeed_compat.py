@@ -26,7 +26,8 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
   emulation and ``mode=real`` issue the same ops).
 * **Deterministic ZeRO-3 padding.** ZeRO-3 pads the last partitions of a parameter with
   uninitialised memory (``torch.empty``); those bytes travel in every parameter all-gather.
-  The padding is zeroed after partitioning, so every rank's contributions are deterministic
+  ZeRO-3's gradient reduce-scatter (``reduce_scatter_coalesced``) pads each rank's chunk the
+  same way. Both paddings are zeros here, so every rank's contributions are deterministic
   and a sandbox's live contributions equal the recorded ones (the values DeepSpeed computes
   are unchanged: padding is never part of a parameter). This matters in large worlds, where a
   rank's partition of a small parameter is all padding.
@@ -222,8 +223,27 @@ def _patch_partition_parameters(mod) -> None:
     init._partition_param = _partition_param
 
 
+class _ZeroPaddingTorch:
+    """``torch`` as ``deepspeed.runtime.comm.coalesced_collectives`` sees it: ``empty`` (used
+    only for the padding of reduce-scatter inputs) allocates zeros."""
+
+    def __init__(self, torch):
+        self._torch = torch
+        self.empty = torch.zeros
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def _patch_coalesced_collectives(mod) -> None:
+    if isinstance(mod.torch, _ZeroPaddingTorch):
+        return
+    mod.torch = _ZeroPaddingTorch(mod.torch)
+
+
 _PATCHES = {
     "deepspeed.comm.torch": _patch_comm_torch,
+    "deepspeed.runtime.comm.coalesced_collectives": _patch_coalesced_collectives,
     "deepspeed.runtime.zero.partition_parameters": _patch_partition_parameters,
     "deepspeed.runtime.zero.utils": _patch_zero_utils,
     "deepspeed.runtime.pipe.topology": _patch_topology,
