@@ -27,7 +27,9 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
 * **Deterministic ZeRO-3 padding.** ZeRO-3 pads the last partitions of a parameter with
   uninitialised memory (``torch.empty``); those bytes travel in every parameter all-gather.
   ZeRO-3's gradient reduce-scatter (``reduce_scatter_coalesced``) pads each rank's chunk the
-  same way. Both paddings are zeros here, so every rank's contributions are deterministic
+  same way, and the pipeline engine sends a tensor-meta buffer whose tail is uninitialised.
+  These are zeros here (``torch.empty`` -> ``torch.zeros`` in those two modules), so every
+  rank's contributions are deterministic
   and a sandbox's live contributions equal the recorded ones (the values DeepSpeed computes
   are unchanged: padding is never part of a parameter). This matters in large worlds, where a
   rank's partition of a small parameter is all padding.
@@ -224,8 +226,8 @@ def _patch_partition_parameters(mod) -> None:
 
 
 class _ZeroPaddingTorch:
-    """``torch`` as ``deepspeed.runtime.comm.coalesced_collectives`` sees it: ``empty`` (used
-    only for the padding of reduce-scatter inputs) allocates zeros."""
+    """``torch`` as ``deepspeed.runtime.comm.coalesced_collectives`` and the pipeline engine
+    see it: ``empty`` (reduce-scatter padding, the tensor-meta and p2p buffers) allocates zeros."""
 
     def __init__(self, torch):
         self._torch = torch
@@ -244,6 +246,7 @@ def _patch_coalesced_collectives(mod) -> None:
 _PATCHES = {
     "deepspeed.comm.torch": _patch_comm_torch,
     "deepspeed.runtime.comm.coalesced_collectives": _patch_coalesced_collectives,
+    "deepspeed.runtime.pipe.engine": _patch_coalesced_collectives,
     "deepspeed.runtime.zero.partition_parameters": _patch_partition_parameters,
     "deepspeed.runtime.zero.utils": _patch_zero_utils,
     "deepspeed.runtime.pipe.topology": _patch_topology,
