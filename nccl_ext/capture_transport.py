@@ -43,6 +43,9 @@ class CaptureTransport:
         self._go = threading.Semaphore(0)
         self.parked_s = 0.0
         """Time this rank waited for an execution slot."""
+        captured = os.environ.get("PRISM_CAPTURED")
+        self._captured = frozenset(int(r) for r in captured.split(",")) if captured else None
+        """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in)."""
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()
@@ -91,10 +94,14 @@ class CaptureTransport:
         what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
         op_id, p = self._new_pending(what)
         t, wall, cpu = self._span()
+        tensors, contributes = call.tensors, call.tensors is not None
+        if (tensors is None and call.standin is not None and self._captured is not None
+                and group.ranks[call.root] not in self._captured):
+            tensors, contributes = call.standin, "standin"
         header = ("coll", op_id, group.key, seq, call.api, str(call.kind),
                   None if call.reduce is None else str(call.reduce), call.root,
-                  call.tensors is not None, self.unit, t, wall, cpu)
-        self._send(header, call.tensors or ())
+                  contributes, self.unit, t, wall, cpu)
+        self._send(header, tensors or ())
         return p
 
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:

@@ -41,6 +41,9 @@ class CollectiveCall:
     reduce: ReduceKind | None = None
     root: int | None = None
     """Group rank of the root for rooted ops."""
+    standin: list[torch.Tensor] | None = None
+    """A non-root's own buffers of a broadcast: what a folded capture uses as the root's data
+    when the root is not captured and this member stands in for it."""
 
 
 class Transport(Protocol):
@@ -209,7 +212,9 @@ class PrismProcessGroup(dist.ProcessGroup):
                 for t, r in zip(tensors, res, strict=True):
                     _no_grad_copy(t, r, "broadcast")
 
-        return self._submit(CollectiveCall("broadcast", Collective.BROADCAST, mine, root=root), apply, opts)
+        call = CollectiveCall("broadcast", Collective.BROADCAST, mine, root=root,
+                              standin=None if mine is not None else list(tensors))
+        return self._submit(call, apply, opts)
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank

@@ -62,6 +62,8 @@ class _PendingCollective:
     first_t: float
     contributions: list[list[torch.Tensor] | None]
     arrivals: dict[int, _Arrival] = field(default_factory=dict)
+    standins: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Folded capture: members' own buffers offered for an uncaptured broadcast root."""
 
 
 def _describe(ranks: tuple[int, ...]) -> str:
@@ -246,6 +248,9 @@ class Coordinator:
                 f"called {api}(reduce={reduce}, root={root})"
             )
         grank = group.ranks.index(rank)
+        if contributes == "standin":
+            pc.standins[grank] = list(tensors)
+            contributes = False
         contribution = list(tensors) if contributes else None
         pc.contributions[grank] = contribution
         tkey = f"c/{group.id}/{seq}"
@@ -272,6 +277,14 @@ class Coordinator:
             index = {r: i for i, r in enumerate(group.ranks)}
             contributions = [c if c is not None else pc.contributions[index[group.sources[i]]]
                              for i, c in enumerate(pc.contributions)]
+            if pc.root is not None and contributions[pc.root] is None:
+                # an uncaptured root: its stand-in's own buffer is what that rank would hold
+                contributions[pc.root] = pc.standins.get(index[group.sources[pc.root]])
+                if contributions[pc.root] is None:
+                    raise CaptureError(
+                        f"folded capture: {pc.api} (seq {pc.seq}) on group {_describe(group.ranks)} "
+                        f"({group.desc or group.key}) has root rank {group.ranks[pc.root]}, which is not captured, "
+                        "and no stand-in data for it; capture with that rank among sandbox.ranks")
         else:
             contributions = pc.contributions
         results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)

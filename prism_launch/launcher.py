@@ -372,6 +372,8 @@ class Launcher:
         coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, self.cfg.comm.timeout_s, slots=slots,
                             parker=parker, fold=fold if fold.folded else None)
         env = {"PRISM_COORD": coord.address, "PRISM_AUTHKEY": authkey.hex()}
+        if fold.folded:
+            env["PRISM_CAPTURED"] = ",".join(map(str, ranks))
         t0 = time.monotonic()
         try:
             try:

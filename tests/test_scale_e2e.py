@@ -106,3 +106,33 @@ def test_sandboxes_on_two_physical_nodes(tmp_path):
     assert report["ranks"]["0"]["sandbox"] and report["ranks"]["3"]["sandbox"]
     assert report["ranks"]["3"]["divergences"] == [] and report["ranks"]["3"]["ops"] > 0
     assert "report is written by node 0" in outs[1][1]
+
+
+def test_folded_broadcast_from_an_uncaptured_root(tmp_path):
+    """Only rank 3 is captured (no model-parallel groups); rank 0's broadcast takes the data rank 3
+    itself holds (its stand-in's buffer), and the emulation of rank 3 replays it exactly."""
+    common = ["--nproc-per-node", "8", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=60",
+              "capture.fold=true", "sandbox.ranks=[3]", f"trace.dir={tmp_path / 't'}"]
+    script = WORKERS / "broadcast_root.py"
+    cap = run_prism([*common, "--log-dir", tmp_path / "cap", "mode=capture", script], cwd=tmp_path)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    assert "captured 1 of 8 logical ranks (folded)" in cap.stderr
+    [line] = rank_lines(tmp_path / "cap", 3, "R3 ")
+    assert line == "R3 x [10.0, 11.0, 12.0, 13.0] y [24.0, 24.0, 24.0]"  # 8 copies of rank 3's 3.0
+    emu = run_prism([*common, "--log-dir", tmp_path / "emu", "mode=emulate", script], cwd=tmp_path)
+    assert emu.returncode == 0, emu.stderr[-3000:]
+    assert rank_lines(tmp_path / "emu", 3, "R3 ") == [line]
+
+
+
+def test_zero_byte_payload_from_a_virtual_root(tmp_path):
+    """An empty broadcast from a virtual rank: the assistant sends nothing for it and the sandbox
+    must not wait for a message."""
+    common = ["--nproc-per-node", "4", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=30",
+              "capture.fold=false", f"trace.dir={tmp_path / 't'}"]
+    script = WORKERS / "broadcast_root.py"
+    cap = run_prism([*common, "--log-dir", tmp_path / "cap", "mode=capture", script], cwd=tmp_path)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    emu = run_prism([*common, "--log-dir", tmp_path / "emu", "mode=emulate", "sandbox.ranks=[3]", script], cwd=tmp_path)
+    assert emu.returncode == 0, emu.stderr[-3000:]
+    assert rank_lines(tmp_path / "emu", 3, "R3 ") == rank_lines(tmp_path / "cap", 3, "R3 ")
