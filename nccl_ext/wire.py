@@ -62,10 +62,16 @@ def untracked_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def digest(t: torch.Tensor) -> str:
-    """Content hash of a tensor's bytes (dtype and shape are compared separately)."""
-    import hashlib
+    """Checksum of a tensor's bytes (dtype and shape are compared separately).
 
-    return hashlib.blake2b(tensor_bytes(t), digest_size=16).hexdigest()
+    CRC-32 (``crc32:`` prefix): the sandbox checksums every contribution it makes, so this is
+    on its critical path — 4x cheaper than blake2b here (0.23 vs 0.96 ms per 512 KiB). A match
+    is taken as equality (a chance collision, 2**-32 per op, would hide a divergence in that op
+    only); a mismatch — or a digest of another kind, from an older trace — is settled by
+    comparing the recorded tensor itself."""
+    import zlib
+
+    return f"crc32:{zlib.crc32(tensor_bytes(t)):08x}"
 
 
 def tensor_from_bytes(desc: TensorDesc, data: bytes) -> torch.Tensor:
