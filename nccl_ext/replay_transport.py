@@ -89,6 +89,10 @@ class Recording(Protocol):
         """The rank's communication ops in issue order: (op, group_id, seq, peer, tag)."""
         ...
 
+    def captured_members(self, group_id: int) -> tuple[int, ...]:
+        """Members of the group that were captured (all of them unless the capture was folded)."""
+        ...
+
     def folded(self, group_id: int) -> bool:
         """Folded capture: the group has uncaptured members, whose data captured stand-ins
         provided; its results were recorded (:meth:`result`)."""
@@ -288,7 +292,8 @@ class ReplayTransport:
         self.stats.folded_ops += 1
         self._note_unit_start()
         others = []
-        for r in group.ranks:
+        # uncaptured members mirror captured ones: their arrival is one of these (O(captured), not O(group))
+        for r in self.recording.captured_members(gid):
             if r != self.rank and r not in self.sandbox:
                 rec = self.recording.collective(r, gid, seq)
                 if rec is not None:

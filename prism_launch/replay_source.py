@@ -27,6 +27,7 @@ class TraceRecording:
         self.reader = reader
         self.fold = FoldPlan.from_dict(reader.read_json("fold.json")) if "fold.json" in reader.json_files() else None
         self._sources: dict[int, dict[int, int] | None] = {}
+        self._present: dict[int, tuple[int, ...]] = {}
         self._gids = {g["key"]: int(g["id"]) for g in reader.manifest.groups}
         self._ranks = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
         self._coll: dict[tuple[int, int, int], RecordedOp] = {}
@@ -86,6 +87,15 @@ class TraceRecording:
             return rank
         m = self._map(group_id)
         return rank if m is None else m[rank]
+
+    def captured_members(self, group_id: int) -> tuple[int, ...]:
+        """Members of a group that were captured (every stand-in is one of them)."""
+        hit = self._present.get(group_id)
+        if hit is None:
+            ranks = self._ranks[group_id]
+            hit = self._present[group_id] = ranks if self.fold is None else tuple(
+                r for r in ranks if self.fold.is_captured(r))
+        return hit
 
     def folded(self, group_id: int) -> bool:
         """Whether the group has members that were not captured (its results are recorded)."""
