@@ -114,13 +114,13 @@ def _delegates_new_group() -> bool:
 
 def _intercept_subgroups() -> None:
     real_helper = c10d._new_process_group_helper
+    names = inspect_params(real_helper)[6:]  # keyword names of the optional parameters
 
     def helper(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs):
         world = _state.get("world")
         if world is None or not global_ranks_in_group or c10d.GroupMember.WORLD is None:
             return real_helper(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
                                *args, **kwargs)
-        names = list(inspect_params(real_helper))[6:]
         kw = dict(zip(names, args)) | kwargs
         pg = world.make_group(tuple(int(r) for r in global_ranks_in_group), desc=kw.get("group_desc") or "",
                               name=str(group_name))
