@@ -312,13 +312,14 @@ class Launcher:
         rank = self.cfg.sandbox.ranks[0]
         try:
             self._run_ranks(Mode.capture, [rank], {"PRISM_DISCOVER": str(out)}, log_dir=out_dir / "logs")
-            if not out.exists():
-                raise RunFailedError(f"group discovery: rank {rank} ended without reporting its groups; logs in {out_dir}")
-            groups = [(list(r), d) for r, d in json.loads(out.read_text())["groups"]]
-        finally:
-            import shutil
+        except RunFailedError as e:  # its logs stay for the user to read
+            raise RunFailedError(f"group discovery for the folded capture failed (capture.fold=false skips it): {e}") from None
+        if not out.exists():
+            raise RunFailedError(f"group discovery: rank {rank} ended without reporting its groups; logs in {out_dir}")
+        groups = [(list(r), d) for r, d in json.loads(out.read_text())["groups"]]
+        import shutil
 
-            shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
         return groups
 
     def fold_plan(self):
