@@ -138,11 +138,12 @@ def test_zero_byte_payload_from_a_virtual_root(tmp_path):
     assert rank_lines(tmp_path / "emu", 3, "R3 ") == rank_lines(tmp_path / "cap", 3, "R3 ")
 
 
-def test_failing_group_discovery_is_reported(tmp_path):
+def test_recipe_failing_before_its_first_collective_under_folding(tmp_path):
+    """Discovery ends at the program's end when no op comes; the capture then reports the error."""
     script = tmp_path / "broken.py"
     script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\nraise ValueError('bad recipe')\n")
     r = run_prism(["--nproc-per-node", "4", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "mode=capture",
                    "capture.fold=true", f"trace.dir={tmp_path / 't'}", script], cwd=tmp_path, timeout=120)
     assert r.returncode == 1
-    assert "group discovery for the folded capture failed" in r.stderr and "bad recipe" in r.stderr
+    assert "ValueError: bad recipe" in r.stderr and "rank 0 failed" in r.stderr
     assert not (tmp_path / "t").exists()
