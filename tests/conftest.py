@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,19 @@ def rank_lines(log_dir: Path, rank: int, prefix: str = "") -> list[str]:
     [run_dir] = [p for p in log_dir.iterdir() if p.is_dir()]
     text = (run_dir / str(rank) / "stdout.log").read_text()
     return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+_NUM = re.compile(r"(loss|grad_norm|param_checksum) (\S+)")
+
+
+def logged_metrics(lines: list[str]) -> list[dict]:
+    """Per logged line of a recipe: its numeric fields (step_time_ms excluded: wall clock)."""
+    out = []
+    for line in lines:
+        fields = dict(_NUM.findall(line))
+        if fields:
+            out.append({k: float(v) for k, v in fields.items()} | {"head": line.split("|")[0].strip()})
+    return out
 
 
 @pytest.fixture

@@ -10,11 +10,10 @@ the shared-memory communication op.
 """
 
 import json
-import re
 
 import pytest
 
-from tests.conftest import EXAMPLES, rank_lines, run_prism
+from tests.conftest import EXAMPLES, logged_metrics, rank_lines, run_prism
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'prism-launch[deepspeed]')")
 
@@ -26,16 +25,6 @@ JOBS = {  # name: (ranks, recipe, config, sandboxes)
     "pipe": (4, "deepspeed_pipe.py", "pipe.json", [[3], [0, 3]]),
     "moe": (4, "deepspeed_moe.py", "moe.json", [[3], [0, 3]]),
 }
-_NUM = re.compile(r"(loss|grad_norm|param_checksum) (\S+)")
-
-
-def _metrics(lines: list[str]) -> list[dict]:
-    out = []
-    for line in lines:
-        fields = dict(_NUM.findall(line))
-        if fields:
-            out.append({k: float(v) for k, v in fields.items()} | {"head": line.split("|")[0].strip()})
-    return out
 
 
 def _script(name: str) -> list:
@@ -65,7 +54,7 @@ def test_capture_agrees_with_real_run(capture, tmp_path):
     r = run_prism([*flags, "--log-dir", tmp_path / "logs", "mode=real", *_script(name)], cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     for rank in range(nproc):
-        real, cap = _metrics(rank_lines(tmp_path / "logs", rank)), _metrics(rank_lines(d / "logs", rank))
+        real, cap = logged_metrics(rank_lines(tmp_path / "logs", rank)), logged_metrics(rank_lines(d / "logs", rank))
         assert len(real) == len(cap) >= 3
         for a, b in zip(real, cap):
             assert a["head"] == b["head"]
@@ -89,7 +78,7 @@ def test_emulation_is_bit_identical(capture, tmp_path):
         assert r.returncode == 0, r.stderr[-4000:]
         report = json.loads((out / "report" / "report.json").read_text())
         for rank in sandbox:
-            emu, cap = _metrics(rank_lines(out / "logs", rank)), _metrics(rank_lines(d / "logs", rank))
+            emu, cap = logged_metrics(rank_lines(out / "logs", rank)), logged_metrics(rank_lines(d / "logs", rank))
             assert len(emu) >= 3
             assert emu == cap, (name, sandbox, rank)  # exact float equality: bit-identical
             entry = report["ranks"][str(rank)]

@@ -3,11 +3,10 @@ run to 1e-5; emulation of sandbox ranks (not rank 0, and two at once) is bit-ide
 the capture in losses, grad norms and parameter checksums."""
 
 import json
-import re
 
 import pytest
 
-from tests.conftest import EXAMPLES, rank_lines, run_prism
+from tests.conftest import EXAMPLES, logged_metrics, rank_lines, run_prism
 
 RECIPE = EXAMPLES / "megatron_gpt.py"
 JOBS = {
@@ -16,17 +15,6 @@ JOBS = {
                 "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0.01"]),
 }
 SANDBOXES = {"dense": [[5], [0, 3]], "moe": [[1], [0, 3]]}
-_NUM = re.compile(r"(loss|grad_norm|param_checksum) (\S+)")
-
-
-def _metrics(lines: list[str]) -> list[dict]:
-    """Per logged line: its numeric fields (step_time_ms excluded: wall clock)."""
-    out = []
-    for line in lines:
-        fields = dict(_NUM.findall(line))
-        if fields:
-            out.append({k: float(v) for k, v in fields.items()} | {"head": line.split("|")[0].strip()})
-    return out
 
 
 def _flags(nproc: int) -> list:
@@ -51,7 +39,7 @@ def test_capture_agrees_with_real_run(capture, tmp_path):
                   cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     for rank in range(nproc):
-        real, cap = _metrics(rank_lines(tmp_path / "logs", rank)), _metrics(rank_lines(d / "logs", rank))
+        real, cap = logged_metrics(rank_lines(tmp_path / "logs", rank)), logged_metrics(rank_lines(d / "logs", rank))
         assert len(real) == len(cap) >= 3
         for a, b in zip(real, cap):
             assert a["head"] == b["head"]
@@ -70,7 +58,7 @@ def test_emulation_is_bit_identical(capture, tmp_path):
         assert r.returncode == 0, r.stderr[-4000:]
         report = json.loads((out / "report" / "report.json").read_text())
         for rank in sandbox:
-            emu, cap = _metrics(rank_lines(out / "logs", rank)), _metrics(rank_lines(d / "logs", rank))
+            emu, cap = logged_metrics(rank_lines(out / "logs", rank)), logged_metrics(rank_lines(d / "logs", rank))
             assert len(emu) >= 3
             assert emu == cap, (name, sandbox, rank)  # exact float equality: bit-identical
             entry = report["ranks"][str(rank)]
