@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection, Listener, wait
 import torch
 
 from nccl_ext import wire
-from nccl_ext.ops import Collective, ReduceKind, compute
+from nccl_ext.ops import Collective, ReduceKind, compute, fold
 
 
 class CaptureError(RuntimeError):
@@ -64,6 +64,45 @@ class _PendingCollective:
     arrivals: dict[int, _Arrival] = field(default_factory=dict)
     standins: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Folded capture: members' own buffers offered for an uncaptured broadcast root."""
+
+
+EXACT_FOLD_MAX = 64
+"""Folded groups up to this size reduce member by member, exactly as a full capture would (so
+a folded capture equals the full one when replicas contribute equal tensors); larger ones add
+each stand-in's contribution once, scaled by how many members it stands in for — O(captured)
+work instead of O(data-parallel size), at the cost of rounding differently."""
+
+
+def _weighted_reduction(pc: _PendingCollective, group: _Group) -> list | None:
+    """SUM/AVG reductions of a large folded group: captured members' contributions in group order,
+    then each stand-in's contribution times the number of uncaptured members it stands for."""
+    if pc.kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) \
+            or pc.reduce not in (ReduceKind.SUM, ReduceKind.AVG):
+        return None
+    n = len(group.ranks)
+    index = {r: i for i, r in enumerate(group.ranks)}
+    counts: dict[int, int] = {}
+    for i, c in enumerate(pc.contributions):
+        if c is None:
+            s = index[group.sources[i]]
+            counts[s] = counts.get(s, 0) + 1
+    terms = [c for c in pc.contributions if c is not None]
+    terms += [[t * k for t in pc.contributions[s]] for s, k in counts.items()]
+
+    def reduce(pieces: list[torch.Tensor]) -> torch.Tensor:
+        out = fold(ReduceKind.SUM, pieces)
+        if pc.reduce is ReduceKind.AVG:
+            out.div_(n) if out.is_floating_point() or out.is_complex() else out.div_(n, rounding_mode="floor")
+        return out
+
+    if pc.kind is Collective.REDUCE_SCATTER:
+        k = len(terms[0]) // n
+        return [[reduce([c[i * n + j] for c in terms]) for i in range(k)] if j in pc.arrivals else None
+                for j in range(n)]
+    out = [reduce([c[i] for c in terms]) for i in range(len(terms[0]))]
+    if pc.kind is Collective.REDUCE:
+        return [out if m == pc.root else [] for m in range(n)]
+    return [out if m in pc.arrivals else None for m in range(n)]
 
 
 def _describe(ranks: tuple[int, ...]) -> str:
@@ -287,7 +326,11 @@ class Coordinator:
                         "and no stand-in data for it; capture with that rank among sandbox.ranks")
         else:
             contributions = pc.contributions
-        results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)
+        results = None
+        if group.sources is not None and len(group.ranks) > EXACT_FOLD_MAX:
+            results = _weighted_reduction(pc, group)
+        if results is None:
+            results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)
         now = time.monotonic() - self.t0
         for grank, arrival in pc.arrivals.items():
             if group.sources is not None and results[grank] is not None:
