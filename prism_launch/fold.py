@@ -12,9 +12,10 @@ What stays exact and what is approximated:
   real. Sandbox ranks inside the captured set replay bit-identically to the folded capture.
 - A collective on a group with uncaptured members (data-parallel gradient reduction, the
   distributed optimizer's gathers, world-wide reductions) takes each uncaptured member's
-  contribution from a captured stand-in (:meth:`FoldPlan.source`). That is exact when the
-  replicas' contributions are equal (e.g. the same data on every replica) and an
-  approximation otherwise: uncaptured replicas contribute copies of captured ones, and
+  contribution from a captured stand-in (:meth:`FoldPlan.sources`). That is exact when the
+  replicas' contributions are equal (e.g. the same data on every replica) and the group has at
+  most 64 members (larger sums scale each stand-in by its count: equal up to rounding), and
+  an approximation otherwise: uncaptured replicas contribute copies of captured ones, and
   their MoE routing is that of the captured rank they mirror.
 - Timing: an uncaptured rank's timeline is its stand-in's (same program, same shapes).
 """
