@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nccl_ext import wire
+from nccl_ext.device_path import eligible
 from nccl_ext.ops import Collective, contributors
 from nccl_ext.replay_transport import Recording
 
@@ -40,8 +41,13 @@ _READ_LOCK = threading.Lock()
 
 
 def _payload(recording: Recording, sandbox: tuple[int, ...], rank: int, op, gid: int, seq: int, peer: int,
-             tag: int) -> list[torch.Tensor]:
-    """Recorded tensors sandbox ``rank`` needs from virtual ranks for one of its ops."""
+             tag: int, device_path: bool = False) -> list[torch.Tensor]:
+    """Recorded tensors sandbox ``rank`` needs from virtual ranks for one of its ops (none for
+    the ops the sandbox's device data path stages itself)."""
+    if device_path and op.kind:
+        if eligible(sandbox, rank, peer=peer) if op.kind in ("send", "recv") else \
+                eligible(sandbox, rank, recording.group_ranks(gid)):
+            return []
     if op.kind == "recv":
         if peer in sandbox:
             return []
@@ -106,12 +112,12 @@ class _Sent:
 
 
 def _stream(recording: Recording, sandbox: tuple[int, ...], rank: int, physical: dist.ProcessGroup,
-            window: int, stats: StreamStats, sandbox_done: Callable[[], bool]) -> None:
+            window: int, stats: StreamStats, sandbox_done: Callable[[], bool], device_path: bool = False) -> None:
     dst = sandbox.index(rank)
     inflight: list[_Sent] = []
     for op, gid, seq, peer, tag in recording.ops_of(rank):
         with _READ_LOCK:
-            tensors = _payload(recording, sandbox, rank, op, gid, seq, peer, tag)
+            tensors = _payload(recording, sandbox, rank, op, gid, seq, peer, tag, device_path)
         if not tensors:
             continue
         buf = _pack(tensors)
@@ -130,7 +136,7 @@ def _stream(recording: Recording, sandbox: tuple[int, ...], rank: int, physical:
 
 
 def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.ProcessGroup, store, *,
-          window: int = 32) -> AssistantStats:
+          window: int = 32, device_path: bool = False) -> AssistantStats:
     """Stream every sandbox rank's virtual payloads; returns when all were taken.
 
     The assistant is a server: it waits as long as its sandbox ranks run (their own waits
@@ -143,7 +149,7 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     def run(rank: int) -> None:
         try:
             _stream(recording, sandbox, rank, physical, window, stats.streams[rank],
-                    lambda: store.check([done_key(rank)]))
+                    lambda: store.check([done_key(rank)]), device_path)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(RuntimeError(f"assistant stream to sandbox rank {rank} failed: {e}"))
 

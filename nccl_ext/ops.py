@@ -65,14 +65,22 @@ def reduce_kind(op) -> ReduceKind:
     )
 
 
-def fold(kind: ReduceKind, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Reduce ``tensors`` left to right in the given (group-rank) order."""
+def fold(kind: ReduceKind, tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reduce ``tensors`` left to right in the given (group-rank) order, into ``out`` when given
+    (the device data path's pool scratch) or a fresh buffer outside the program's allocator.
+
+    Each step is one elementwise IEEE operation, so the bits do not depend on the device that
+    runs the fold: a sandbox folding on its GPU reproduces the capture's host fold exactly."""
     from nccl_ext.wire import untracked_empty
 
     first = tensors[0]
-    acc = untracked_empty(first.shape, first.dtype) if first.device.type == "cpu" else torch.empty_like(first)
+    if out is not None:
+        acc = out
+    else:
+        acc = untracked_empty(first.shape, first.dtype) if first.device.type == "cpu" else torch.empty_like(first)
     acc.copy_(first)
     if len(tensors) > _CHUNKED_MIN_TERMS and acc.numel() > _CHUNK and kind in (ReduceKind.SUM, ReduceKind.AVG) \
+            and acc.device.type == "cpu" \
             and all(t.is_contiguous() and t.shape == first.shape for t in tensors):
         _fold_sum_chunked(acc, tensors)
         if kind is ReduceKind.AVG:

@@ -19,6 +19,7 @@ the global replay's schedule on the target cluster, given to the recording), or 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import warnings
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from nccl_ext import wire
 from nccl_ext.atomic import atomic_write_text
+from nccl_ext.device_path import DevicePath, eligible, result_of
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
@@ -102,6 +104,16 @@ class Recording(Protocol):
         """A folded collective's recorded result for ``rank``."""
         ...
 
+    def piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor:
+        """Piece ``i`` of ``rank``'s recorded contribution."""
+        ...
+
+    def result_meta(self, rank: int, group_id: int, seq: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of a folded collective's recorded result (nothing read)."""
+        ...
+
+    def result_piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor: ...
+
 
 @dataclass(slots=True)
 class ReplayStats:
@@ -135,6 +147,7 @@ class ReplayTransport:
         strict: bool = False,
         check: bool = True,
         summary_path: Path | None = None,
+        device_path: DevicePath | None = None,
     ):
         self.rank = rank
         self.sandbox = sandbox
@@ -151,6 +164,9 @@ class ReplayTransport:
         self.check = check
         """Compare live contributions with the recorded ones (divergence detection)."""
         self.summary_path = summary_path
+        self.device_path = device_path
+        """Ops with no other sandbox member run on the sandbox's device (prefetch + compensation
+        there); None: every op takes the host path."""
         self.unit = 0
         self.stats = ReplayStats()
         self._warned: set[tuple[str, int]] = set()
@@ -224,6 +240,8 @@ class ReplayTransport:
             )
         if own.op != call.api:
             raise DivergenceError(f"{what}: the capture recorded {own.op} here; the program diverged")
+        if self.device_path is not None and eligible(self.sandbox, self.rank, group.ranks):
+            return self._device_collective(group, gid, seq, call, own, what)
         if self.recording.folded(gid):
             return self._folded_collective(group, gid, seq, call, own, what)
         n = group.size
@@ -279,6 +297,54 @@ class ReplayTransport:
         if live_peers:
             works += self._exchange(group, gid, seq, call, me, needed, live_peers, contributions)
         _when_all(works, finish, pending)
+        return pending
+
+    def _virtual_ops(self, group: GroupInfo, gid: int, seq: int) -> list[RecordedOp]:
+        """The recorded ops of the group's virtual members at this op (for their arrival times);
+        on a folded group the captured ones, which every uncaptured member mirrors."""
+        ranks = self.recording.captured_members(gid) if self.recording.folded(gid) else group.ranks
+        out = []
+        for r in ranks:
+            if r != self.rank and r not in self.sandbox:
+                rec = self.recording.collective(r, gid, seq)
+                if rec is not None:
+                    out.append(rec)
+        return out
+
+    def _device_collective(self, group, gid, seq, call, own: RecordedOp, what: str) -> Pending:
+        """A collective whose other members are all virtual, on the sandbox's device: their
+        staged data (a folded group's recorded result, or the pieces of their recorded
+        contributions folded with the live tensor in group-rank order) without a host copy of
+        the live tensor; its checksum is compared at the step boundary."""
+        dp = self.device_path
+        me = group.group_rank(self.rank)
+        folded = self.recording.folded(gid)
+        live = [t.detach() for t in call.tensors] if call.tensors is not None else None
+        staged = dp.take(own.idx, live[0].device if live else _default_device(dp), what)
+        if live is not None and me in contributors(call.kind, group.size, call.root):
+            shapes = [tuple(t.shape) for t in live]
+            if shapes != [tuple(s) for s in own.shapes]:
+                raise DivergenceError(f"{what}: shapes {shapes} differ from the recorded "
+                                      f"{[tuple(s) for s in own.shapes]}; capture again")
+            if self.check:
+                dp.verify(live, staged.refs, (call.api, group, seq))
+        self.stats.ops += 1
+        self.stats.folded_ops += folded
+        self._note_unit_start()
+        delay = self._delay(own, self._virtual_ops(group, gid, seq))
+        on_device = dp.on_device
+        if on_device:
+            dp.delay(delay)  # the lateness goes on the op's stream, ahead of the result
+        if folded:
+            result = list(staged.result)
+        else:
+            result = result_of(call.kind, group.size, me, call.root, live, staged.terms, staged.scratch, call.reduce)
+        call.tensors = None
+        pending = Pending(what, self.timeout_s)
+        if on_device:
+            pending.complete(result)
+        else:
+            self._finish_after(pending, dp.finish(result), delay)
         return pending
 
     def _folded_collective(self, group, gid, seq, call, own: RecordedOp, what: str) -> Pending:
@@ -361,6 +427,8 @@ class ReplayTransport:
         gid = self._gid(group)
         self.stats.p2p += 1
         self._note_unit_start()
+        if self.device_path is not None and dst not in self.sandbox:
+            return self._device_send(group, gid, dst, tag, seq, tensor)
         if dst in self.sandbox:
             work = self.physical.send([tensor.detach().contiguous().cpu()], self._phys_rank(dst), _tag(gid, self.rank, dst, tag, seq, 7))
             pending = Pending(f"rank {self.rank}: send to rank {dst} tag {tag} seq {seq}", self.timeout_s)
@@ -393,6 +461,15 @@ class ReplayTransport:
             raise DivergenceError(f"{what}: not in the trace; capture again")
         rec_send, tensor = sent
         delay = 0.0 if self.timing == "none" else max(0.0, rec_send.t_start - own.t_start) * self.time_scale
+        if self.device_path is not None:
+            dp = self.device_path
+            staged = dp.take(own.idx, like.device, what)
+            if dp.on_device:
+                dp.delay(delay)
+                pending.complete([staged.result[0]])
+            else:
+                self._finish_after(pending, dp.finish([staged.result[0]]), delay)
+            return pending
         if self.assistant is None:
             self._finish_after(pending, [tensor()], delay)
             return pending
@@ -401,6 +478,26 @@ class ReplayTransport:
         out: list = [None]
         _when_all([work], lambda: self._finish_after(pending, _unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending
+
+    def _device_send(self, group, gid, dst, tag, seq, tensor) -> Pending:
+        what = f"rank {self.rank}: send #{seq} to rank {dst} tag {tag} on group {group.desc or group.key}"
+        rec = self.recording.sent(gid, self.rank, dst, tag, seq)
+        if rec is None:
+            raise DivergenceError(f"{what}: not in the trace; capture again")
+        live = tensor.detach()
+        if tuple(live.shape) != tuple(rec[0].shapes[0]):
+            raise DivergenceError(f"{what}: shape {tuple(live.shape)} differs from the recorded {tuple(rec[0].shapes[0])}")
+        staged = self.device_path.take(rec[0].idx, live.device, what)
+        if self.check:
+            self.device_path.verify([live], staged.refs, ("send", group, seq))
+        return Pending.done("send")
+
+    def _flush_checks(self) -> None:
+        if self.device_path is None:
+            return
+        for api, group, seq in self.device_path.flush():
+            self._diverged(api, group, seq, "live contribution's checksum differs from the recorded one "
+                           "(device check at the step boundary; the recorded data was used)")
 
     def report_memory(self, summary: dict) -> None:
         self.memory = summary
@@ -424,15 +521,29 @@ class ReplayTransport:
     def marker(self, name: str) -> None:
         self._span("m")
         if name == "step":
+            self._flush_checks()
             now = time.monotonic() - self._t0
             start = self.stats.steps[-1]["t"] if self.stats.steps else (self._unit_start or 0.0)
             self.stats.steps.append({"unit": self.unit, "t": now, "duration_s": now - start})
             self.unit += 1
 
     def close(self) -> None:
+        left: tuple[int, int | None] = (0, None)
+        if self.device_path is not None:
+            try:
+                self._flush_checks()
+            finally:
+                left = self.device_path.close()
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
+        self._write_summary()
+        if left[0] and sys.exc_info()[0] is None:  # not while the program's own error propagates
+            raise DivergenceError(
+                f"sandbox rank {self.rank} ended with {left[0]} op(s) of the trace never entered (next: op "
+                f"#{left[1]}); its program diverged from the trace (capture again with mode=capture)")
+
+    def _write_summary(self) -> None:
         if self.summary_path is None:
             return
         atomic_write_text(self.summary_path, json.dumps({
@@ -440,8 +551,17 @@ class ReplayTransport:
             "physical_exchanges": self.stats.physical_exchanges, "folded_ops": self.stats.folded_ops, "waited_s": self.stats.waited_s,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
             "spans": self.spans, "memory": self.memory,
+            "prefetch": self.device_path.stats.as_dict() if self.device_path is not None else None,
         }, indent=1))
         self.summary_path = None
+
+
+def _default_device(dp: DevicePath) -> torch.device:
+    """Where an op without tensors (a barrier) runs: the device the path already uses, else the
+    current CUDA device when there is one."""
+    if dp.device is not None:
+        return dp.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

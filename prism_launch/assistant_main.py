@@ -22,7 +22,8 @@ def main() -> int:
     recording = TraceRecording(TraceReader(env["PRISM_TRACE_DIR"], verify=False))
     physical, store = physical_group(len(sandbox), len(sandbox) + 1, timeout_s)
     t0 = time.monotonic()
-    stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")))
+    stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")),
+                  device_path=env.get("PRISM_DATA_PATH") == "device")
     summary = {
         "wall_s": time.monotonic() - t0,
         "streams": {str(r): {"messages": s.messages, "bytes": s.bytes, "stalled_s": s.stalled_s}

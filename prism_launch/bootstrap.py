@@ -96,8 +96,17 @@ def _replay_transport(ctx: RankContext):
             import json
 
             schedule = {int(r): v for r, v in json.loads(Path(env["PRISM_SCHEDULE"]).read_text()).items()}
+        recording = TraceRecording(reader, schedule)
+        device_path = None
+        if env.get("PRISM_DATA_PATH") == "device":
+            from nccl_ext.device_path import DevicePath
+
+            device_path = DevicePath(
+                rank=rank, sandbox=sandbox, recording=recording, mode=env.get("PRISM_PREFETCH", "stream"),
+                pool_bytes=int(env.get("PRISM_POOL_MIB", "512")) << 20, check=env.get("PRISM_CHECK", "1") == "1",
+                timeout_s=timeout_s)
         return ReplayTransport(
-            rank=rank, sandbox=sandbox, recording=TraceRecording(reader, schedule), timeout_s=timeout_s,
+            rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
             physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "predicted"),
             time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
             check=env.get("PRISM_CHECK", "1") == "1",

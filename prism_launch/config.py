@@ -145,6 +145,34 @@ class CaptureConfig:
     treated as model-parallel (followed), which only makes the captured set larger."""
 
 
+class DataPath(StrEnum):
+    auto = "auto"
+    """``device`` when the sandbox runs on CUDA, else ``host``."""
+    device = "device"
+    """Ops whose other members are all virtual complete on the sandbox's device: the virtual
+    members' recorded data prefetched into a device pool, folded there with the live tensor
+    (``nccl_ext/device_path.py``). Also runs on CPU (the "device" is host memory)."""
+    host = "host"
+    """Every op folds on the host from the live tensor (copied there) and the recorded peers."""
+
+
+class PrefetchMode(StrEnum):
+    stream = "stream"
+    """A side thread stages ops ahead of the program, in the trace's order, into a bounded pool."""
+    off = "off"
+    """Each op's data is moved when the op is entered, on its own stream."""
+    preload = "preload"
+    """The whole run's data is staged before the first op (the reference without any
+    virtual-peer data movement; needs a pool holding all of it)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PrefetchConfig:
+    mode: PrefetchMode = PrefetchMode.stream
+    pool_mib: int = 512
+    """Device pool size (raised to twice the largest op when that does not fit)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class EmulateConfig:
     timing: Timing = Timing.predicted
@@ -160,6 +188,10 @@ class EmulateConfig:
     """Who serves the virtual ranks' recorded contributions."""
     window: int = 32
     """Ops per sandbox rank the assistant may stream ahead (bounded memory)."""
+    data_path: DataPath = DataPath.auto
+    """Where ops shared only with virtual ranks complete (device or host)."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """Tensor prefetching of the device data path."""
 
 
 class ComputeSource(StrEnum):
@@ -437,6 +469,8 @@ def validate(cfg: PrismConfig) -> None:
                               "every node needs at least one sandbox rank")
     if cfg.emulate.window < 1:
         raise ConfigError(f"emulate.window must be >= 1 (got {cfg.emulate.window})")
+    if cfg.emulate.prefetch.pool_mib < 1:
+        raise ConfigError(f"emulate.prefetch.pool_mib must be >= 1 (got {cfg.emulate.prefetch.pool_mib})")
     if cfg.emulate.time_scale < 0:
         raise ConfigError(f"emulate.time_scale must be >= 0 (got {cfg.emulate.time_scale})")
     if cfg.device is Device.cuda:

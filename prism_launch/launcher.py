@@ -448,6 +448,9 @@ class Launcher:
             "PRISM_TIME_SCALE": str(self.cfg.emulate.time_scale),
             "PRISM_STRICT": "1" if self.cfg.emulate.strict else "0",
             "PRISM_CHECK": "1" if self.cfg.emulate.check_divergence else "0",
+            "PRISM_DATA_PATH": self.data_path(),
+            "PRISM_PREFETCH": str(self.cfg.emulate.prefetch.mode),
+            "PRISM_POOL_MIB": str(self.cfg.emulate.prefetch.pool_mib),
         }
         enforce = self.cfg.memory.enforce_limit
         if enforce is None:
@@ -533,6 +536,15 @@ class Launcher:
             if "OutOfMemoryError" in text:
                 return {"rank": r, "message": f"rank {r}: {text.splitlines()[0]}"}
         return None
+
+    def data_path(self) -> str:
+        """The resolved ``emulate.data_path``: the device path whenever the sandbox runs on CUDA."""
+        from prism_launch.config import DataPath
+
+        choice = self.cfg.emulate.data_path
+        if choice is DataPath.auto:
+            return "device" if str(self.cfg.device) == "cuda" else "host"
+        return str(choice)
 
     def local_sandbox(self) -> list[int]:
         """The sandbox ranks this physical node runs: the sandbox list split into

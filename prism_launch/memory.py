@@ -602,7 +602,7 @@ class MemoryTracker:
         if self._final is not None:
             return self._final[0]
         if self._cuda:
-            return int(torch.cuda.memory_allocated(self._index))
+            return int(torch.cuda.memory_allocated(self._index)) - self._comm()
         return int(self._hook.current()) if self._hook is not None else 0
 
     def peak_bytes(self) -> int:
@@ -611,8 +611,15 @@ class MemoryTracker:
         if not self._started:
             return 0
         if self._cuda:
-            return max(self._peak, int(torch.cuda.max_memory_allocated(self._index)))
+            return max(self._peak, int(torch.cuda.max_memory_allocated(self._index)) - self._comm())
         return int(self._hook.peak()) if self._hook is not None else 0
+
+    def _comm(self) -> int:
+        """Device bytes the communication layer holds (the device path's pool): a real backend's
+        buffers are not the program's, so they are left out of its figures."""
+        from nccl_ext.device_path import pool_bytes
+
+        return pool_bytes(torch.device("cuda", self._index))
 
     def mark_unit(self, unit: int) -> MemorySample:
         if not self._started:
@@ -621,9 +628,10 @@ class MemoryTracker:
             raise RuntimeError("MemoryTracker.mark_unit after stop()")
         t0 = time.perf_counter()
         if self._cuda:
-            unit_peak = int(torch.cuda.max_memory_allocated(self._index))
-            current = int(torch.cuda.memory_allocated(self._index))
-            reserved_peak = int(torch.cuda.max_memory_reserved(self._index))
+            comm = self._comm()
+            unit_peak = int(torch.cuda.max_memory_allocated(self._index)) - comm
+            current = int(torch.cuda.memory_allocated(self._index)) - comm
+            reserved_peak = int(torch.cuda.max_memory_reserved(self._index)) - comm
             torch.cuda.reset_peak_memory_stats(self._index)
             self._peak = max(self._peak, unit_peak)
             self._peak_reserved = max(self._peak_reserved, reserved_peak)
@@ -706,8 +714,11 @@ class MemoryTracker:
         }
         if self._cuda and self._final is None and self._started:
             # what the caching allocator holds from the device (fragmentation included)
-            out["reserved_bytes"] = int(torch.cuda.memory_reserved(self._index))
-            out["peak_reserved_bytes"] = max(self._peak_reserved, int(torch.cuda.max_memory_reserved(self._index)))
+            comm = self._comm()
+            out["reserved_bytes"] = int(torch.cuda.memory_reserved(self._index)) - comm
+            out["peak_reserved_bytes"] = max(self._peak_reserved, int(torch.cuda.max_memory_reserved(self._index)) - comm)
+            if comm:
+                out["communication_pool_bytes"] = comm
         limit = _LIMITS.get("cuda" if self._cuda else "cpu")
         if limit is not None:
             out["limit_bytes"] = limit

@@ -101,6 +101,21 @@ class TraceRecording:
         """Whether the group has members that were not captured (its results are recorded)."""
         return self.fold is not None and self._map(group_id) is not None
 
+    def piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor:
+        """Piece ``i`` of ``rank``'s recorded contribution (read on its own)."""
+        return self.reader.tensor(self._source(rank, group_id), f"c/{group_id}/{seq}/{i}")
+
+    def result_meta(self, rank: int, group_id: int, seq: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of a folded collective's recorded result for ``rank`` (nothing read)."""
+        out, i = [], 0
+        while self.reader.has_tensor(rank, f"r/{group_id}/{seq}/{i}"):
+            out.append(self.reader.tensor_meta(rank, f"r/{group_id}/{seq}/{i}"))
+            i += 1
+        return out
+
+    def result_piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor:
+        return self.reader.tensor(rank, f"r/{group_id}/{seq}/{i}")
+
     def result(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
         """A folded collective's recorded result for captured ``rank``."""
         out, i = [], 0

@@ -104,16 +104,17 @@ def test_sandbox_peer_that_never_arrives_hits_the_deadline_in_emulation(trace, t
     assert _no_process_mentions(str(tmp))
 
 
-def test_divergence_warns_by_default_and_fails_when_strict(trace, tmp):
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_divergence_warns_by_default_and_fails_when_strict(trace, tmp, path):
     r = run_prism([*BASE, "mode=emulate", f"trace.dir={trace}", "sandbox.ranks=[1]", "emulate.timing=none",
-                   f"report.dir={tmp / 'rep'}", HANG], cwd=tmp, env={"SCALE": "2"})
+                   f"emulate.data_path={path}", f"report.dir={tmp / 'rep'}", HANG], cwd=tmp, env={"SCALE": "2"})
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp / "rep" / "report.json").read_text())
     divs = report["ranks"]["1"]["divergences"]
     assert len(divs) == 3 and divs[0]["step"] == 0 and divs[0]["op"] == "allreduce"
     assert report["ranks"]["1"]["losses_match_capture"] is False
     r = run_prism([*BASE, "mode=emulate", f"trace.dir={trace}", "sandbox.ranks=[1]", "emulate.strict=true",
-                   f"report.dir={tmp / 'rep2'}", HANG], cwd=tmp, env={"SCALE": "2"})
+                   f"emulate.data_path={path}", f"report.dir={tmp / 'rep2'}", HANG], cwd=tmp, env={"SCALE": "2"})
     assert r.returncode == 1
     assert "divergence on rank 1 at step 0: allreduce on group default_pg seq 0" in r.stderr
 
@@ -127,11 +128,16 @@ def test_megatron_world_not_divisible_surfaces_megatron_message(tmp):
     assert not (tmp / "tr").exists()
 
 
-def test_sandbox_that_ends_early_is_reported_by_the_assistant(trace, tmp):
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_sandbox_that_ends_early_is_reported(trace, tmp, path):
     start = time.monotonic()
     r = run_prism([*BASE, "mode=emulate", f"trace.dir={trace}", "sandbox.ranks=[1]", "emulate.timing=none",
-                   f"report.dir={tmp / 'rep'}", HANG], cwd=tmp, env={"STEPS": "1"}, timeout=120)
+                   f"emulate.data_path={path}", f"report.dir={tmp / 'rep'}", HANG], cwd=tmp, env={"STEPS": "1"},
+                  timeout=120)
     assert r.returncode == 1
-    assert "sandbox rank 1 ended without taking the recorded data for op" in r.stderr
+    if path == "host":  # the assistant holds data nobody took
+        assert "sandbox rank 1 ended without taking the recorded data for op" in r.stderr
+    else:  # the sandbox's own prefetcher holds ops never entered
+        assert "sandbox rank 1 ended with" in r.stderr and "never entered" in r.stderr
     assert "diverged from the trace" in r.stderr
     assert time.monotonic() - start < 60

@@ -65,3 +65,29 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             assert entry["divergences"] == []
             assert entry["ops"] > 10
         assert report["virtual_ranks"] == nproc - len(sandbox)
+
+
+def test_device_data_path_is_bit_identical(capture, tmp_path):
+    """Ops shared only with virtual ranks complete in the sandbox's data path with the virtual
+    data prefetched into a pool (CPU here: the same code with host memory as the device)."""
+    name, d = capture
+    nproc, args = JOBS[name]
+    for sandbox, mode in [(SANDBOXES[name][0], "stream"), (SANDBOXES[name][0], "off"), (SANDBOXES[name][1], "preload")]:
+        out = tmp_path / f"{mode}-{'-'.join(map(str, sandbox))}"
+        r = run_prism([*_flags(nproc), "--log-dir", out / "logs", "mode=emulate", f"trace.dir={d / 'trace'}",
+                       f"sandbox.ranks={json.dumps(sandbox)}", f"report.dir={out / 'report'}",
+                       "emulate.data_path=device", f"emulate.prefetch.mode={mode}", "emulate.prefetch.pool_mib=4",
+                       RECIPE, *args, "--log-all-ranks"], cwd=tmp_path, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        for rank in sandbox:
+            emu, cap = logged_metrics(rank_lines(out / "logs", rank)), logged_metrics(rank_lines(d / "logs", rank))
+            assert len(emu) >= 3 and emu == cap, (name, sandbox, mode, rank)
+            summary = json.loads((out / "report" / "sandbox" / f"rank{rank}.json").read_text())
+            assert summary["divergences"] == []
+            p = summary["prefetch"]
+            assert p["mode"] == mode and p["staged_ops"] > 10 and p["checks"] > 0, p
+            assert p["hits"] + p["in_flight"] + p["stalls"] == p["staged_ops"], p
+            if mode == "off":
+                assert p["stalls"] == p["staged_ops"]
+            if mode == "stream":
+                assert p["high_water_bytes"] <= p["pool_bytes"] and p["hits"] > 0

@@ -50,6 +50,13 @@ from .errors import (
     TraceVersionError,
 )
 
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -969,6 +976,15 @@ class TraceReader:
             raise TraceCorruptError(
                 self.path, tensor_file_name(rank), None, None, reason=f"cannot read tensor {key!r}: {e}"
             ) from e
+
+    def tensor_meta(self, rank: int, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of tensor ``key`` of ``rank``, without reading its data."""
+        rank = int(rank)
+        handle, keys = self._open_rank(rank)
+        if key not in keys:
+            raise TraceKeyError(f"no tensor {key!r} for rank {rank} in PrismTrace {self.path}")
+        piece = handle.get_slice(key)
+        return tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()]
 
     # -- json ------------------------------------------------------------------------
 

@@ -1,0 +1,655 @@
+"""The device data path of emulation: tensor prefetching and on-device compensation.
+
+A collective whose only live member is this sandbox rank (every other member virtual) —
+and a send or receive with a virtual peer — never leaves the sandbox's device:
+
+* **Prefetch.** A :class:`Stager` walks the rank's ops in the trace's order and stages what
+  each needs from its virtual peers — the pieces of their recorded contributions the sandbox's
+  result is made of, a folded group's recorded result, a virtual sender's payload — into a
+  bounded device **pool** (a ring of device memory, FIFO like the ops), from pinned host
+  memory on a side stream, ahead of the op. The op's stream waits for that copy's event only;
+  the host waits only when the stager is behind (a *stall*). ``mode="off"`` stages each op when
+  it is entered, on the op's stream; ``mode="preload"`` stages the whole run before the first
+  op (the reference with no virtual-peer data movement at all).
+* **Compensation on device.** Reductions fold the staged recorded terms and the live tensor
+  with :func:`nccl_ext.ops.fold` in group-rank order, into pool scratch — the arithmetic of the
+  capture step for step, so results are bit-identical to it (IEEE adds, multiplies, min/max are
+  exact per step on any device); gathers and all-to-alls just take the staged pieces.
+* **Divergence checks without a host copy.** Each live contribution's 32-bit word sum is taken
+  on the device into a slot of the pool; the slots are read (one synchronisation) at the step
+  boundary and compared with the same sum of the recorded tensors, computed by the stager.
+
+Nothing here allocates through torch's allocator during the run: the pool is allocated once
+and its size is published (:func:`pool_bytes`) so memory accounting leaves it out, and any
+memory cap of the target GPU is widened by it.
+
+The same code runs on CPU (the "device" is host memory, copies are synchronous), which is how
+it is tested where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from nccl_ext import wire
+from nccl_ext.ops import Collective, ReduceKind, contributors, fold
+
+_ALIGN = 256
+_CHECK_SLOTS = 4096
+
+
+class PrefetchMode:
+    STREAM = "stream"
+    OFF = "off"
+    PRELOAD = "preload"
+    ALL = (STREAM, OFF, PRELOAD)
+
+
+_POOL_BYTES: dict[str, int] = {}
+
+
+def pool_bytes(device: torch.device | str) -> int:
+    """Bytes the device path holds on ``device`` outside the program (memory accounting
+    subtracts them from the caching allocator's figures)."""
+    return _POOL_BYTES.get(str(torch.device(device)), 0)
+
+
+def eligible(sandbox: tuple[int, ...], rank: int, group_ranks: tuple[int, ...] | None = None,
+             peer: int | None = None) -> bool:
+    """Whether an op of sandbox ``rank`` goes through the device path: a collective whose other
+    members are all virtual, or a send/receive whose peer is virtual. (Ops shared with another
+    sandbox rank exchange live data over the physical group.)"""
+    if peer is not None:
+        return peer not in sandbox
+    return not any(r != rank and r in sandbox for r in group_ranks or ())
+
+
+def needed_pieces(kind: Collective, n: int, me: int, root: int | None, member: int, pieces: int) -> list[int]:
+    """Indices of virtual ``member``'s contribution pieces that member ``me``'s result is made of."""
+    match kind:
+        case Collective.ALL_REDUCE | Collective.ALL_GATHER:
+            return list(range(pieces))
+        case Collective.REDUCE:
+            return list(range(pieces)) if me == root else []
+        case Collective.REDUCE_SCATTER:
+            return [i * n + me for i in range(pieces // n)]
+        case Collective.GATHER:
+            return [0] if me == root else []
+        case Collective.ALL_TO_ALL:
+            return [me]
+        case Collective.BROADCAST:
+            return list(range(pieces)) if member == root else []
+        case Collective.SCATTER:
+            return [me] if member == root else []
+    return []
+
+
+def result_of(kind: Collective, n: int, me: int, root: int | None, live: list[torch.Tensor] | None,
+              terms: dict[int, dict[int, torch.Tensor]], scratch: list[torch.Tensor],
+              reduce: ReduceKind | None) -> list[torch.Tensor]:
+    """Member ``me``'s result (the semantics of :func:`nccl_ext.ops.compute`), from its live
+    pieces and the virtual members' needed pieces ``terms[m][i]``; reductions fold into
+    ``scratch``."""
+
+    def piece(m: int, i: int) -> torch.Tensor:
+        return live[i] if m == me else terms[m][i]
+
+    match kind:
+        case Collective.BARRIER:
+            return []
+        case Collective.ALL_REDUCE | Collective.REDUCE:
+            if kind is Collective.REDUCE and me != root:
+                return []
+            return [fold(reduce, [piece(m, i) for m in range(n)], out=scratch[i]) for i in range(len(scratch))]
+        case Collective.REDUCE_SCATTER:
+            return [fold(reduce, [piece(m, i * n + me) for m in range(n)], out=scratch[i]) for i in range(len(scratch))]
+        case Collective.ALL_GATHER:
+            k = len(live)
+            return [piece(m, i) for i in range(k) for m in range(n)]
+        case Collective.GATHER:
+            return [piece(m, 0) for m in range(n)] if me == root else []
+        case Collective.ALL_TO_ALL:
+            return [piece(m, me) for m in range(n)]
+        case Collective.BROADCAST:
+            return list(live) if me == root else [terms[root][i] for i in sorted(terms[root])]
+        case Collective.SCATTER:
+            return [piece(root, me)]
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as the widest integer words they divide into (a view when contiguous)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype.itemsize == 0 or flat.numel() == 0:
+        return flat.view(torch.uint8)[:0]
+    raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.view(torch.uint8)
+    offset = raw.data_ptr()
+    for dt in (torch.int32, torch.int16):
+        if raw.numel() % dt.itemsize == 0 and offset % dt.itemsize == 0:
+            return raw.view(dt)
+    return raw
+
+
+def word_sum(t: torch.Tensor) -> int:
+    """The checksum the device path compares: the sum of ``t``'s integer words mod 2**32
+    (detects changed values, not permutations)."""
+    w = _words(t)
+    if not w.numel():
+        return 0
+    import numpy as np  # sums outside torch's allocator (the hook charges the program for those)
+
+    return int(w.numpy().sum(dtype=np.int64)) & 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class PrefetchStats:
+    mode: str = PrefetchMode.STREAM
+    pool_bytes: int = 0
+    staged_ops: int = 0
+    staged_bytes: int = 0
+    hits: int = 0
+    """Ops whose data was on the device before they were entered."""
+    in_flight: int = 0
+    """Ops whose copy was still running when entered: the op's stream waited, the host did not."""
+    stalls: int = 0
+    """Ops the stager had not reached when entered: the host waited."""
+    stall_s: float = 0.0
+    high_water_bytes: int = 0
+    checks: int = 0
+    check_flushes: int = 0
+    delayed_s: float = 0.0
+    """Virtual members' lateness enqueued on the device (``emulate.timing``)."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class StagedOp:
+    idx: int
+    nbytes: int
+    terms: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    result: list[torch.Tensor] = field(default_factory=list)
+    """A folded group's recorded result, or a virtual sender's payload."""
+    scratch: list[torch.Tensor] = field(default_factory=list)
+    refs: list[int] = field(default_factory=list)
+    """Word sums of this rank's recorded contribution pieces (divergence checks)."""
+    span: tuple[int, int] | None = None
+    ready: object = None
+    """The side stream's event after the copies (CUDA), None when already there."""
+
+
+@dataclass(slots=True)
+class _Item:
+    """A recorded tensor to stage: its shape and dtype now, its data when loaded."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What one op needs from the trace (nothing read yet)."""
+
+    idx: int
+    terms: dict[int, dict[int, _Item]]
+    result: list[_Item]
+    scratch: list[tuple[tuple[int, ...], torch.dtype]]
+    own: list[_Item]
+    """This rank's recorded pieces: only their word sums are kept."""
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(_aligned(t.nbytes) for ts in self.terms.values() for t in ts.values())
+        n += sum(_aligned(t.nbytes) for t in self.result)
+        n += sum(_aligned(_numel(s) * d.itemsize) for s, d in self.scratch)
+        return n
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class _Ring:
+    """FIFO allocation over ``[0, capacity)``: ops are staged and released in the same order."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.live: deque[tuple[int, int]] = deque()
+        self.head = 0
+
+    def used(self) -> int:
+        return sum(e - s for s, e in self.live)
+
+    def alloc(self, n: int) -> tuple[int, int] | None:
+        if n > self.capacity:
+            raise ValueError(f"{n} bytes do not fit a pool of {self.capacity}")
+        if not self.live:
+            self.head = 0
+            start = 0
+        else:
+            tail = self.live[0][0]
+            if self.head > tail:
+                if self.capacity - self.head >= n:
+                    start = self.head
+                elif tail >= n:
+                    start = 0
+                else:
+                    return None
+            elif self.head < tail and tail - self.head >= n:
+                start = self.head
+            else:
+                return None
+        span = (start, start + n)
+        self.live.append(span)
+        self.head = start + n
+        return span
+
+    def release(self, span: tuple[int, int]) -> None:
+        if self.live and self.live[0] == span:
+            self.live.popleft()
+        else:  # out of order: a skipped op; drop it where it is
+            self.live.remove(span)
+
+
+class DevicePath:
+    """One sandbox rank's device data path (see the module docstring)."""
+
+    def __init__(self, *, rank: int, sandbox: tuple[int, ...], recording, mode: str = PrefetchMode.STREAM,
+                 pool_bytes: int = 512 << 20, check: bool = True, timeout_s: float = 300.0,
+                 read_lock: threading.Lock | None = None):
+        if mode not in PrefetchMode.ALL:
+            raise ValueError(f"emulate.prefetch.mode must be one of {PrefetchMode.ALL} (got {mode!r})")
+        self.rank = rank
+        self.sandbox = sandbox
+        self.recording = recording
+        self.mode = mode
+        self.requested_pool = int(pool_bytes)
+        self.check = check
+        self.timeout_s = timeout_s
+        self.stats = PrefetchStats(mode=mode)
+        self.device: torch.device | None = None
+        self._cuda = False
+        self._pool: torch.Tensor | None = None
+        self._ring: _Ring | None = None
+        self._plans: deque[_Plan] = deque()
+        self._ready: deque[StagedOp] = deque()
+        self._taken: list[tuple[StagedOp, object]] = []
+        self._released: list = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._read_lock = read_lock or threading.Lock()
+        self._side = None
+        self._slots: torch.Tensor | None = None
+        self._checks: list[tuple[int, object]] = []
+        self._bad: list[object] = []
+        self._cycles_per_s: float | None = None
+
+    @property
+    def on_device(self) -> bool:
+        """Whether results are produced on a CUDA stream (completion is immediate, ordered by it)."""
+        return self._cuda
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _start(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        plans = self._plan_all()
+        largest = max((p.nbytes for p in plans), default=0)
+        total = sum(p.nbytes for p in plans)
+        if self.mode == PrefetchMode.PRELOAD:
+            capacity = total
+        else:
+            capacity = max(self.requested_pool, 2 * largest)
+        capacity = _aligned(capacity) + _aligned(_CHECK_SLOTS * 4)
+        self._allocate(capacity)
+        self._ring = _Ring(capacity - _aligned(_CHECK_SLOTS * 4))
+        self._slots = self._pool[self._ring.capacity:self._ring.capacity + _CHECK_SLOTS * 4].view(torch.int32)
+        self._plans = deque(plans)
+        if self._cuda:
+            self._side = torch.cuda.Stream(device)
+        if self.mode == PrefetchMode.PRELOAD:
+            while self._plans:
+                self._stage(self._plans.popleft(), on_side=True)
+            if self._cuda:
+                self._side.synchronize()
+        elif self.mode == PrefetchMode.STREAM:
+            self._thread = threading.Thread(target=self._run, name=f"prism-prefetch-{self.rank}", daemon=True)
+            self._thread.start()
+
+    def _allocate(self, capacity: int) -> None:
+        """The pool, outside what the program is charged for; a memory cap of the target GPU
+        (``PRISM_MEMORY_LIMIT``) is widened by it first so the pool itself never trips it."""
+        if self._cuda:
+            limit = int(os.environ.get("PRISM_MEMORY_LIMIT", "0"))
+            if limit > 0:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, (limit + capacity) / total), self.device)
+            self._pool = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        else:
+            self._pool = wire.untracked_empty((capacity,), torch.uint8)
+        _POOL_BYTES[str(self.device if self._cuda else torch.device("cpu"))] = capacity
+        self.stats.pool_bytes = capacity
+
+    def _plan_all(self) -> list[_Plan]:
+        plans = []
+        with self._read_lock:
+            for op, gid, seq, peer, tag in self.recording.ops_of(self.rank):
+                plan = self._plan(op, gid, seq, peer, tag)
+                if plan is not None:
+                    plans.append(plan)
+        return plans
+
+    def _plan(self, op, gid: int, seq: int, peer: int, tag: int) -> _Plan | None:
+        rec = self.recording
+
+        def items(r: int, o) -> list[_Item]:
+            return [_Item(tuple(s), wire.dtype_from_name(d), lambda r=r, i=i: rec.piece(r, gid, seq, i))
+                    for i, (s, d) in enumerate(zip(o.shapes, o.dtypes))]
+
+        if op.kind in ("send", "recv"):
+            if not eligible(self.sandbox, self.rank, peer=peer):
+                return None
+            src, dst = (peer, self.rank) if op.kind == "recv" else (self.rank, peer)
+            sent = rec.sent(gid, src, dst, tag, seq)
+            if sent is None:
+                return None
+            sop, load = sent
+            item = _Item(tuple(sop.shapes[0]), wire.dtype_from_name(sop.dtypes[0]), load)
+            if op.kind == "recv":
+                return _Plan(op.idx, {}, [item], [], [])
+            return _Plan(op.idx, {}, [], [], [item] if self.check else [])
+        if not op.kind:
+            return None
+        ranks = rec.group_ranks(gid)
+        if not eligible(self.sandbox, self.rank, ranks):
+            return None
+        kind = Collective(op.kind)
+        n, me = len(ranks), ranks.index(self.rank)
+        own = items(self.rank, op) if self.check and me in contributors(kind, n, op.root) else []
+        if rec.folded(gid):
+            result = [_Item(s, d, lambda i=i: rec.result_piece(self.rank, gid, seq, i))
+                      for i, (s, d) in enumerate(rec.result_meta(self.rank, gid, seq))]
+            return _Plan(op.idx, {}, result, [], own)
+        terms: dict[int, dict[int, _Item]] = {}
+        for m, r in enumerate(ranks):
+            if m == me:
+                continue
+            want = needed_pieces(kind, n, me, op.root, m, op.n_tensors)
+            if not want:
+                continue
+            mop = rec.collective(r, gid, seq)
+            if mop is None:
+                raise RuntimeError(f"rank {self.rank}: no recorded op of virtual member rank {r} "
+                                   f"(group {gid} seq {seq}); the trace is incomplete")
+            pieces = items(r, mop)
+            terms[m] = {i: pieces[i] for i in want}
+        shapes = [tuple(s) for s in op.shapes]
+        dtypes = [wire.dtype_from_name(d) for d in op.dtypes]
+        match kind:
+            case Collective.ALL_REDUCE:
+                scratch = list(zip(shapes, dtypes))
+            case Collective.REDUCE:
+                scratch = list(zip(shapes, dtypes)) if me == op.root else []
+            case Collective.REDUCE_SCATTER:
+                scratch = [(shapes[i * n + me], dtypes[i * n + me]) for i in range(op.n_tensors // n)]
+            case _:
+                scratch = []
+        return _Plan(op.idx, terms, [], scratch, own)
+
+    # -- staging (stager thread, or the op's own thread when prefetch is off) -------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if self._closed or not self._plans:
+                        return
+                    plan = self._plans[0]
+                    span = self._ring.alloc(plan.nbytes)
+                    while span is None and not self._closed:
+                        self._cond.wait(0.05)
+                        span = self._ring.alloc(plan.nbytes)
+                    if self._closed:
+                        return
+                    self._plans.popleft()
+                    released, self._released = self._released, []
+                self._stage(plan, on_side=True, span=span, released=released)
+        except BaseException as e:  # noqa: BLE001 - surfaced by take()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _stage(self, plan: _Plan, *, on_side: bool, span: tuple[int, int] | None = None,
+               released: list | None = None) -> StagedOp:
+        if span is None:
+            with self._cond:
+                span = self._ring.alloc(plan.nbytes)
+            if span is None:
+                raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
+        pos = span[0]
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def carve(shape, dtype) -> torch.Tensor:
+            nonlocal pos
+            nbytes = _numel(shape) * dtype.itemsize
+            view = self._pool[pos:pos + nbytes].view(dtype).reshape(shape) if nbytes else \
+                torch.empty(shape, dtype=dtype, device=self._pool.device)
+            pos += _aligned(nbytes)
+            return view
+
+        def put(item: _Item) -> torch.Tensor:
+            dst = carve(item.shape, item.dtype)
+            if item.nbytes:
+                copies.append((dst, item.load()))
+            return dst
+
+        with self._read_lock:
+            refs = [word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
+            staged = StagedOp(
+                idx=plan.idx, nbytes=plan.nbytes, span=span, refs=refs,
+                terms={m: {i: put(t) for i, t in ps.items()} for m, ps in plan.terms.items()},
+                result=[put(t) for t in plan.result],
+                scratch=[carve(s, d) for s, d in plan.scratch],
+            )
+            self._copy(copies, on_side, released or [])
+        if self._cuda and on_side:
+            staged.ready = torch.cuda.Event()
+            staged.ready.record(self._side)
+        self.stats.staged_ops += 1
+        self.stats.staged_bytes += sum(h.nbytes for _, h in copies)
+        with self._cond:
+            self.stats.high_water_bytes = max(self.stats.high_water_bytes, self._ring.used())
+            if on_side and self.mode != PrefetchMode.OFF:
+                self._ready.append(staged)
+                self._cond.notify_all()
+        return staged
+
+    def _copy(self, copies, on_side: bool, released: list) -> None:
+        if not self._cuda:
+            for dst, host in copies:
+                dst.copy_(host)
+            return
+        if not on_side:  # prefetch off: the op's stream moves the data when the op needs it
+            for dst, host in copies:
+                dst.copy_(host)
+            return
+        with torch.cuda.stream(self._side):
+            for event in released:  # the ring reuses memory the op's stream may still read
+                self._side.wait_event(event)
+            for dst, host in copies:
+                pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+                pinned.copy_(host)
+                dst.copy_(pinned, non_blocking=True)
+
+    # -- the op's side ------------------------------------------------------------------------
+    def take(self, idx: int, device: torch.device, what: str) -> StagedOp:
+        """The staged data of op ``idx`` (the rank's event index), on the op's stream."""
+        if self.device is None:
+            self._start(device)
+        self._release_taken()
+        if self.mode == PrefetchMode.OFF:
+            while self._plans and self._plans[0].idx < idx:
+                self._plans.popleft()
+            if not self._plans or self._plans[0].idx != idx:
+                raise RuntimeError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
+            self.stats.stalls += 1
+            staged = self._stage(self._plans.popleft(), on_side=False)
+        else:
+            staged = self._next_ready(idx, what)
+        self._taken.append((staged, torch.cuda.current_stream(self.device) if self._cuda else None))
+        return staged
+
+    def _next_ready(self, idx: int, what: str) -> StagedOp:
+        t0 = time.monotonic()
+        waited = False
+        with self._cond:
+            while True:
+                while self._ready and self._ready[0].idx < idx:  # ops the program skipped
+                    skipped = self._ready.popleft()
+                    self._ring.release(skipped.span)
+                if self._ready:
+                    break
+                if self._error is not None:
+                    raise RuntimeError(f"{what}: prefetch failed: {self._error}") from self._error
+                if not self._plans and (self._thread is None or not self._thread.is_alive()):
+                    break
+                if time.monotonic() - t0 > self.timeout_s:
+                    raise RuntimeError(f"{what}: the prefetcher did not stage this op within {self.timeout_s:.0f} s")
+                waited = True
+                self._cond.wait(0.05)
+            staged = self._ready.popleft() if self._ready and self._ready[0].idx == idx else None
+        if staged is None:
+            raise RuntimeError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
+        if waited:
+            self.stats.stalls += 1
+            self.stats.stall_s += time.monotonic() - t0
+        elif staged.ready is None or staged.ready.query():
+            self.stats.hits += 1
+        else:
+            self.stats.in_flight += 1
+        if staged.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(staged.ready)
+        return staged
+
+    def _release_taken(self) -> None:
+        """Free the pool space of ops already handed over: their results were written into
+        the program's tensors when their works completed, on the stream recorded with them."""
+        if not self._taken:
+            return
+        taken, self._taken = self._taken, []
+        events = []
+        for staged, stream in taken:
+            if self._cuda:
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        with self._cond:
+            for staged, _ in taken:
+                if self.mode != PrefetchMode.PRELOAD:
+                    self._ring.release(staged.span)
+            self._released.extend(events)
+            self._cond.notify_all()
+
+    def finish(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Results as the caller may keep them: views of the pool on a device (written into the
+        program's tensors before the space is reused); copies on CPU, where completion may be
+        delayed by a timer past the next op."""
+        if self._cuda:
+            return results
+        out = []
+        for t in results:
+            c = wire.untracked_empty(t.shape, t.dtype)
+            c.copy_(t)
+            out.append(c)
+        return out
+
+    def verify(self, live: list[torch.Tensor], refs: list[int], where: object) -> None:
+        """Queue the word sums of ``live`` for comparison with ``refs`` at the next flush."""
+        for t, ref in zip(live, refs):
+            w = _words(t)
+            if not w.numel():
+                continue
+            if len(self._checks) == _CHECK_SLOTS:
+                self._flush_pending()
+            slot = self._slots[len(self._checks)]
+            if w.dtype == torch.int32:
+                torch.sum(w, dim=0, dtype=torch.int32, out=slot)
+            else:
+                slot.copy_(w.to(torch.int64).sum())
+            self._checks.append((ref, where))
+            self.stats.checks += 1
+
+    def _flush_pending(self) -> None:
+        self._bad += self.flush()
+
+    def flush(self) -> list[object]:
+        """Compare the queued checks (one device synchronisation); the ``where`` of each mismatch."""
+        bad, self._bad = self._bad, []
+        if not self._checks:
+            return bad
+        values = self._slots[: len(self._checks)].cpu().tolist()
+        self.stats.check_flushes += 1
+        for value, (ref, where) in zip(values, self._checks):
+            if value & 0xFFFFFFFF != ref:
+                bad.append(where)
+        self._checks = []
+        return bad
+
+    def delay(self, seconds: float) -> None:
+        """Make the op's stream wait ``seconds`` (a virtual member's lateness) before its result."""
+        if seconds <= 0 or not self._cuda:
+            return
+        if self._cycles_per_s is None:
+            self._cycles_per_s = _calibrate_sleep(self.device)
+        torch.cuda._sleep(int(seconds * self._cycles_per_s))
+        self.stats.delayed_s += seconds
+
+    def close(self) -> tuple[int, int | None]:
+        """Stop staging; returns how many of the rank's staged-path ops were never entered, and
+        the first of them."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        left = [s.idx for s in self._ready] + [p.idx for p in self._plans]
+        if self.device is None:  # never started: every op of the path is left
+            left = [p.idx for p in self._plan_all()]
+        self._taken = []
+        self._ready.clear()
+        self._plans.clear()
+        return len(left), (min(left) if left else None)
+
+
+def _calibrate_sleep(device: torch.device) -> float:
+    """GPU clock cycles per second of ``torch.cuda._sleep`` on this device."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
+
+

@@ -1,0 +1,193 @@
+"""The device data path: results equal the capture's fold bit for bit for every collective,
+member position and reduce op; the prefetch pool stages in trace order within its bound;
+checks catch a changed contribution; a program that stops early is told."""
+
+import threading
+
+import pytest
+import torch
+
+from nccl_ext import device_path as dpm
+from nccl_ext.device_path import DevicePath, _Ring, needed_pieces, result_of, word_sum
+from nccl_ext.ops import Collective, ReduceKind, compute
+from nccl_ext.replay_transport import RecordedOp
+
+KINDS = [Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER,
+         Collective.GATHER, Collective.ALL_TO_ALL, Collective.BROADCAST, Collective.SCATTER, Collective.BARRIER]
+
+
+def _contributions(kind: Collective, n: int, dtype, gen) -> list[list[torch.Tensor]]:
+    pieces = {Collective.REDUCE_SCATTER: 2 * n, Collective.ALL_TO_ALL: n, Collective.SCATTER: n,
+              Collective.GATHER: 1, Collective.BARRIER: 0}.get(kind, 2)
+    out = []
+    for _ in range(n):
+        ts = [(torch.randn(5, 300, generator=gen) * 1e3).to(dtype) for _ in range(pieces)]
+        out.append(ts)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [2, 5, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_result_matches_the_capture_fold_bit_for_bit(kind, n, dtype):
+    gen = torch.Generator().manual_seed(n)
+    contribs = _contributions(kind, n, dtype, gen)
+    reduces = [ReduceKind.SUM, ReduceKind.AVG, ReduceKind.MAX, ReduceKind.PRODUCT] \
+        if kind in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) else [None]
+    root = 1 if kind in (Collective.REDUCE, Collective.BROADCAST, Collective.GATHER, Collective.SCATTER) else None
+    for reduce in reduces:
+        expected = compute(kind, [c if kind is not Collective.BARRIER else None for c in contribs],
+                           reduce=reduce, root=root)
+        for me in sorted({0, 1, n // 2, n - 1}):
+            terms = {m: {i: contribs[m][i] for i in needed_pieces(kind, n, me, root, m, len(contribs[m]))}
+                     for m in range(n) if m != me}
+            if kind is Collective.REDUCE_SCATTER:
+                scratch = [torch.empty_like(contribs[me][i * n + me]) for i in range(len(contribs[me]) // n)]
+            elif kind is Collective.ALL_REDUCE or (kind is Collective.REDUCE and me == root):
+                scratch = [torch.empty_like(t) for t in contribs[me]]
+            else:
+                scratch = []
+            got = result_of(kind, n, me, root, contribs[me], terms, scratch, reduce)
+            assert len(got) == len(expected[me]), (kind, me)
+            for a, b in zip(got, expected[me]):
+                assert a.dtype == b.dtype and torch.equal(a, b), (kind, reduce, n, me)
+
+
+def test_only_needed_pieces_are_staged():
+    assert needed_pieces(Collective.ALL_TO_ALL, 4, 2, None, 0, 4) == [2]
+    assert needed_pieces(Collective.REDUCE_SCATTER, 4, 1, None, 3, 8) == [1, 5]
+    assert needed_pieces(Collective.BROADCAST, 4, 1, 2, 0, 3) == []
+    assert needed_pieces(Collective.BROADCAST, 4, 1, 2, 2, 3) == [0, 1, 2]
+    assert needed_pieces(Collective.REDUCE, 4, 1, 2, 0, 1) == []
+    assert needed_pieces(Collective.SCATTER, 4, 3, 0, 0, 4) == [3]
+
+
+def test_ring_is_fifo_and_bounded():
+    ring = _Ring(1000)
+    a, b = ring.alloc(400), ring.alloc(400)
+    assert a == (0, 400) and b == (400, 800)
+    assert ring.alloc(300) is None  # 200 left at the end, the start is taken
+    ring.release(a)
+    c = ring.alloc(300)
+    assert c == (0, 300)  # wrapped
+    assert ring.alloc(150) is None  # 100 left before b's start
+    assert ring.used() == 700
+    ring.release(b)
+    ring.release(c)
+    assert ring.used() == 0 and ring.alloc(1000) == (0, 1000)
+    with pytest.raises(ValueError):
+        ring.alloc(1001)
+
+
+@pytest.mark.parametrize("t", [torch.arange(10, dtype=torch.int32) * 7_000_000_000 // 7,
+                               torch.randn(7, dtype=torch.float32), torch.randn(5, dtype=torch.float32).bfloat16(),
+                               torch.tensor([True, False, True]), torch.full((9,), -1, dtype=torch.int8)])
+def test_word_sum_matches_the_device_side_sum(t):
+    w = dpm._words(t)
+    slot = torch.zeros((), dtype=torch.int32)
+    if w.dtype == torch.int32:
+        torch.sum(w, dim=0, dtype=torch.int32, out=slot)
+    else:
+        slot.copy_(w.to(torch.int64).sum())
+    assert int(slot) & 0xFFFFFFFF == word_sum(t)
+    changed = t.clone()
+    changed.view(-1)[0] = changed.view(-1)[1] if t.numel() > 1 and changed.view(-1)[0] != changed.view(-1)[1] else 0
+    if not torch.equal(changed, t):
+        assert word_sum(changed) != word_sum(t)
+
+
+class _Recording:
+    """Rank 0 (the sandbox) all-reduces a 1 KiB tensor with virtual rank 1, ``ops`` times."""
+
+    def __init__(self, ops: int, size: int = 256):
+        self.size = size
+        self.data = {(r, s): torch.full((size,), float(r * 1000 + s)) for r in (0, 1) for s in range(ops)}
+        self.ops = [(self._op(0, s), 0, s, -1, 0) for s in range(ops)]
+        self.reads = 0
+
+    def _op(self, rank, seq):
+        return RecordedOp(op="allreduce", unit=0, t_start=0.0, t_end=0.0, n_tensors=1, shapes=((self.size,),),
+                          dtypes=("float32",), idx=seq, kind="all_reduce")
+
+    def ops_of(self, rank):
+        return self.ops
+
+    def group_ranks(self, gid):
+        return (0, 1)
+
+    def folded(self, gid):
+        return False
+
+    def collective(self, rank, gid, seq):
+        return self._op(rank, seq)
+
+    def piece(self, rank, gid, seq, i):
+        self.reads += 1
+        return self.data[(rank, seq)]
+
+
+def _dp(rec, **kw) -> DevicePath:
+    return DevicePath(rank=0, sandbox=(0,), recording=rec, **kw)
+
+
+@pytest.mark.parametrize("mode", ["stream", "off", "preload"])
+def test_every_op_gets_its_own_data_in_order(mode):
+    rec = _Recording(40)
+    dp = _dp(rec, mode=mode, pool_bytes=4096)  # room for a few ops only (2 KiB each with scratch)
+    for s in range(40):
+        staged = dp.take(s, torch.device("cpu"), f"op {s}")
+        live = rec.data[(0, s)].clone()
+        dp.verify([live], staged.refs, ("allreduce", s))
+        out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
+        assert torch.equal(out[0], live + rec.data[(1, s)])
+    assert dp.flush() == []
+    assert dp.close() == (0, None)
+    st = dp.stats
+    assert st.staged_ops == 40 and st.checks == 40
+    if mode == "stream":
+        assert st.high_water_bytes <= st.pool_bytes and st.hits + st.stalls + st.in_flight == 40
+    if mode == "off":
+        assert st.stalls == 40
+    if mode == "preload":
+        assert st.hits == 40 and st.pool_bytes >= 40 * 2048
+
+
+def test_stream_mode_stages_ahead_but_never_beyond_the_pool():
+    rec = _Recording(30)
+    dp = _dp(rec, mode="stream", pool_bytes=8192)  # the ring holds 4 ops of 2 KiB
+    dp.take(0, torch.device("cpu"), "op 0")
+    deadline = threading.Event()
+    for _ in range(100):
+        if dp.stats.staged_ops >= 4:
+            break
+        deadline.wait(0.02)
+    assert dp.stats.staged_ops == 4  # ahead of the program, bounded by the pool
+    for s in range(1, 30):
+        dp.take(s, torch.device("cpu"), f"op {s}")
+    assert dp.close() == (0, None)
+    assert dp.stats.staged_ops == 30
+
+
+def test_a_changed_contribution_is_caught_at_the_flush():
+    rec = _Recording(3)
+    dp = _dp(rec, mode="stream")
+    for s in range(3):
+        staged = dp.take(s, torch.device("cpu"), f"op {s}")
+        live = rec.data[(0, s)].clone()
+        if s == 1:
+            live[3] += 1
+        dp.verify([live], staged.refs, ("allreduce", s))
+    assert dp.flush() == [("allreduce", 1)]
+    dp.close()
+
+
+def test_a_program_that_stops_early_is_told_and_out_of_order_ops_refused():
+    rec = _Recording(10)
+    dp = _dp(rec, mode="stream")
+    dp.take(0, torch.device("cpu"), "op 0")
+    dp.take(3, torch.device("cpu"), "op 3")  # ops 1-2 never entered: their space is given back
+    with pytest.raises(RuntimeError, match="not in the trace's order"):
+        dp.take(2, torch.device("cpu"), "op 2")
+    assert dp.close() == (6, 4)
+    never = _dp(_Recording(5), mode="off")
+    assert never.close() == (5, 0)
