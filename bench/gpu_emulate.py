@@ -3,10 +3,13 @@
     python bench/gpu_emulate.py [--jobs dense,moe] [--worlds 64,1024] [--oom-gib 0.25]
 
 Per job and world size: a folded capture (ranks context-switched on the one GPU through the
-coordinator), then emulation of one sandbox rank on the GPU with its virtual peers served over
-the host path; again with ``emulate.timing=none`` (no virtual peer ever late: the sandbox's own
-step); and once with ``cluster.gpu_memory_gib`` below the job's need, which must OOM. Prints
-losses vs the capture, step times, sandbox GPU peak memory and the predictions.
+coordinator), then emulation of one sandbox rank on the GPU (device data path: virtual peers' recorded data
+prefetched into a device pool, compensation folded there); again with ``emulate.timing=none``
+(no virtual peer ever late: the sandbox's own step) for each prefetch mode — ``stream`` (the
+default), ``off`` (data moved when each op is entered) and ``preload`` (everything on the
+device before the run: no virtual-peer data movement at all, the reference); and once with
+``cluster.gpu_memory_gib`` below the job's need, which must OOM. Prints losses vs the capture,
+step times, prefetch statistics, sandbox GPU peak memory and the predictions.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def steps(log_root: Path, rank: int) -> list[tuple[str, float]]:
     return []
 
 
-def job(name: str, world: int, work: Path, oom_gib: float | None) -> dict:
+def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[str]) -> dict:
     args, _ = JOBS[name]
     sandbox = world - 24 if name == "dense" else world - 8  # a last-stage, tensor-rank-0 rank that logs
     out = work / f"{name}-{world}"
@@ -64,21 +67,31 @@ def job(name: str, world: int, work: Path, oom_gib: float | None) -> dict:
     cap = run([*flags, "--log-dir", out / "cap", "mode=capture", RECIPE, *args], work)
     m = re.search(r"captured (.*?) in ([\d.]+)s", cap.stderr)
     res = {"job": name, "world": world, "sandbox": sandbox, "capture": m.group(0) if m else None}
-    run([*flags, "--log-dir", out / "emu", "mode=emulate", RECIPE, *args], work)
-    rep = json.loads((out / "trace" / "report" / "report.json").read_text())
-    me = rep["ranks"][str(sandbox)]
-    cap_steps, emu_steps = steps(out / "cap", sandbox), steps(out / "emu", sandbox)
-    res.update({
-        "losses_bit_identical": [a for a, _ in cap_steps] == [a for a, _ in emu_steps] and bool(cap_steps),
-        "emulated_step_ms": statistics.median(t for _, t in emu_steps[1:]) if len(emu_steps) > 1 else None,
-        "sandbox_peak_gib": (me.get("peak_memory_bytes") or 0) / 2**30,
-        "predicted_iteration_ms": rep["predicted"]["iteration_time_s"] * 1e3,
-        "divergences": len(me.get("divergences") or []),
-    })
-    run([*flags, "--log-dir", out / "none", "mode=emulate", "emulate.timing=none", f"report.dir={out / 'rep-none'}",
-         RECIPE, *args], work)
-    own = steps(out / "none", sandbox)
-    res["own_step_ms"] = statistics.median(t for _, t in own[1:]) if len(own) > 1 else None
+    cap_steps = steps(out / "cap", sandbox)
+
+    def emulate(tag: str, extra: list) -> dict:
+        run([*flags, "--log-dir", out / tag, "mode=emulate", f"report.dir={out / ('rep-' + tag)}", *extra,
+             RECIPE, *args], work)
+        rep = json.loads((out / f"rep-{tag}" / "report.json").read_text())
+        summary = json.loads((out / f"rep-{tag}" / "sandbox" / f"rank{sandbox}.json").read_text())
+        me = rep["ranks"][str(sandbox)]
+        got = steps(out / tag, sandbox)
+        return {
+            "losses_bit_identical": [a for a, _ in cap_steps] == [a for a, _ in got] and bool(cap_steps),
+            "step_ms": statistics.median(t for _, t in got[1:]) if len(got) > 1 else None,
+            "steps_ms": [t for _, t in got],
+            "sandbox_peak_gib": (me.get("peak_memory_bytes") or 0) / 2**30,
+            "predicted_iteration_ms": rep["predicted"]["iteration_time_s"] * 1e3,
+            "divergences": len(me.get("divergences") or []),
+            "prefetch": summary.get("prefetch"),
+        }
+
+    res["emulate"] = emulate("emu", [])
+    for mode in modes:  # no virtual lateness: the sandbox's own step with each way of moving virtual data
+        res[f"none-{mode}"] = emulate(f"none-{mode}", ["emulate.timing=none", f"emulate.prefetch.mode={mode}"])
+    if "preload" in modes:
+        base = res["none-preload"]["step_ms"]
+        res["step_vs_preload"] = {mode: round(res[f"none-{mode}"]["step_ms"] / base, 4) for mode in modes}
     if oom_gib:
         r = run([*flags, "--log-dir", out / "oom", "mode=emulate", f"cluster.gpu_memory_gib={oom_gib}",
                  f"report.dir={out / 'rep-oom'}", RECIPE, *args], work, ok=False)
@@ -94,12 +107,15 @@ def main() -> None:
     ap.add_argument("--jobs", default="dense,moe")
     ap.add_argument("--worlds", default="64,1024")
     ap.add_argument("--oom-gib", type=float, default=0.25)
+    ap.add_argument("--modes", default="stream,off,preload", help="prefetch modes timed with emulate.timing=none")
+    ap.add_argument("--oom-at", type=int, default=None, help="world size of the OOM run (default: the largest)")
     ap.add_argument("--out", default=None, help="append each result as a JSON line here")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="prism-gpu-"))
     for name in a.jobs.split(","):
         for world in (int(w) for w in a.worlds.split(",")):
-            res = job(name, world, work, a.oom_gib if world == max(int(w) for w in a.worlds.split(",")) else None)
+            oom_at = a.oom_at if a.oom_at is not None else max(int(w) for w in a.worlds.split(","))
+            res = job(name, world, work, a.oom_gib if world == oom_at else None, [m for m in a.modes.split(",") if m])
             print(json.dumps(res), flush=True)
             if a.out:
                 with open(a.out, "a") as f:

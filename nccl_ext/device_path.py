@@ -42,6 +42,8 @@ from nccl_ext import wire
 from nccl_ext.ops import Collective, ReduceKind, contributors, fold
 
 _ALIGN = 256
+_CHUNK_WORDS = 1 << 21
+"""Host-side copies and sums are split into pieces of this many 32-bit words (8 MiB)."""
 _CHECK_SLOTS = 4096
 
 
@@ -145,6 +147,8 @@ def word_sum(t: torch.Tensor) -> int:
         return 0
     import numpy as np  # sums outside torch's allocator (the hook charges the program for those)
 
+    if w.dtype == torch.int32:  # wrapping 32-bit adds: the same value mod 2**32, no widening pass
+        return int(w.numpy().view(np.uint32).sum(dtype=np.uint32))
     return int(w.numpy().sum(dtype=np.int64)) & 0xFFFFFFFF
 
 
@@ -218,6 +222,11 @@ class _Plan:
         return n
 
 
+def _chunks(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    step = max(1, (_CHUNK_WORDS * 4) // max(1, dst.element_size()))
+    return [(dst[s:s + step], src[s:s + step]) for s in range(0, dst.numel(), step)]
+
+
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -276,7 +285,7 @@ class DevicePath:
 
     def __init__(self, *, rank: int, sandbox: tuple[int, ...], recording, mode: str = PrefetchMode.STREAM,
                  pool_bytes: int = 512 << 20, check: bool = True, timeout_s: float = 300.0,
-                 read_lock: threading.Lock | None = None):
+                 read_lock: threading.Lock | None = None, device_kind: str = "cpu", workers: int = 4):
         if mode not in PrefetchMode.ALL:
             raise ValueError(f"emulate.prefetch.mode must be one of {PrefetchMode.ALL} (got {mode!r})")
         self.rank = rank
@@ -288,8 +297,12 @@ class DevicePath:
         self.timeout_s = timeout_s
         self.stats = PrefetchStats(mode=mode)
         self.device: torch.device | None = None
+        """Where the pool lives: the current CUDA device of a ``device_kind="cuda"`` sandbox (set
+        when its first op arrives, after the program chose its device), else host memory."""
+        self.device_kind = device_kind
         self._cuda = False
         self._pool: torch.Tensor | None = None
+        self._mirror: torch.Tensor | None = None
         self._ring: _Ring | None = None
         self._plans: deque[_Plan] = deque()
         self._ready: deque[StagedOp] = deque()
@@ -305,6 +318,8 @@ class DevicePath:
         self._checks: list[tuple[int, object]] = []
         self._bad: list[object] = []
         self._cycles_per_s: float | None = None
+        self._workers = max(1, int(workers))
+        self._executor = None
 
     @property
     def on_device(self) -> bool:
@@ -347,6 +362,8 @@ class DevicePath:
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, (limit + capacity) / total), self.device)
             self._pool = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            if self.mode != PrefetchMode.OFF:  # the pool's image in pinned host memory (DMA source)
+                self._mirror = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
         else:
             self._pool = wire.untracked_empty((capacity,), torch.uint8)
         _POOL_BYTES[str(self.device if self._cuda else torch.device("cpu"))] = capacity
@@ -375,8 +392,9 @@ class DevicePath:
             sent = rec.sent(gid, src, dst, tag, seq)
             if sent is None:
                 return None
-            sop, load = sent
-            item = _Item(tuple(sop.shapes[0]), wire.dtype_from_name(sop.dtypes[0]), load)
+            sop = sent[0]
+            item = _Item(tuple(sop.shapes[0]), wire.dtype_from_name(sop.dtypes[0]),
+                         lambda: rec.payload(gid, src, dst, tag, seq))
             if op.kind == "recv":
                 return _Plan(op.idx, {}, [item], [], [])
             return _Plan(op.idx, {}, [], [], [item] if self.check else [])
@@ -448,36 +466,39 @@ class DevicePath:
             if span is None:
                 raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
         pos = span[0]
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
-        def carve(shape, dtype) -> torch.Tensor:
+        def carve(shape, dtype) -> tuple[torch.Tensor, int]:
             nonlocal pos
             nbytes = _numel(shape) * dtype.itemsize
+            at = pos
             view = self._pool[pos:pos + nbytes].view(dtype).reshape(shape) if nbytes else \
                 torch.empty(shape, dtype=dtype, device=self._pool.device)
             pos += _aligned(nbytes)
-            return view
+            return view, at
 
         def put(item: _Item) -> torch.Tensor:
-            dst = carve(item.shape, item.dtype)
+            dst, at = carve(item.shape, item.dtype)
             if item.nbytes:
-                copies.append((dst, item.load()))
+                copies.append((dst, at, item.load()))
             return dst
 
         with self._read_lock:
-            refs = [word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
-            staged = StagedOp(
+            refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
+            staged = StagedOp(  # staged pieces first, scratch last: one copy covers the staged bytes
                 idx=plan.idx, nbytes=plan.nbytes, span=span, refs=refs,
                 terms={m: {i: put(t) for i, t in ps.items()} for m, ps in plan.terms.items()},
                 result=[put(t) for t in plan.result],
-                scratch=[carve(s, d) for s, d in plan.scratch],
             )
-            self._copy(copies, on_side, released or [])
-        if self._cuda and on_side:
-            staged.ready = torch.cuda.Event()
-            staged.ready.record(self._side)
+            end = pos
+            staged.scratch = [carve(s, d)[0] for s, d in plan.scratch]
+            if self._cuda and on_side:
+                staged.ready = self._upload(span[0], end, copies, released or [])
+            else:  # host memory, or prefetch off (the op's stream moves the data now)
+                for dst, _, host in copies:
+                    dst.copy_(host)
         self.stats.staged_ops += 1
-        self.stats.staged_bytes += sum(h.nbytes for _, h in copies)
+        self.stats.staged_bytes += sum(h.nbytes for _, _, h in copies)
         with self._cond:
             self.stats.high_water_bytes = max(self.stats.high_water_bytes, self._ring.used())
             if on_side and self.mode != PrefetchMode.OFF:
@@ -485,28 +506,48 @@ class DevicePath:
                 self._cond.notify_all()
         return staged
 
-    def _copy(self, copies, on_side: bool, released: list) -> None:
-        if not self._cuda:
-            for dst, host in copies:
-                dst.copy_(host)
-            return
-        if not on_side:  # prefetch off: the op's stream moves the data when the op needs it
-            for dst, host in copies:
-                dst.copy_(host)
-            return
+    def _upload(self, start: int, end: int, copies, released: list):
+        """Fill the pinned mirror of ``[start, end)`` of the pool on the helper threads and move
+        it with one asynchronous copy on the side stream; returns the copy's event. Memory the
+        ring hands out again is written once the op's stream is done reading it."""
+        for event in released:
+            event.synchronize()
+        work = []
+        for _, at, host in copies:
+            src = host.reshape(-1)
+            src = (src if src.is_contiguous() else src.contiguous()).view(torch.uint8)
+            work += _chunks(self._mirror[at:at + src.numel()], src)
+        self._parallel(work, lambda a, b: a.copy_(b))
         with torch.cuda.stream(self._side):
-            for event in released:  # the ring reuses memory the op's stream may still read
-                self._side.wait_event(event)
-            for dst, host in copies:
-                pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-                pinned.copy_(host)
-                dst.copy_(pinned, non_blocking=True)
+            if end > start:
+                self._pool[start:end].copy_(self._mirror[start:end], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._side)
+        return ready
+
+    def _parallel(self, work: list, fn) -> list:
+        """``fn`` over ``work`` on the stager's helper threads (copies and sums release the GIL)."""
+        if len(work) <= 1 or self._workers <= 1:
+            return [fn(*w) for w in work]
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix=f"prism-prefetch-{self.rank}")
+        return list(self._executor.map(lambda w: fn(*w), work))
+
+    def _word_sum(self, t: torch.Tensor) -> int:
+        w = _words(t)
+        if w.dtype != torch.int32 or w.numel() < 2 * _CHUNK_WORDS:
+            return word_sum(t)
+        parts = [(w[s:s + _CHUNK_WORDS],) for s in range(0, w.numel(), _CHUNK_WORDS)]
+        return sum(self._parallel(parts, word_sum)) & 0xFFFFFFFF
 
     # -- the op's side ------------------------------------------------------------------------
-    def take(self, idx: int, device: torch.device, what: str) -> StagedOp:
+    def take(self, idx: int, what: str) -> StagedOp:
         """The staged data of op ``idx`` (the rank's event index), on the op's stream."""
         if self.device is None:
-            self._start(device)
+            cuda = self.device_kind == "cuda" and torch.cuda.is_available()
+            self._start(torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         self._release_taken()
         if self.mode == PrefetchMode.OFF:
             while self._plans and self._plans[0].idx < idx:
@@ -528,6 +569,8 @@ class DevicePath:
                 while self._ready and self._ready[0].idx < idx:  # ops the program skipped
                     skipped = self._ready.popleft()
                     self._ring.release(skipped.span)
+                    if skipped.ready is not None:  # its copy may still run: reuse waits for it
+                        self._released.append(skipped.ready)
                 if self._ready:
                     break
                 if self._error is not None:
@@ -571,6 +614,21 @@ class DevicePath:
             self._released.extend(events)
             self._cond.notify_all()
 
+    def on(self, staged: StagedOp, device: torch.device) -> StagedOp:
+        """``staged`` with its tensors on ``device`` — for an op on host tensors while the pool is
+        on the GPU (megatron's object collectives): copied out, so the host fold is the same."""
+        if device == self.device:
+            return staged
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            c = wire.untracked_empty(t.shape, t.dtype) if device.type == "cpu" else torch.empty_like(t, device=device)
+            c.copy_(t)
+            return c
+
+        return StagedOp(idx=staged.idx, nbytes=staged.nbytes, span=staged.span, refs=staged.refs,
+                        terms={m: {i: out(t) for i, t in ps.items()} for m, ps in staged.terms.items()},
+                        result=[out(t) for t in staged.result], scratch=[out(t) for t in staged.scratch])
+
     def finish(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
         """Results as the caller may keep them: views of the pool on a device (written into the
         program's tensors before the space is reused); copies on CPU, where completion may be
@@ -593,7 +651,10 @@ class DevicePath:
             if len(self._checks) == _CHECK_SLOTS:
                 self._flush_pending()
             slot = self._slots[len(self._checks)]
-            if w.dtype == torch.int32:
+            if w.device != slot.device:  # an op on host tensors while the pool is on the GPU
+                v = word_sum(t)
+                slot.fill_(v - (1 << 32) if v >= 1 << 31 else v)
+            elif w.dtype == torch.int32:
                 torch.sum(w, dim=0, dtype=torch.int32, out=slot)
             else:
                 slot.copy_(w.to(torch.int64).sum())
@@ -633,6 +694,9 @@ class DevicePath:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         left = [s.idx for s in self._ready] + [p.idx for p in self._plans]
         if self.device is None:  # never started: every op of the path is left
             left = [p.idx for p in self._plan_all()]

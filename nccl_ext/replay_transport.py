@@ -114,6 +114,10 @@ class Recording(Protocol):
 
     def result_piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor: ...
 
+    def payload(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> torch.Tensor:
+        """A recorded send's payload."""
+        ...
+
 
 @dataclass(slots=True)
 class ReplayStats:
@@ -320,7 +324,9 @@ class ReplayTransport:
         me = group.group_rank(self.rank)
         folded = self.recording.folded(gid)
         live = [t.detach() for t in call.tensors] if call.tensors is not None else None
-        staged = dp.take(own.idx, live[0].device if live else _default_device(dp), what)
+        staged = dp.take(own.idx, what)
+        if live:
+            staged = dp.on(staged, live[0].device)
         if live is not None and me in contributors(call.kind, group.size, call.root):
             shapes = [tuple(t.shape) for t in live]
             if shapes != [tuple(s) for s in own.shapes]:
@@ -463,7 +469,7 @@ class ReplayTransport:
         delay = 0.0 if self.timing == "none" else max(0.0, rec_send.t_start - own.t_start) * self.time_scale
         if self.device_path is not None:
             dp = self.device_path
-            staged = dp.take(own.idx, like.device, what)
+            staged = dp.on(dp.take(own.idx, what), like.device)
             if dp.on_device:
                 dp.delay(delay)
                 pending.complete([staged.result[0]])
@@ -487,7 +493,7 @@ class ReplayTransport:
         live = tensor.detach()
         if tuple(live.shape) != tuple(rec[0].shapes[0]):
             raise DivergenceError(f"{what}: shape {tuple(live.shape)} differs from the recorded {tuple(rec[0].shapes[0])}")
-        staged = self.device_path.take(rec[0].idx, live.device, what)
+        staged = self.device_path.take(rec[0].idx, what)
         if self.check:
             self.device_path.verify([live], staged.refs, ("send", group, seq))
         return Pending.done("send")
@@ -554,14 +560,6 @@ class ReplayTransport:
             "prefetch": self.device_path.stats.as_dict() if self.device_path is not None else None,
         }, indent=1))
         self.summary_path = None
-
-
-def _default_device(dp: DevicePath) -> torch.device:
-    """Where an op without tensors (a barrier) runs: the device the path already uses, else the
-    current CUDA device when there is one."""
-    if dp.device is not None:
-        return dp.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,8 @@ class PrefetchConfig:
     mode: PrefetchMode = PrefetchMode.stream
     pool_mib: int = 512
     """Device pool size (raised to twice the largest op when that does not fit)."""
+    threads: int = 4
+    """Host threads copying recorded data into pinned memory and summing it for checks."""
 
 
 @dataclass(kw_only=True, slots=True)

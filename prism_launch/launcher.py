@@ -451,6 +451,7 @@ class Launcher:
             "PRISM_DATA_PATH": self.data_path(),
             "PRISM_PREFETCH": str(self.cfg.emulate.prefetch.mode),
             "PRISM_POOL_MIB": str(self.cfg.emulate.prefetch.pool_mib),
+            "PRISM_PREFETCH_THREADS": str(self.cfg.emulate.prefetch.threads),
         }
         enforce = self.cfg.memory.enforce_limit
         if enforce is None:

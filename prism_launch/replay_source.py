@@ -102,8 +102,12 @@ class TraceRecording:
         return self.fold is not None and self._map(group_id) is not None
 
     def piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor:
-        """Piece ``i`` of ``rank``'s recorded contribution (read on its own)."""
-        return self.reader.tensor(self._source(rank, group_id), f"c/{group_id}/{seq}/{i}")
+        """Piece ``i`` of ``rank``'s recorded contribution, as a view of the trace file's pages."""
+        return self.reader.tensor_view(self._source(rank, group_id), f"c/{group_id}/{seq}/{i}")
+
+    def payload(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> torch.Tensor:
+        """A recorded send's payload, as a view of the trace file's pages."""
+        return self.reader.tensor_view(src, self._sent[(group_id, src, dst, tag, seq)][1])
 
     def result_meta(self, rank: int, group_id: int, seq: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of a folded collective's recorded result for ``rank`` (nothing read)."""
@@ -114,7 +118,7 @@ class TraceRecording:
         return out
 
     def result_piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor:
-        return self.reader.tensor(rank, f"r/{group_id}/{seq}/{i}")
+        return self.reader.tensor_view(rank, f"r/{group_id}/{seq}/{i}")
 
     def result(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
         """A folded collective's recorded result for captured ``rank``."""

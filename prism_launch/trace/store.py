@@ -847,6 +847,7 @@ class TraceReader:
         self._sorted_events: pa.Table | None = None
         self._handles: dict[int, Any] = {}
         self._keys: dict[int, frozenset[str]] = {}
+        self._views: dict[int, tuple[torch.Tensor, dict] | None] = {}
 
     def __repr__(self) -> str:
         return f"TraceReader({str(self.path)!r}, world_size={self.manifest.world_size})"
@@ -976,6 +977,48 @@ class TraceReader:
             raise TraceCorruptError(
                 self.path, tensor_file_name(rank), None, None, reason=f"cannot read tensor {key!r}: {e}"
             ) from e
+
+    def tensor_view(self, rank: int, key: str) -> torch.Tensor:
+        """Tensor ``key`` of ``rank`` as a view of the file's pages (copy-on-write mapping; no
+        read until used), for readers that copy it elsewhere anyway (the device data path's
+        prefetcher); a copy when the tensor's bytes are not aligned for its dtype."""
+        rank = int(rank)
+        layout = self._layout(rank)
+        entry = layout[1].get(key) if layout is not None else None
+        if entry is None:
+            return self.tensor(rank, key)
+        buf, _ = layout
+        dtype, shape, (begin, end) = entry
+        if begin % dtype.itemsize:
+            return self.tensor(rank, key)
+        flat = buf[begin:end]
+        return flat.view(dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
+
+    def _layout(self, rank: int) -> tuple[torch.Tensor, dict] | None:
+        """The rank's safetensors file mapped into memory and its header: key -> (dtype, shape,
+        byte range from the start of the mapping)."""
+        import mmap
+
+        with self._lock:
+            hit = self._views.get(rank, False)
+            if hit is not False:
+                return hit
+            rel = tensor_file_name(rank)
+            layout = None
+            if rel in self.manifest.files:
+                with open(self.path / rel, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size:
+                        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                        (n,) = __import__("struct").unpack("<Q", mm[:8])
+                        header = json.loads(mm[8:8 + n])
+                        buf = torch.frombuffer(mm, dtype=torch.uint8)
+                        base = 8 + n
+                        layout = (buf, {k: (_SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]),
+                                            (base + v["data_offsets"][0], base + v["data_offsets"][1]))
+                                        for k, v in header.items() if k != "__metadata__"})
+            self._views[rank] = layout
+            return layout
 
     def tensor_meta(self, rank: int, key: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of tensor ``key`` of ``rank``, without reading its data."""

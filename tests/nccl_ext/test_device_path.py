@@ -135,7 +135,7 @@ def test_every_op_gets_its_own_data_in_order(mode):
     rec = _Recording(40)
     dp = _dp(rec, mode=mode, pool_bytes=4096)  # room for a few ops only (2 KiB each with scratch)
     for s in range(40):
-        staged = dp.take(s, torch.device("cpu"), f"op {s}")
+        staged = dp.take(s, f"op {s}")
         live = rec.data[(0, s)].clone()
         dp.verify([live], staged.refs, ("allreduce", s))
         out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
@@ -155,7 +155,7 @@ def test_every_op_gets_its_own_data_in_order(mode):
 def test_stream_mode_stages_ahead_but_never_beyond_the_pool():
     rec = _Recording(30)
     dp = _dp(rec, mode="stream", pool_bytes=8192)  # the ring holds 4 ops of 2 KiB
-    dp.take(0, torch.device("cpu"), "op 0")
+    dp.take(0, "op 0")
     deadline = threading.Event()
     for _ in range(100):
         if dp.stats.staged_ops >= 4:
@@ -163,7 +163,7 @@ def test_stream_mode_stages_ahead_but_never_beyond_the_pool():
         deadline.wait(0.02)
     assert dp.stats.staged_ops == 4  # ahead of the program, bounded by the pool
     for s in range(1, 30):
-        dp.take(s, torch.device("cpu"), f"op {s}")
+        dp.take(s, f"op {s}")
     assert dp.close() == (0, None)
     assert dp.stats.staged_ops == 30
 
@@ -172,7 +172,7 @@ def test_a_changed_contribution_is_caught_at_the_flush():
     rec = _Recording(3)
     dp = _dp(rec, mode="stream")
     for s in range(3):
-        staged = dp.take(s, torch.device("cpu"), f"op {s}")
+        staged = dp.take(s, f"op {s}")
         live = rec.data[(0, s)].clone()
         if s == 1:
             live[3] += 1
@@ -184,10 +184,20 @@ def test_a_changed_contribution_is_caught_at_the_flush():
 def test_a_program_that_stops_early_is_told_and_out_of_order_ops_refused():
     rec = _Recording(10)
     dp = _dp(rec, mode="stream")
-    dp.take(0, torch.device("cpu"), "op 0")
-    dp.take(3, torch.device("cpu"), "op 3")  # ops 1-2 never entered: their space is given back
+    dp.take(0, "op 0")
+    dp.take(3, "op 3")  # ops 1-2 never entered: their space is given back
     with pytest.raises(RuntimeError, match="not in the trace's order"):
-        dp.take(2, torch.device("cpu"), "op 2")
+        dp.take(2, "op 2")
     assert dp.close() == (6, 4)
     never = _dp(_Recording(5), mode="off")
     assert never.close() == (5, 0)
+
+
+def test_chunked_parallel_word_sum_equals_the_plain_one():
+    dp = _dp(_Recording(1), workers=3)
+    t = torch.randn(5 * dpm._CHUNK_WORDS + 7)
+    assert dp._word_sum(t) == word_sum(t)
+    dst = torch.empty_like(t)
+    dp._parallel(dpm._chunks(dst, t), lambda a, b: a.copy_(b))
+    assert torch.equal(dst, t)
+    dp.close()
