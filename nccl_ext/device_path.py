@@ -166,6 +166,8 @@ class PrefetchStats:
     """Ops the stager had not reached when entered: the host waited."""
     stall_s: float = 0.0
     high_water_bytes: int = 0
+    registered_bytes: int = 0
+    """Trace file pages registered with the driver (page-locked) for direct DMA."""
     checks: int = 0
     check_flushes: int = 0
     delayed_s: float = 0.0
@@ -285,7 +287,8 @@ class DevicePath:
 
     def __init__(self, *, rank: int, sandbox: tuple[int, ...], recording, mode: str = PrefetchMode.STREAM,
                  pool_bytes: int = 512 << 20, check: bool = True, timeout_s: float = 300.0,
-                 read_lock: threading.Lock | None = None, device_kind: str = "cpu", workers: int = 4):
+                 read_lock: threading.Lock | None = None, device_kind: str = "cpu", workers: int = 4,
+                 register_host: bool = True):
         if mode not in PrefetchMode.ALL:
             raise ValueError(f"emulate.prefetch.mode must be one of {PrefetchMode.ALL} (got {mode!r})")
         self.rank = rank
@@ -319,6 +322,9 @@ class DevicePath:
         self._bad: list[object] = []
         self._cycles_per_s: float | None = None
         self._workers = max(1, int(workers))
+        self._pinned: dict[int, bool] = {}
+        self._register = register_host
+        """Register mapped trace files with the driver for direct DMA (else copy via the mirror)."""
         self._executor = None
 
     @property
@@ -362,8 +368,6 @@ class DevicePath:
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, (limit + capacity) / total), self.device)
             self._pool = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-            if self.mode != PrefetchMode.OFF:  # the pool's image in pinned host memory (DMA source)
-                self._mirror = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
         else:
             self._pool = wire.untracked_empty((capacity,), torch.uint8)
         _POOL_BYTES[str(self.device if self._cuda else torch.device("cpu"))] = capacity
@@ -439,6 +443,8 @@ class DevicePath:
     # -- staging (stager thread, or the op's own thread when prefetch is off) -------------------
     def _run(self) -> None:
         try:
+            if self._cuda:
+                torch.cuda.set_device(self.device)
             while True:
                 with self._cond:
                     if self._closed or not self._plans:
@@ -512,6 +518,15 @@ class DevicePath:
         ring hands out again is written once the op's stream is done reading it."""
         for event in released:
             event.synchronize()
+        if all(self._registered(host) for _, _, host in copies):
+            with torch.cuda.stream(self._side):  # DMA straight from the trace file's pages
+                for dst, _, host in copies:
+                    dst.copy_(host, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._side)
+            return ready
+        if self._mirror is None:
+            self._mirror = torch.empty(self._pool.numel(), dtype=torch.uint8, pin_memory=True)
         work = []
         for _, at, host in copies:
             src = host.reshape(-1)
@@ -524,6 +539,27 @@ class DevicePath:
             ready = torch.cuda.Event()
             ready.record(self._side)
         return ready
+
+    def _registered(self, host: torch.Tensor) -> bool:
+        """Whether ``host`` lies in page-locked memory the GPU can read directly: the mapping of a
+        trace file, registered read-only with the driver the first time it is seen (the pages
+        are the page cache's; nothing is copied). False when the driver refuses (the pinned
+        mirror is used then)."""
+        storage = host.untyped_storage()
+        base = storage.data_ptr()
+        hit = self._pinned.get(base)
+        if hit is None:
+            hit = False
+            if self._register and storage.nbytes() >= 1 << 20:
+                rc = torch.cuda.cudart().cudaHostRegister(base, storage.nbytes(), 8)  # cudaHostRegisterReadOnly
+                hit = int(rc) == 0
+                if not hit:
+                    self._register = False  # one refusal: the driver or kernel does not allow it here
+                    torch.cuda.cudart().cudaGetLastError()
+                else:
+                    self.stats.registered_bytes += storage.nbytes()
+            self._pinned[base] = hit
+        return hit
 
     def _parallel(self, work: list, fn) -> list:
         """``fn`` over ``work`` on the stager's helper threads (copies and sums release the GIL)."""
