@@ -166,8 +166,8 @@ class PrefetchStats:
     """Ops the stager had not reached when entered: the host waited."""
     stall_s: float = 0.0
     high_water_bytes: int = 0
-    registered_bytes: int = 0
-    """Trace file pages registered with the driver (page-locked) for direct DMA."""
+    host_tier_bytes: int = 0
+    """Pinned host memory holding the run's staged data, filled ahead by the loader."""
     checks: int = 0
     check_flushes: int = 0
     delayed_s: float = 0.0
@@ -215,6 +215,18 @@ class _Plan:
     scratch: list[tuple[tuple[int, ...], torch.dtype]]
     own: list[_Item]
     """This rank's recorded pieces: only their word sums are kept."""
+    tier_at: int = -1
+    """Offset of this op's staged pieces in the pinned host tier (-1: not in it)."""
+    refs: list[int] | None = None
+    """Word sums of ``own``, once the host tier's loader computed them."""
+
+    def items(self) -> list[_Item]:
+        """The pieces to stage, in the order they are laid out (pool and host tier alike)."""
+        return [t for ts in self.terms.values() for t in ts.values()] + list(self.result)
+
+    @property
+    def staged_nbytes(self) -> int:
+        return sum(_aligned(t.nbytes) for t in self.items())
 
     @property
     def nbytes(self) -> int:
@@ -288,7 +300,7 @@ class DevicePath:
     def __init__(self, *, rank: int, sandbox: tuple[int, ...], recording, mode: str = PrefetchMode.STREAM,
                  pool_bytes: int = 512 << 20, check: bool = True, timeout_s: float = 300.0,
                  read_lock: threading.Lock | None = None, device_kind: str = "cpu", workers: int = 4,
-                 register_host: bool = True):
+                 host_tier_bytes: int = 16 << 30, tier_on_host: bool = False):
         if mode not in PrefetchMode.ALL:
             raise ValueError(f"emulate.prefetch.mode must be one of {PrefetchMode.ALL} (got {mode!r})")
         self.rank = rank
@@ -306,6 +318,14 @@ class DevicePath:
         self._cuda = False
         self._pool: torch.Tensor | None = None
         self._mirror: torch.Tensor | None = None
+        self._tier: torch.Tensor | None = None
+        self._loader: threading.Thread | None = None
+        self._loaded = 0
+        self.host_tier_bytes = int(host_tier_bytes)
+        self._tier_on_host = tier_on_host
+        """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
+        """Largest pinned host tier (the run's staged data) to fill ahead; beyond it each op is
+        copied through a pinned mirror of the pool when staged."""
         self._ring: _Ring | None = None
         self._plans: deque[_Plan] = deque()
         self._ready: deque[StagedOp] = deque()
@@ -322,9 +342,6 @@ class DevicePath:
         self._bad: list[object] = []
         self._cycles_per_s: float | None = None
         self._workers = max(1, int(workers))
-        self._pinned: dict[int, bool] = {}
-        self._register = register_host
-        """Register mapped trace files with the driver for direct DMA (else copy via the mirror)."""
         self._executor = None
 
     @property
@@ -350,6 +367,9 @@ class DevicePath:
         self._plans = deque(plans)
         if self._cuda:
             self._side = torch.cuda.Stream(device)
+        staged = sum(p.staged_nbytes for p in plans)
+        if (self._cuda or self._tier_on_host) and self.mode != PrefetchMode.OFF and 0 < staged <= self.host_tier_bytes:
+            self._start_tier(plans, staged)
         if self.mode == PrefetchMode.PRELOAD:
             while self._plans:
                 self._stage(self._plans.popleft(), on_side=True)
@@ -358,6 +378,53 @@ class DevicePath:
         elif self.mode == PrefetchMode.STREAM:
             self._thread = threading.Thread(target=self._run, name=f"prism-prefetch-{self.rank}", daemon=True)
             self._thread.start()
+
+    def _start_tier(self, plans: list[_Plan], nbytes: int) -> None:
+        """The host tier: every op's staged pieces in one pinned buffer, filled in the trace's
+        order by a loader thread that runs as far ahead as host memory bandwidth allows (it is
+        not bound by the device pool), so staging an op is one DMA and never a host copy."""
+        self._tier = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self._cuda else \
+            wire.untracked_empty((nbytes,), torch.uint8)
+        at = 0
+        for p in plans:
+            p.tier_at = at
+            at += p.staged_nbytes
+        self.stats.host_tier_bytes = nbytes
+        self._loader = threading.Thread(target=self._load_tier, args=(list(plans),),
+                                        name=f"prism-prefetch-load-{self.rank}", daemon=True)
+        self._loader.start()
+
+    def _load_tier(self, plans: list[_Plan]) -> None:
+        try:
+            for i, plan in enumerate(plans):
+                if self._closed:
+                    return
+                work, at = [], plan.tier_at
+                with self._read_lock:
+                    for item in plan.items():
+                        if item.nbytes:
+                            src = item.load().reshape(-1)
+                            src = (src if src.is_contiguous() else src.contiguous()).view(torch.uint8)
+                            work += _chunks(self._tier[at:at + src.numel()], src)
+                        at += _aligned(item.nbytes)
+                    refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
+                self._parallel(work, lambda a, b: a.copy_(b))
+                plan.refs = refs
+                with self._cond:
+                    self._loaded = i + 1
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - surfaced by take()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _wait_loaded(self, plan: _Plan) -> None:
+        with self._cond:
+            while plan.refs is None:
+                if self._error is not None or self._closed:
+                    raise RuntimeError(f"rank {self.rank}: loading op #{plan.idx} into the host tier failed: "
+                                       f"{self._error}")
+                self._cond.wait(0.05)
 
     def _allocate(self, capacity: int) -> None:
         """The pool, outside what the program is charged for; a memory cap of the target GPU
@@ -489,8 +556,14 @@ class DevicePath:
                 copies.append((dst, at, item.load()))
             return dst
 
+        tiered = self._tier is not None and plan.tier_at >= 0 and on_side
+        if tiered:
+            self._wait_loaded(plan)
         with self._read_lock:
-            refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
+            if tiered:
+                refs = plan.refs
+            else:
+                refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
             staged = StagedOp(  # staged pieces first, scratch last: one copy covers the staged bytes
                 idx=plan.idx, nbytes=plan.nbytes, span=span, refs=refs,
                 terms={m: {i: put(t) for i, t in ps.items()} for m, ps in plan.terms.items()},
@@ -498,7 +571,9 @@ class DevicePath:
             )
             end = pos
             staged.scratch = [carve(s, d)[0] for s, d in plan.scratch]
-            if self._cuda and on_side:
+            if tiered:
+                staged.ready = self._from_tier(plan, span[0], end, released or [])
+            elif self._cuda and on_side:
                 staged.ready = self._upload(span[0], end, copies, released or [])
             else:  # host memory, or prefetch off (the op's stream moves the data now)
                 for dst, _, host in copies:
@@ -512,19 +587,27 @@ class DevicePath:
                 self._cond.notify_all()
         return staged
 
+    def _from_tier(self, plan: _Plan, start: int, end: int, released: list):
+        """One DMA from the op's loaded bytes in the host tier into its pool space, on the side
+        stream once the op's stream is done with whatever the space held before."""
+        if not self._cuda:
+            self._pool[start:end].copy_(self._tier[plan.tier_at:plan.tier_at + end - start])
+            return None
+        with torch.cuda.stream(self._side):
+            for event in released:
+                self._side.wait_event(event)
+            if end > start:
+                self._pool[start:end].copy_(self._tier[plan.tier_at:plan.tier_at + end - start], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._side)
+        return ready
+
     def _upload(self, start: int, end: int, copies, released: list):
         """Fill the pinned mirror of ``[start, end)`` of the pool on the helper threads and move
         it with one asynchronous copy on the side stream; returns the copy's event. Memory the
         ring hands out again is written once the op's stream is done reading it."""
         for event in released:
             event.synchronize()
-        if all(self._registered(host) for _, _, host in copies):
-            with torch.cuda.stream(self._side):  # DMA straight from the trace file's pages
-                for dst, _, host in copies:
-                    dst.copy_(host, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self._side)
-            return ready
         if self._mirror is None:
             self._mirror = torch.empty(self._pool.numel(), dtype=torch.uint8, pin_memory=True)
         work = []
@@ -539,27 +622,6 @@ class DevicePath:
             ready = torch.cuda.Event()
             ready.record(self._side)
         return ready
-
-    def _registered(self, host: torch.Tensor) -> bool:
-        """Whether ``host`` lies in page-locked memory the GPU can read directly: the mapping of a
-        trace file, registered read-only with the driver the first time it is seen (the pages
-        are the page cache's; nothing is copied). False when the driver refuses (the pinned
-        mirror is used then)."""
-        storage = host.untyped_storage()
-        base = storage.data_ptr()
-        hit = self._pinned.get(base)
-        if hit is None:
-            hit = False
-            if self._register and storage.nbytes() >= 1 << 20:
-                rc = torch.cuda.cudart().cudaHostRegister(base, storage.nbytes(), 8)  # cudaHostRegisterReadOnly
-                hit = int(rc) == 0
-                if not hit:
-                    self._register = False  # one refusal: the driver or kernel does not allow it here
-                    torch.cuda.cudart().cudaGetLastError()
-                else:
-                    self.stats.registered_bytes += storage.nbytes()
-            self._pinned[base] = hit
-        return hit
 
     def _parallel(self, work: list, fn) -> list:
         """``fn`` over ``work`` on the stager's helper threads (copies and sums release the GIL)."""
@@ -728,8 +790,9 @@ class DevicePath:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._loader):
+            if thread is not None:
+                thread.join(timeout=5)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

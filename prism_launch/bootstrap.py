@@ -105,7 +105,8 @@ def _replay_transport(ctx: RankContext):
                 rank=rank, sandbox=sandbox, recording=recording, mode=env.get("PRISM_PREFETCH", "stream"),
                 pool_bytes=int(env.get("PRISM_POOL_MIB", "512")) << 20, check=env.get("PRISM_CHECK", "1") == "1",
                 timeout_s=timeout_s, device_kind="cuda" if str(ctx.device).startswith("cuda") else "cpu",
-                workers=int(env.get("PRISM_PREFETCH_THREADS", "4")))
+                workers=int(env.get("PRISM_PREFETCH_THREADS", "4")),
+                host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))))
         return ReplayTransport(
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
             physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "predicted"),

@@ -173,6 +173,9 @@ class PrefetchConfig:
     """Device pool size (raised to twice the largest op when that does not fit)."""
     threads: int = 4
     """Host threads copying recorded data into pinned memory and summing it for checks."""
+    host_tier_gib: float = 16.0
+    """On CUDA, when the run's staged data fits in this much pinned host memory, a loader fills it
+    ahead of the program (staging is then one DMA per op); else each op is copied when staged."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -452,6 +452,7 @@ class Launcher:
             "PRISM_PREFETCH": str(self.cfg.emulate.prefetch.mode),
             "PRISM_POOL_MIB": str(self.cfg.emulate.prefetch.pool_mib),
             "PRISM_PREFETCH_THREADS": str(self.cfg.emulate.prefetch.threads),
+            "PRISM_HOST_TIER_BYTES": str(int(self.cfg.emulate.prefetch.host_tier_gib * 2**30)),
         }
         enforce = self.cfg.memory.enforce_limit
         if enforce is None:

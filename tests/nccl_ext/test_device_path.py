@@ -201,3 +201,27 @@ def test_chunked_parallel_word_sum_equals_the_plain_one():
     dp._parallel(dpm._chunks(dst, t), lambda a, b: a.copy_(b))
     assert torch.equal(dst, t)
     dp.close()
+
+
+@pytest.mark.parametrize("mode", ["stream", "preload"])
+def test_host_tier_is_filled_ahead_and_feeds_every_op(mode):
+    rec = _Recording(25)
+    dp = _dp(rec, mode=mode, pool_bytes=4096, tier_on_host=True)
+    for s in range(25):
+        staged = dp.take(s, f"op {s}")
+        live = rec.data[(0, s)].clone()
+        if s == 7:
+            live[0] = -1.0
+        dp.verify([live], staged.refs, ("allreduce", s))
+        out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
+        assert torch.equal(out[0], live + rec.data[(1, s)])
+    assert dp.flush() == [("allreduce", 7)]
+    assert dp.stats.host_tier_bytes == 25 * 1024  # the peer's 1 KiB per op, nothing else
+    assert dp.close() == (0, None)
+
+
+def test_host_tier_is_skipped_beyond_its_bound():
+    dp = _dp(_Recording(10), mode="stream", tier_on_host=True, host_tier_bytes=4096)
+    for s in range(10):
+        dp.take(s, f"op {s}")
+    assert dp.stats.host_tier_bytes == 0 and dp.close() == (0, None)
