@@ -1,0 +1,291 @@
+"""Communication pruning with compensation: a group's collective run over a physical ring
+that keeps only the live (sandbox) members and one **edge** virtual rank per run of virtual
+members between them; every other virtual member leaves the collective and the edge carries
+its data (the **compensation**), so each result equals the full group's bit for bit.
+
+Members are folded in group-rank order (the order :func:`nccl_ext.ops.fold` defines for
+capture and replay). The ring, in that order::
+
+    [wrap edge] -> live a -> [edge of arc a..b] -> live b -> ... -> live z -> back to [wrap edge]
+
+The *wrap edge* stands for the members before the first live one (the leading arc) and after
+the last (the trailing arc) — one arc across the ring's seam. Reductions pass an accumulator
+around the ring once, chunk by chunk (pipelined): it starts at the wrap edge as the leading
+arc's fold — precomputed from the recorded contributions, exact because a fold from the first
+member is just that prefix — each live member combines its tensor, each inner edge applies its
+arc's recorded contributions one by one (a pre-summed arc would be exact only in real
+arithmetic: float addition is not associative), and the wrap edge applies the trailing arc.
+An all-reduce then forwards the result around the ring; a reduce-scatter folds only the
+chunks live members receive (chunks of pruned members are never reduced) and hands each to
+its owner; an all-gather circulates every node's block (an edge's block is its arc's recorded
+pieces) around the ring.
+
+Nodes talk over a ``torch.distributed`` process group of the physical processes (gloo on CPU,
+NCCL between GPUs): live members are sandbox processes, edges are hosted by assistant
+processes (one process may host several edges). :class:`PhysicalGroups` creates the group of a
+ring's processes lazily, the first time a collective needs it (group reduction: groups without
+two physical processes never get a communicator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nccl_ext.ops import ReduceKind, fold
+
+_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One position of the physical ring."""
+
+    phys: int
+    """Physical rank (in the process group the ring runs on) of the process playing it."""
+    live: int | None = None
+    """The live member this node is (None: an edge)."""
+    arc: tuple[int, ...] = ()
+    """An inner edge's virtual members, in fold order."""
+    leading: tuple[int, ...] = ()
+    """The wrap edge's members before the first live member."""
+    trailing: tuple[int, ...] = ()
+    """The wrap edge's members after the last live member."""
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return (self.live,) if self.live is not None else self.leading + self.arc + self.trailing
+
+
+@dataclass(frozen=True, slots=True)
+class PrunedRing:
+    n: int
+    nodes: tuple[Node, ...]
+
+    @classmethod
+    def plan(cls, n: int, live: Sequence[int], phys_of_live: Callable[[int], int], edge_host: int) -> PrunedRing:
+        """The ring of group size ``n`` whose live members are ``live`` (group ranks); edges are
+        hosted by physical rank ``edge_host``."""
+        live = sorted(set(live))
+        if not live or live[0] < 0 or live[-1] >= n:
+            raise ValueError(f"live members {live} are not group ranks of a group of {n}")
+        nodes: list[Node] = []
+        leading, trailing = tuple(range(live[0])), tuple(range(live[-1] + 1, n))
+        if leading or trailing:
+            nodes.append(Node(edge_host, leading=leading, trailing=trailing))
+        for a, b in zip(live, live[1:] + [None]):
+            nodes.append(Node(phys_of_live(a), live=a))
+            if b is not None and b > a + 1:
+                nodes.append(Node(edge_host, arc=tuple(range(a + 1, b))))
+        return cls(n, tuple(nodes))
+
+    @property
+    def pruned(self) -> int:
+        """Virtual members that take no part in the physical ring (edges aside)."""
+        return sum(len(x.members) - 1 for x in self.nodes if x.live is None)
+
+    def index(self, *, live: int | None = None, phys: int | None = None) -> list[int]:
+        """Positions of the node of live member ``live``, or of every node played by ``phys``."""
+        if live is not None:
+            return [i for i, x in enumerate(self.nodes) if x.live == live]
+        return [i for i, x in enumerate(self.nodes) if x.phys == phys]
+
+    def chain(self) -> list[tuple[int, str]]:
+        """The reduction's steps around the ring: (node position, part) with part "leading",
+        "live", "arc" or "trailing", in fold order."""
+        steps = []
+        for i, x in enumerate(self.nodes):
+            if x.live is not None:
+                steps.append((i, "live"))
+            elif x.arc:
+                steps.append((i, "arc"))
+            elif x.leading:
+                steps.append((i, "leading"))
+        if self.nodes[0].trailing:
+            steps.append((0, "trailing"))
+        return steps
+
+
+def compensation(kind: ReduceKind, recorded: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The leading arc's contribution: its members' recorded tensors folded in order (what a
+    fold over the whole group holds after them), without AVG's final division."""
+    return fold(ReduceKind.SUM if kind is ReduceKind.AVG else kind, list(recorded))
+
+
+class PhysicalGroups:
+    """Process groups of ring nodes, created the first time a collective needs them."""
+
+    def __init__(self, make: Callable[[list[int]], dist.ProcessGroup]):
+        self._make = make
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.created = 0
+
+    def get(self, ring: PrunedRing) -> tuple[dist.ProcessGroup, dict[int, int]]:
+        """The group over the ring's physical ranks and a map physical rank -> rank in it."""
+        phys = tuple(sorted({x.phys for x in ring.nodes}))
+        pg = self._groups.get(phys)
+        if pg is None:
+            pg = self._groups[phys] = self._make(list(phys))
+            self.created += 1
+        return pg, {p: i for i, p in enumerate(phys)}
+
+
+class _Links:
+    """Point-to-point between ring positions; positions played by the same process hand over
+    in memory."""
+
+    def __init__(self, ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], tag: int):
+        self.ring, self.pg, self.local, self.tag = ring, pg, local, tag
+        self.works: list = []
+        self._mem: dict[tuple[int, int], torch.Tensor] = {}
+
+    def send(self, src: int, dst: int, key: int, t: torch.Tensor) -> None:
+        if self.ring.nodes[src].phys == self.ring.nodes[dst].phys:
+            self._mem[(dst, key)] = t.clone()
+            return
+        self.works.append(self.pg.send([t.contiguous()], self.local[self.ring.nodes[dst].phys],
+                                       self._tag(src, dst, key)))
+
+    def recv(self, src: int, dst: int, key: int, like: torch.Tensor) -> torch.Tensor:
+        if self.ring.nodes[src].phys == self.ring.nodes[dst].phys:
+            return self._mem.pop((dst, key))
+        buf = torch.empty_like(like)
+        self.pg.recv([buf], self.local[self.ring.nodes[src].phys], self._tag(src, dst, key)).wait()
+        return buf
+
+    def _tag(self, src: int, dst: int, key: int) -> int:
+        return (self.tag * 1_000_003 + (src * 65_537 + dst) * 4099 + key) & 0x3FFFFFFF
+
+    def drain(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works.clear()
+
+
+def _combine(kind: ReduceKind, acc: torch.Tensor, t: torch.Tensor) -> None:
+    """One step of :func:`nccl_ext.ops.fold`, in place."""
+    fold(kind if kind is not ReduceKind.AVG else ReduceKind.SUM, [acc, t], out=acc)
+
+
+def _reduce_chunks(ring: PrunedRing, links: _Links, mine: list[int], kind: ReduceKind, like: torch.Tensor,
+                   data: Callable[[int, int], torch.Tensor], key: int) -> torch.Tensor | None:
+    """Fold one tensor around the ring in fold order, chunk by chunk; returns the folded tensor
+    at the node of the last step (None elsewhere). ``data(member, chunk)`` is a member's chunk."""
+    flat_numel = like.numel()
+    step = max(1, _CHUNK_BYTES // max(1, like.element_size()))
+    chunks = [(s, min(flat_numel, s + step)) for s in range(0, flat_numel, step)] or [(0, 0)]
+    steps = ring.chain()
+    out = None
+    for c, (s, e) in enumerate(chunks):
+        acc = None
+        for k, (pos, part) in enumerate(steps):
+            if pos not in mine:
+                continue
+            node = ring.nodes[pos]
+            if k > 0:
+                prev = steps[k - 1][0]
+                acc = links.recv(prev, pos, key * 4096 + c * 2 + (part == "trailing"), like.reshape(-1)[s:e])
+            members = {"live": (node.live,), "arc": node.arc, "leading": node.leading, "trailing": node.trailing}[part]
+            if part == "leading":  # the precomputed compensation starts the fold
+                acc = compensation(kind, [data(m, c).reshape(-1)[s:e] for m in members]).clone()
+            else:
+                for m in members:
+                    t = data(m, c).reshape(-1)[s:e]
+                    if acc is None:
+                        acc = t.clone()
+                    else:
+                        _combine(kind, acc, t)
+            if k + 1 < len(steps):
+                links.send(pos, steps[k + 1][0], key * 4096 + c * 2 + (steps[k + 1][1] == "trailing"), acc)
+            else:
+                if out is None:
+                    out = torch.empty(flat_numel, dtype=like.dtype, device=like.device)
+                out[s:e] = acc
+    if out is not None and kind is ReduceKind.AVG:
+        if out.is_floating_point() or out.is_complex():
+            out.div_(ring.n)
+        else:
+            out.div_(ring.n, rounding_mode="floor")
+    return out.reshape(like.shape) if out is not None else None
+
+
+def all_reduce(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, kind: ReduceKind,
+               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int = 0) -> dict[int, torch.Tensor]:
+    """Run this process's nodes of an all-reduce; ``data(member)`` gives a live member's tensor
+    or an edge's recorded one. Returns {live member played here: result}."""
+    links = _Links(ring, pg, local, tag)
+    mine = ring.index(phys=phys)
+    last = ring.chain()[-1][0]
+    folded = _reduce_chunks(ring, links, mine, kind, like, lambda m, c: data(m), key=0)
+    # forward the result around the ring from the node that finished the fold
+    order = [(last + i) % len(ring.nodes) for i in range(len(ring.nodes))]
+    results: dict[int, torch.Tensor] = {}
+    value = folded
+    for i, pos in enumerate(order):
+        if pos not in mine:
+            continue
+        if i > 0:
+            value = links.recv(order[i - 1], pos, 1 << 20, like)
+        if i + 1 < len(order):
+            links.send(pos, order[i + 1], 1 << 20, value)
+        if ring.nodes[pos].live is not None:
+            results[ring.nodes[pos].live] = value
+    links.drain()
+    return results
+
+
+def reduce_scatter(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, kind: ReduceKind,
+                   data: Callable[[int, int], torch.Tensor], like: torch.Tensor, tag: int = 0) -> dict[int, torch.Tensor]:
+    """Each live member's chunk (``data(member, chunk)``: a member's ``chunk``-th input chunk),
+    folded around the ring; chunks addressed to pruned members are never reduced. Returns
+    {live member played here: its chunk's result}."""
+    links = _Links(ring, pg, local, tag)
+    mine = ring.index(phys=phys)
+    last = ring.chain()[-1][0]
+    results: dict[int, torch.Tensor] = {}
+    for node in ring.nodes:
+        j = node.live
+        if j is None:
+            continue
+        owner = ring.index(live=j)[0]
+        folded = _reduce_chunks(ring, links, mine, kind, like, lambda m, c, j=j: data(m, j), key=1 + j)
+        if last in mine and owner != last:
+            links.send(last, owner, (1 << 21) + j, folded)
+        if owner in mine:
+            results[j] = folded if owner == last else links.recv(last, owner, (1 << 21) + j, like)
+    links.drain()
+    return results
+
+
+def all_gather(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int,
+               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int = 0) -> dict[int, list[torch.Tensor]]:
+    """Every node's block (a live member's tensor, an edge's members' recorded tensors)
+    circulates the ring once. Returns {live member played here: all members' tensors in order}."""
+    links = _Links(ring, pg, local, tag)
+    p = len(ring.nodes)
+    mine = ring.index(phys=phys)
+    held: dict[int, dict[int, dict[int, torch.Tensor]]] = {
+        pos: {pos: {m: data(m) for m in ring.nodes[pos].members}} for pos in mine}
+    for s in range(p - 1):
+        for pos in mine:  # send the block received last round (own block first)
+            block_of = (pos - s) % p
+            block = held[pos][block_of]
+            links.send(pos, (pos + 1) % p, (block_of << 8) + s,
+                       torch.stack([block[m] for m in ring.nodes[block_of].members]))
+        for pos in mine:
+            src = (pos - 1) % p
+            block_of = (src - s) % p
+            members = ring.nodes[block_of].members
+            stacked = links.recv(src, pos, (block_of << 8) + s,
+                                 torch.empty((len(members), *like.shape), dtype=like.dtype, device=like.device))
+            held[pos][block_of] = {m: stacked[i] for i, m in enumerate(members)}
+    links.drain()
+    results = {}
+    for pos in mine:
+        if ring.nodes[pos].live is not None:
+            every = {m: t for blk in held[pos].values() for m, t in blk.items()}
+            results[ring.nodes[pos].live] = [every[m] for m in range(ring.n)]
+    return results
