@@ -21,6 +21,7 @@ import torch.distributed as dist
 from nccl_ext import wire
 from nccl_ext.device_path import eligible
 from nccl_ext.ops import Collective, contributors
+from nccl_ext.pruning import CONTROL_TAG, decode, ring_of, run_op, uses_ring
 from nccl_ext.replay_transport import Recording
 
 
@@ -35,13 +36,15 @@ class StreamStats:
 @dataclass(slots=True)
 class AssistantStats:
     streams: dict[int, StreamStats] = field(default_factory=dict)
+    ring_ops: int = 0
+    """Pruned-ring collectives whose edges this assistant played."""
 
 
 _READ_LOCK = threading.Lock()
 
 
 def _payload(recording: Recording, sandbox: tuple[int, ...], rank: int, op, gid: int, seq: int, peer: int,
-             tag: int, device_path: bool = False) -> list[torch.Tensor]:
+             tag: int, device_path: bool = False, pruned: bool = False) -> list[torch.Tensor]:
     """Recorded tensors sandbox ``rank`` needs from virtual ranks for one of its ops (none for
     the ops the sandbox's device data path stages itself)."""
     if device_path and op.kind:
@@ -55,6 +58,8 @@ def _payload(recording: Recording, sandbox: tuple[int, ...], rank: int, op, gid:
         return [load()]
     if op.kind == "send" or not op.kind or recording.folded(gid):
         return []  # folded groups: the sandbox uses the recorded result, no peer data needed
+    if pruned and uses_ring(op.kind, recording.group_ranks(gid), sandbox, False):
+        return []  # played on the pruned ring (the edges' data goes there)
     ranks = recording.group_ranks(gid)
     out: list[torch.Tensor] = []
     for m in contributors(Collective(op.kind), len(ranks), op.root):
@@ -112,12 +117,13 @@ class _Sent:
 
 
 def _stream(recording: Recording, sandbox: tuple[int, ...], rank: int, physical: dist.ProcessGroup,
-            window: int, stats: StreamStats, sandbox_done: Callable[[], bool], device_path: bool = False) -> None:
+            window: int, stats: StreamStats, sandbox_done: Callable[[], bool], device_path: bool = False,
+            pruned: bool = False) -> None:
     dst = sandbox.index(rank)
     inflight: list[_Sent] = []
     for op, gid, seq, peer, tag in recording.ops_of(rank):
         with _READ_LOCK:
-            tensors = _payload(recording, sandbox, rank, op, gid, seq, peer, tag, device_path)
+            tensors = _payload(recording, sandbox, rank, op, gid, seq, peer, tag, device_path, pruned)
         if not tensors:
             continue
         buf = _pack(tensors)
@@ -136,7 +142,7 @@ def _stream(recording: Recording, sandbox: tuple[int, ...], rank: int, physical:
 
 
 def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.ProcessGroup, store, *,
-          window: int = 32, device_path: bool = False) -> AssistantStats:
+          window: int = 32, device_path: bool = False, pruned: bool = False) -> AssistantStats:
     """Stream every sandbox rank's virtual payloads; returns when all were taken.
 
     The assistant is a server: it waits as long as its sandbox ranks run (their own waits
@@ -149,15 +155,57 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     def run(rank: int) -> None:
         try:
             _stream(recording, sandbox, rank, physical, window, stats.streams[rank],
-                    lambda: store.check([done_key(rank)]), device_path)
+                    lambda: store.check([done_key(rank)]), device_path, pruned)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(RuntimeError(f"assistant stream to sandbox rank {rank} failed: {e}"))
 
     threads = [threading.Thread(target=run, args=(r,), name=f"prism-assistant-{r}", daemon=True) for r in sandbox]
+    edges: list[threading.Thread] = []
+    if pruned:
+        threading.Thread(target=_control_loop, args=(recording, sandbox, physical, edges, errors, stats),
+                         name="prism-assistant-rings", daemon=True).start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if pruned:  # rings may still run after the last streamed message: serve until every sandbox ended
+        while not store.check([done_key(r) for r in sandbox]) and not errors:
+            time.sleep(0.05)
+        for t in list(edges):
+            t.join()
     if errors:
         raise errors[0]
     return stats
+
+
+def _control_loop(recording: Recording, sandbox: tuple[int, ...], physical: dist.ProcessGroup,
+                  edges: list[threading.Thread], errors: list, stats: AssistantStats) -> None:
+    """Play the edges of every pruned ring a sandbox rank starts (one thread per op)."""
+    me = len(sandbox)
+    while True:
+        ctrl = torch.empty(5, dtype=torch.int64)
+        try:
+            physical.recv_anysource([ctrl], CONTROL_TAG).wait(_FOREVER)
+        except BaseException:  # noqa: BLE001 - the sandboxes went away: nothing left to play
+            return
+        gid, seq, kind, reduce, k = decode(ctrl)
+
+        def edge(gid=gid, seq=seq, kind=kind, reduce=reduce, k=k) -> None:
+            try:
+                ranks = recording.group_ranks(gid)
+                cache: dict[int, list[torch.Tensor]] = {}
+
+                def pieces(m: int) -> list[torch.Tensor]:
+                    if m not in cache:
+                        with _READ_LOCK:
+                            cache[m] = recording.contribution(ranks[m], gid, seq)
+                    return cache[m]
+
+                run_op(ring_of(ranks, sandbox, me), physical, me, gid, seq, kind, reduce, pieces, k)
+                stats.ring_ops += 1
+            except BaseException as e:  # noqa: BLE001 - re-raised by serve()
+                errors.append(RuntimeError(f"assistant: pruned ring of group {gid} seq {seq} failed: {e}"))
+
+        t = threading.Thread(target=edge, name=f"prism-assistant-ring-{gid}-{seq}", daemon=True)
+        t.start()
+        edges.append(t)

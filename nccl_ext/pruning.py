@@ -289,3 +289,73 @@ def all_gather(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], p
             every = {m: t for blk in held[pos].values() for m, t in blk.items()}
             results[ring.nodes[pos].live] = [every[m] for m in range(ring.n)]
     return results
+
+
+# -- emulation: sandbox ranks and the assistant run rings for groups with several sandbox members
+
+RING_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+CONTROL_TAG = 0x3FFFFFF0
+_REDUCES = list(ReduceKind)
+
+
+def uses_ring(kind: str, ranks: Sequence[int], sandbox: Sequence[int], folded: bool) -> bool:
+    """Whether an op goes over a pruned ring in emulation: a ring collective, not folded, on a
+    group with at least two sandbox members (a lone sandbox's ops take the device/host path)."""
+    return kind in RING_KINDS and not folded and sum(r in sandbox for r in ranks) >= 2
+
+
+def ring_of(ranks: Sequence[int], sandbox: Sequence[int], assistant: int) -> PrunedRing:
+    """The ring of a logical group in emulation: physical ranks are sandbox positions, edges on
+    the assistant."""
+    live = [m for m, r in enumerate(ranks) if r in sandbox]
+    return PrunedRing.plan(len(ranks), live, lambda m: list(sandbox).index(ranks[m]), edge_host=assistant)
+
+
+def control(gid: int, seq: int, kind: str, reduce: ReduceKind | None, pieces: int) -> torch.Tensor:
+    """The message a ring's first live member sends its edges' host to start their part."""
+    return torch.tensor([gid, seq, RING_KINDS.index(kind), _REDUCES.index(reduce or ReduceKind.SUM), pieces],
+                        dtype=torch.int64)
+
+
+def op_tag(gid: int, seq: int, piece: int) -> int:
+    return (gid * 1_000_033 + seq * 131 + piece) & 0xFFFFF
+
+
+def run_op(ring: PrunedRing, pg: dist.ProcessGroup, phys: int, gid: int, seq: int, kind: str,
+           reduce: ReduceKind | None, pieces: Callable[[int], list[torch.Tensor]], k: int) -> dict[int, list[torch.Tensor]]:
+    """Run this process's nodes of one emulated collective; ``pieces(member)`` is a member's
+    contribution (live or recorded), ``k`` its length. Returns {live member here: result list}
+    in the layout of :func:`nccl_ext.ops.compute`."""
+    local = {p: p for p in range(pg.size())}
+    n, out = ring.n, {}
+    if kind == "all_reduce":
+        for i in range(k):
+            got = all_reduce(ring, pg, local, phys, reduce, lambda m: pieces(m)[i], pieces(_any(ring, phys))[i],
+                             tag=op_tag(gid, seq, i))
+            for m, t in got.items():
+                out.setdefault(m, []).append(t)
+    elif kind == "reduce_scatter":
+        for i in range(k // n):
+            got = reduce_scatter(ring, pg, local, phys, reduce, lambda m, j: pieces(m)[i * n + j],
+                                 pieces(_any(ring, phys))[i * n], tag=op_tag(gid, seq, i))
+            for m, t in got.items():
+                out.setdefault(m, []).append(t)
+    else:
+        per_member: dict[int, list[list[torch.Tensor]]] = {}
+        for i in range(k):
+            got = all_gather(ring, pg, local, phys, lambda m: pieces(m)[i], pieces(_any(ring, phys))[i],
+                             tag=op_tag(gid, seq, i))
+            for m, ts in got.items():
+                per_member.setdefault(m, []).append(ts)
+        out = {m: [rows[i][j] for i in range(k) for j in range(n)] for m, rows in per_member.items()}
+    return out
+
+
+def _any(ring: PrunedRing, phys: int) -> int:
+    """A member whose tensors this process has (for buffer shapes)."""
+    return ring.nodes[ring.index(phys=phys)[0]].members[0]
+
+
+def decode(ctrl: torch.Tensor) -> tuple[int, int, str, ReduceKind, int]:
+    gid, seq, kind, red, k = (int(x) for x in ctrl.tolist())
+    return gid, seq, RING_KINDS[kind], _REDUCES[red], k

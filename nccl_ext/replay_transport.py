@@ -35,6 +35,7 @@ import torch.distributed as dist
 from nccl_ext import wire
 from nccl_ext.atomic import atomic_write_text
 from nccl_ext.device_path import DevicePath, eligible, result_of
+from nccl_ext.pruning import CONTROL_TAG, control, ring_of, run_op, uses_ring
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
@@ -152,6 +153,7 @@ class ReplayTransport:
         check: bool = True,
         summary_path: Path | None = None,
         device_path: DevicePath | None = None,
+        pruned: bool = False,
     ):
         self.rank = rank
         self.sandbox = sandbox
@@ -169,6 +171,9 @@ class ReplayTransport:
         """Compare live contributions with the recorded ones (divergence detection)."""
         self.summary_path = summary_path
         self.device_path = device_path
+        self.pruned = pruned
+        """Collectives shared by several sandbox ranks run over pruned rings (else every sandbox
+        member gathers all live contributions and folds on the host)."""
         """Ops with no other sandbox member run on the sandbox's device (prefetch + compensation
         there); None: every op takes the host path."""
         self.unit = 0
@@ -248,6 +253,9 @@ class ReplayTransport:
             return self._device_collective(group, gid, seq, call, own, what)
         if self.recording.folded(gid):
             return self._folded_collective(group, gid, seq, call, own, what)
+        if self.pruned and uses_ring(str(call.kind), group.ranks, self.sandbox, False) and \
+                (self.assistant is not None or all(r in self.sandbox for r in group.ranks)):
+            return self._ring_collective(group, gid, seq, call, own, what)
         n = group.size
         needed = contributors(call.kind, n, call.root)
         contributions: list[list[torch.Tensor] | None] = [None] * n
@@ -301,6 +309,36 @@ class ReplayTransport:
         if live_peers:
             works += self._exchange(group, gid, seq, call, me, needed, live_peers, contributions)
         _when_all(works, finish, pending)
+        return pending
+
+    def _ring_collective(self, group, gid, seq, call, own: RecordedOp, what: str) -> Pending:
+        """A collective shared with other sandbox ranks, over the pruned ring of the physical
+        processes: live members plus the assistant playing one edge per arc of virtual members
+        (``nccl_ext/pruning.py``); the first live member tells the assistant to start."""
+        me = group.group_rank(self.rank)
+        ring = ring_of(group.ranks, self.sandbox, self.assistant if self.assistant is not None else -1)
+        live = [_host(t) for t in call.tensors]
+        if self.check:
+            self._check(call.api, group, seq, gid, live, own)
+        if any(x.live is None for x in ring.nodes) and me == min(x.live for x in ring.nodes if x.live is not None):
+            self.physical.send([control(gid, seq, str(call.kind), call.reduce, len(live))], self.assistant,
+                               CONTROL_TAG).wait()
+        self.stats.ops += 1
+        self.stats.physical_exchanges += 1
+        self._note_unit_start()
+        delay = self._delay(own, self._virtual_ops(group, gid, seq))
+        pending = Pending(what, self.timeout_s)
+        phys, kind, reduce, k = self._phys_rank(self.rank), str(call.kind), call.reduce, len(live)
+        call.tensors = None
+
+        def run() -> None:
+            try:
+                result = run_op(ring, self.physical, phys, gid, seq, kind, reduce, lambda m: live, k)[me]
+                self._finish_after(pending, result, delay)
+            except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
+                pending.fail(RuntimeError(f"{what}: pruned ring failed: {e}"))
+
+        threading.Thread(target=run, name="prism-ring", daemon=True).start()
         return pending
 
     def _virtual_ops(self, group: GroupInfo, gid: int, seq: int) -> list[RecordedOp]:

@@ -23,9 +23,10 @@ def main() -> int:
     physical, store = physical_group(len(sandbox), len(sandbox) + 1, timeout_s)
     t0 = time.monotonic()
     stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")),
-                  device_path=env.get("PRISM_DATA_PATH") == "device")
+                  device_path=env.get("PRISM_DATA_PATH") == "device", pruned=env.get("PRISM_PRUNED") == "1")
     summary = {
         "wall_s": time.monotonic() - t0,
+        "ring_ops": stats.ring_ops,
         "streams": {str(r): {"messages": s.messages, "bytes": s.bytes, "stalled_s": s.stalled_s}
                     for r, s in stats.streams.items()},
     }

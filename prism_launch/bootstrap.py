@@ -109,6 +109,7 @@ def _replay_transport(ctx: RankContext):
                 host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))))
         return ReplayTransport(
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
+            pruned=env.get("PRISM_PRUNED") == "1",
             physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "predicted"),
             time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
             check=env.get("PRISM_CHECK", "1") == "1",

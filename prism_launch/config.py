@@ -193,6 +193,10 @@ class EmulateConfig:
     """Who serves the virtual ranks' recorded contributions."""
     window: int = 32
     """Ops per sandbox rank the assistant may stream ahead (bounded memory)."""
+    pruned_rings: bool = False
+    """Collectives shared by several sandbox ranks run over pruned rings (live members plus the
+    assistant playing one edge virtual rank per arc; ``nccl_ext/pruning.py``) instead of every
+    sandbox member gathering all live contributions and folding on the host."""
     data_path: DataPath = DataPath.auto
     """Where ops shared only with virtual ranks complete (device or host)."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)

@@ -450,6 +450,7 @@ class Launcher:
             "PRISM_CHECK": "1" if self.cfg.emulate.check_divergence else "0",
             "PRISM_DATA_PATH": self.data_path(),
             "PRISM_PREFETCH": str(self.cfg.emulate.prefetch.mode),
+            "PRISM_PRUNED": "1" if self.cfg.emulate.pruned_rings else "0",
             "PRISM_POOL_MIB": str(self.cfg.emulate.prefetch.pool_mib),
             "PRISM_PREFETCH_THREADS": str(self.cfg.emulate.prefetch.threads),
             "PRISM_HOST_TIER_BYTES": str(int(self.cfg.emulate.prefetch.host_tier_gib * 2**30)),

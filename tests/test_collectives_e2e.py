@@ -51,11 +51,21 @@ def test_capture_matches_real_run(captured, tmp_path):
                     assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), (name, x, y)
 
 
-@pytest.mark.parametrize(("sandbox", "host"), [([2], "assistant"), ([0, 3], "assistant"), ([1, 2], "assistant"),
-                                             ([2], "inprocess"), ([0, 3], "inprocess")])
-def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox, host):
+RINGS = ["emulate.pruned_rings=true"]
+DEVICE = ["emulate.data_path=device"]
+
+
+@pytest.mark.parametrize(("sandbox", "host", "extra"), [
+    ([2], "assistant", []), ([0, 3], "assistant", []), ([1, 2], "assistant", []),
+    ([2], "inprocess", []), ([0, 3], "inprocess", []),
+    # pruned rings: edges at the seam (0, 3), adjacent live members (1, 2), three live members
+    ([0, 3], "assistant", RINGS), ([1, 2], "assistant", RINGS), ([0, 1, 3], "assistant", RINGS),
+    # the device data path for ops shared only with virtual ranks, alone and beside rings
+    ([2], "assistant", DEVICE), ([1, 2], "assistant", DEVICE + RINGS), ([0, 3], "inprocess", DEVICE),
+])
+def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox, host, extra):
     r = run_prism([*COMMON, "--log-dir", tmp_path / "logs", "mode=emulate", f"trace.dir={captured / 'trace'}",
-                   f"emulate.virtual_host={host}",
+                   f"emulate.virtual_host={host}", *extra,
                    f"sandbox.ranks={json.dumps(sandbox)}", f"report.dir={tmp_path / 'report'}", SCRIPT], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for rank in sandbox:
@@ -75,9 +85,14 @@ def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox, host
     [run_dir] = list((tmp_path / "logs").iterdir())
     assistant = [NPROC] if host == "assistant" else []
     assert sorted(int(p.name) for p in run_dir.iterdir()) == sorted(sandbox) + assistant
-    if host == "assistant":
+    if host == "assistant" and DEVICE[0] not in extra:  # the device path streams nothing
         streams = report["assistant"]["streams"]
         assert sorted(map(int, streams)) == sorted(sandbox) and all(s["messages"] > 10 for s in streams.values())
+    if extra and extra[-1] in RINGS:
+        assert report["assistant"]["ring_ops"] > 0  # the assistant played edges of pruned rings
+    if DEVICE[0] in extra:
+        summary = json.loads((tmp_path / "report" / "sandbox" / f"rank{sandbox[0]}.json").read_text())
+        assert summary["prefetch"]["staged_ops"] > 0
 
 
 def test_virtual_peer_answers_object_collectives_and_backend(captured, tmp_path):
