@@ -485,13 +485,13 @@ class DevicePath:
         for m, r in enumerate(ranks):
             if m == me:
                 continue
-            want = needed_pieces(kind, n, me, op.root, m, op.n_tensors)
-            if not want:
-                continue
+            if not needed_pieces(kind, n, me, op.root, m, n):
+                continue  # nothing of this member (e.g. a broadcast's non-root)
             mop = rec.collective(r, gid, seq)
             if mop is None:
                 raise RuntimeError(f"rank {self.rank}: no recorded op of virtual member rank {r} "
                                    f"(group {gid} seq {seq}); the trace is incomplete")
+            want = needed_pieces(kind, n, me, op.root, m, mop.n_tensors)  # the member's own count
             pieces = items(r, mop)
             terms[m] = {i: pieces[i] for i in want}
         shapes = [tuple(s) for s in op.shapes]
