@@ -131,7 +131,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     if flat.dtype.itemsize == 0 or flat.numel() == 0:
         return flat.view(torch.uint8)[:0]
-    raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.view(torch.uint8)
+    raw = flat.view(torch.uint8)
     offset = raw.data_ptr()
     for dt in (torch.int32, torch.int16):
         if raw.numel() % dt.itemsize == 0 and offset % dt.itemsize == 0:
@@ -320,12 +320,11 @@ class DevicePath:
         self._mirror: torch.Tensor | None = None
         self._tier: torch.Tensor | None = None
         self._loader: threading.Thread | None = None
-        self._loaded = 0
         self.host_tier_bytes = int(host_tier_bytes)
-        self._tier_on_host = tier_on_host
-        """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
         """Largest pinned host tier (the run's staged data) to fill ahead; beyond it each op is
         copied through a pinned mirror of the pool when staged."""
+        self._tier_on_host = tier_on_host
+        """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
         self._ring: _Ring | None = None
         self._plans: deque[_Plan] = deque()
         self._ready: deque[StagedOp] = deque()
@@ -396,7 +395,7 @@ class DevicePath:
 
     def _load_tier(self, plans: list[_Plan]) -> None:
         try:
-            for i, plan in enumerate(plans):
+            for plan in plans:
                 if self._closed:
                     return
                 work, at = [], plan.tier_at
@@ -409,9 +408,8 @@ class DevicePath:
                         at += _aligned(item.nbytes)
                     refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
                 self._parallel(work, lambda a, b: a.copy_(b))
-                plan.refs = refs
                 with self._cond:
-                    self._loaded = i + 1
+                    plan.refs = refs
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - surfaced by take()
             with self._cond:

@@ -478,8 +478,13 @@ def validate(cfg: PrismConfig) -> None:
                               "every node needs at least one sandbox rank")
     if cfg.emulate.window < 1:
         raise ConfigError(f"emulate.window must be >= 1 (got {cfg.emulate.window})")
-    if cfg.emulate.prefetch.pool_mib < 1:
-        raise ConfigError(f"emulate.prefetch.pool_mib must be >= 1 (got {cfg.emulate.prefetch.pool_mib})")
+    pf = cfg.emulate.prefetch
+    if pf.pool_mib < 1:
+        raise ConfigError(f"emulate.prefetch.pool_mib must be >= 1 (got {pf.pool_mib})")
+    if pf.threads < 1:
+        raise ConfigError(f"emulate.prefetch.threads must be >= 1 (got {pf.threads})")
+    if pf.host_tier_gib < 0:
+        raise ConfigError(f"emulate.prefetch.host_tier_gib must be >= 0 (got {pf.host_tier_gib}; 0 turns the tier off)")
     if cfg.emulate.time_scale < 0:
         raise ConfigError(f"emulate.time_scale must be >= 0 (got {cfg.emulate.time_scale})")
     if cfg.device is Device.cuda:

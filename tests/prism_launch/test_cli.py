@@ -101,3 +101,15 @@ def test_no_python_capture_and_emulate_hook_the_python_it_starts(tmp):
                    "sandbox.ranks=[1]", f"trace.dir={tmp / 'tr'}", script], cwd=tmp, env=env)
     assert r.returncode == 0, r.stderr
     assert "MODULE rank 1 name __main__ sum 3.0" in r.stdout
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("emulate.prefetch.pool_mib=0", "emulate.prefetch.pool_mib must be >= 1"),
+    ("emulate.prefetch.threads=0", "emulate.prefetch.threads must be >= 1"),
+    ("emulate.prefetch.host_tier_gib=-1", "emulate.prefetch.host_tier_gib must be >= 0"),
+    ("emulate.prefetch.mode=eager", "emulate.prefetch.mode"),
+    ("emulate.data_path=gpu", "emulate.data_path"),
+])
+def test_bad_prefetch_settings_are_named(tmp, override, message):
+    r = run_prism(["--nproc-per-node", "2", "device=cpu", override, "x.py"], cwd=tmp)
+    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
