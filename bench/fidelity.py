@@ -2,13 +2,17 @@
 peak-memory error (allocator-level, sandbox rank vs the same rank of the real run) and
 whether losses match.
 
-    python bench/fidelity.py [--jobs dense,moe] [--iters 8] [--cluster cpu_local]
+    python bench/fidelity.py [--jobs dense,moe] [--iters 8] [--cluster cpu_local] [--compute calibrated]
 
 Each job runs with 2 ranks (one thread each, so the real run is free of contention on a
 2-core machine): ``mode=real`` gives the measured step time (the recipe's own
 ``step_time_ms``, median of the steps after the first) and losses; ``mode=auto`` captures
-and emulates rank 0 as the sandbox (``--compute calibrated`` also calibrates), and the
-report's global replay gives the predicted iteration time.
+and emulates rank 0 as the sandbox, calibrating first (``--compute calibrated``, the default:
+slices of 2 ranks run for real against the bare graph and their compute spans replace the
+bare ones), and the report's global replay gives the predicted iteration time.
+``--compute cpu`` predicts from the bare graph's per-rank thread CPU time instead (no
+calibration; on this VM it misses the time a running thread loses to the other rank and the
+host, about 13% of the dense step).
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def main() -> None:
     ap.add_argument("--jobs", default="dense,moe")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--cluster", default="cpu_local")
-    ap.add_argument("--compute", default="auto", help="replay.compute: auto | cpu | wall | calibrated")
+    ap.add_argument("--compute", default="calibrated", help="replay.compute: calibrated | auto | cpu | wall")
     a = ap.parse_args()
     rows = [bench(j, a.iters, a.cluster, a.compute) for j in a.jobs.split(",")]
     print(f"{'job':6} {'real step (ms)':>15} {'predicted (ms)':>15} {'error':>8} {'losses vs real':>15} "
