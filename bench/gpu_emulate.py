@@ -1,6 +1,6 @@
 """The bundled Megatron recipe on one GPU in large virtual worlds (run where CUDA is).
 
-    python bench/gpu_emulate.py [--jobs dense,moe] [--worlds 64,1024] [--oom-gib 0.25]
+    python bench/gpu_emulate.py [--jobs dense,moe] [--worlds 64,1024] [--oom-gib 0.25] [--repeat 2]
 
 Per job and world size: a folded capture (ranks context-switched on the one GPU through the
 coordinator), then emulation of one sandbox rank on the GPU (device data path: virtual peers' recorded data
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
 MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "512",
-         "--micro-batch-size", "4", "--vocab-size", "8192", "--train-iters", "4"]
+         "--micro-batch-size", "4", "--vocab-size", "8192"]
 JOBS = {
     "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *MODEL], None),
     # no tensor parallelism: megatron-core's local (non-Transformer-Engine) layer norm refuses
@@ -59,8 +59,9 @@ def steps(log_root: Path, rank: int) -> list[tuple[str, float]]:
     return []
 
 
-def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[str]) -> dict:
-    args, _ = JOBS[name]
+def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[str], iters: int = 6,
+        repeat: int = 1, out_file: str | None = None) -> dict:
+    args = [*JOBS[name][0], "--train-iters", str(iters)]
     sandbox = world - 24 if name == "dense" else world - 8  # a last-stage, tensor-rank-0 rank that logs
     out = work / f"{name}-{world}"
     flags = ["--nnodes", world // 8, "--nproc-per-node", 8, "-r", "3", "device=cuda", f"sandbox.ranks=[{sandbox}]",
@@ -88,11 +89,19 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
         }
 
     res["emulate"] = emulate("emu", [])
-    for mode in modes:  # no virtual lateness: the sandbox's own step with each way of moving virtual data
-        res[f"none-{mode}"] = emulate(f"none-{mode}", ["emulate.timing=none", f"emulate.prefetch.mode={mode}"])
+    _progress(out_file, res)
+    for r in range(repeat):  # interleaved, so a drift of the machine hits every mode alike
+        for mode in modes:  # no virtual lateness: the sandbox's own step with each way of moving virtual data
+            tag = f"none-{mode}" + (f"-{r}" if r else "")
+            res[tag] = emulate(tag, ["emulate.timing=none", f"emulate.prefetch.mode={mode}"])
+            _progress(out_file, {"job": name, "world": world, tag: res[tag]})
     if "preload" in modes:
-        base = res["none-preload"]["step_ms"]
-        res["step_vs_preload"] = {mode: round(res[f"none-{mode}"]["step_ms"] / base, 4) for mode in modes}
+        def med(mode: str) -> float:
+            return statistics.median(t for r in range(repeat)
+                                     for t in res[f"none-{mode}" + (f"-{r}" if r else "")]["steps_ms"][1:])
+        base = med("preload")
+        res["median_step_ms"] = {mode: med(mode) for mode in modes}
+        res["step_vs_preload"] = {mode: round(med(mode) / base, 4) for mode in modes}
     if oom_gib:
         r = run([*flags, "--log-dir", out / "oom", "mode=emulate", f"cluster.gpu_memory_gib={oom_gib}",
                  f"report.dir={out / 'rep-oom'}", RECIPE, *args], work, ok=False)
@@ -103,6 +112,17 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
     return res
 
 
+def peak_only(name: str, world: int, work: Path, iters: int) -> dict:
+    """Capture and the default emulation only (the sandbox's peak memory at another world size)."""
+    return job(name, world, work, None, [], iters)
+
+
+def _progress(out_file: str | None, res: dict) -> None:
+    if out_file:
+        with open(out_file, "a") as f:
+            f.write(json.dumps({"partial": True, **res}) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", default="dense,moe")
@@ -111,12 +131,23 @@ def main() -> None:
     ap.add_argument("--modes", default="stream,off,preload", help="prefetch modes timed with emulate.timing=none")
     ap.add_argument("--oom-at", type=int, default=None, help="world size of the OOM run (default: the largest)")
     ap.add_argument("--out", default=None, help="append each result as a JSON line here")
+    ap.add_argument("--iters", type=int, default=6, help="training iterations (the first is not timed)")
+    ap.add_argument("--repeat", type=int, default=1, help="timed emulations per prefetch mode, interleaved")
+    ap.add_argument("--peak-worlds", default="", help="world sizes with only capture + default emulation "
+                                                      "(peak memory against the world size)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="prism-gpu-"))
     for name in a.jobs.split(","):
-        for world in (int(w) for w in a.worlds.split(",")):
+        for world in (int(w) for w in a.peak_worlds.split(",") if w):
+            res = peak_only(name, world, work, a.iters)
+            print(json.dumps(res), flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(res) + "\n")
+        for world in (int(w) for w in a.worlds.split(",") if w):
             oom_at = a.oom_at if a.oom_at is not None else max(int(w) for w in a.worlds.split(","))
-            res = job(name, world, work, a.oom_gib if world == oom_at else None, [m for m in a.modes.split(",") if m])
+            res = job(name, world, work, a.oom_gib if world == oom_at else None, [m for m in a.modes.split(",") if m],
+                      a.iters, a.repeat, a.out)
             print(json.dumps(res), flush=True)
             if a.out:
                 with open(a.out, "a") as f:

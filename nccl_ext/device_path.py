@@ -45,6 +45,8 @@ _ALIGN = 256
 _CHUNK_WORDS = 1 << 21
 """Host-side copies and sums are split into pieces of this many 32-bit words (8 MiB)."""
 _CHECK_SLOTS = 4096
+_BATCH_OPS = 64
+"""Most ops the stager stages per wake-up."""
 
 
 class PrefetchMode:
@@ -168,6 +170,9 @@ class PrefetchStats:
     high_water_bytes: int = 0
     host_tier_bytes: int = 0
     """Pinned host memory holding the run's staged data, filled ahead by the loader."""
+    host_tier_pinned: bool = False
+    host_tier_load_s: float = 0.0
+    """How long the loader took to fill the host tier (from the trace's mapped files)."""
     checks: int = 0
     check_flushes: int = 0
     delayed_s: float = 0.0
@@ -219,21 +224,28 @@ class _Plan:
     """Offset of this op's staged pieces in the pinned host tier (-1: not in it)."""
     refs: list[int] | None = None
     """Word sums of ``own``, once the host tier's loader computed them."""
+    offsets: list[int] = field(default_factory=list)
+    """Where each of :meth:`items` and then each scratch tensor starts, from the op's first
+    byte (computed once, so staging an op is views and one copy)."""
+    staged_nbytes: int = 0
+    """Bytes of the staged pieces (they come first: one copy covers them)."""
+    nbytes: int = 0
+    """Pool bytes of the op: staged pieces and scratch."""
+
+    def __post_init__(self) -> None:
+        at = 0
+        for t in self.items():
+            self.offsets.append(at)
+            at += _aligned(t.nbytes)
+        self.staged_nbytes = at
+        for s, d in self.scratch:
+            self.offsets.append(at)
+            at += _aligned(_numel(s) * d.itemsize)
+        self.nbytes = at
 
     def items(self) -> list[_Item]:
         """The pieces to stage, in the order they are laid out (pool and host tier alike)."""
         return [t for ts in self.terms.values() for t in ts.values()] + list(self.result)
-
-    @property
-    def staged_nbytes(self) -> int:
-        return sum(_aligned(t.nbytes) for t in self.items())
-
-    @property
-    def nbytes(self) -> int:
-        n = sum(_aligned(t.nbytes) for ts in self.terms.values() for t in ts.values())
-        n += sum(_aligned(t.nbytes) for t in self.result)
-        n += sum(_aligned(_numel(s) * d.itemsize) for s, d in self.scratch)
-        return n
 
 
 def _chunks(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -252,6 +264,14 @@ def _numel(shape) -> int:
     return n
 
 
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(1, int(d))
+    return tuple(reversed(out))
+
+
 class _Ring:
     """FIFO allocation over ``[0, capacity)``: ops are staged and released in the same order."""
 
@@ -259,32 +279,36 @@ class _Ring:
         self.capacity = capacity
         self.live: deque[tuple[int, int]] = deque()
         self.head = 0
+        self._used = 0
 
     def used(self) -> int:
-        return sum(e - s for s, e in self.live)
+        return self._used
 
-    def alloc(self, n: int) -> tuple[int, int] | None:
+    def _place(self, n: int) -> int | None:
         if n > self.capacity:
             raise ValueError(f"{n} bytes do not fit a pool of {self.capacity}")
         if not self.live:
-            self.head = 0
-            start = 0
-        else:
-            tail = self.live[0][0]
-            if self.head > tail:
-                if self.capacity - self.head >= n:
-                    start = self.head
-                elif tail >= n:
-                    start = 0
-                else:
-                    return None
-            elif self.head < tail and tail - self.head >= n:
-                start = self.head
-            else:
-                return None
+            return 0
+        tail = self.live[0][0]
+        if self.head > tail:
+            if self.capacity - self.head >= n:
+                return self.head
+            return 0 if tail >= n else None
+        if self.head < tail and tail - self.head >= n:
+            return self.head
+        return None
+
+    def fits(self, n: int) -> bool:
+        return self._place(n) is not None
+
+    def alloc(self, n: int) -> tuple[int, int] | None:
+        start = self._place(n)
+        if start is None:
+            return None
         span = (start, start + n)
         self.live.append(span)
         self.head = start + n
+        self._used += n
         return span
 
     def release(self, span: tuple[int, int]) -> None:
@@ -292,6 +316,7 @@ class _Ring:
             self.live.popleft()
         else:  # out of order: a skipped op; drop it where it is
             self.live.remove(span)
+        self._used -= span[1] - span[0]
 
 
 class DevicePath:
@@ -342,6 +367,11 @@ class DevicePath:
         self._cycles_per_s: float | None = None
         self._workers = max(1, int(workers))
         self._executor = None
+        self._prep: threading.Thread | None = None
+        self._planned: list[_Plan] | None = None
+        self._pinned = False
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._refill_at = 0
 
     @property
     def on_device(self) -> bool:
@@ -349,10 +379,41 @@ class DevicePath:
         return self._cuda
 
     # -- setup ----------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Plan the run and fill the host tier now, on a background thread, while the program
+        sets up (the transport exists before the model is built): the tier's loading — reading
+        the trace and host copies — is then over before the first step instead of competing
+        with it. Without this call both happen when the first op arrives."""
+        if self._prep is None and self.device is None:
+            self._prep = threading.Thread(target=self._prepare, name=f"prism-prefetch-plan-{self.rank}", daemon=True)
+            self._prep.start()
+
+    def _prepare(self) -> None:
+        try:
+            plans = self._plan_all()
+            self._lay_out_tier(plans)
+            with self._cond:
+                self._planned = plans
+                self._cond.notify_all()
+            if self._tier is not None:
+                self._load_tier(plans)
+        except BaseException as e:  # noqa: BLE001 - surfaced by take()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
     def _start(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
-        plans = self._plan_all()
+        if self._prep is not None:
+            plans = self._await_plans()
+        else:
+            plans = self._plan_all()
+            self._lay_out_tier(plans)
+            if self._tier is not None:
+                self._loader = threading.Thread(target=self._load_tier, args=(list(plans),),
+                                                name=f"prism-prefetch-load-{self.rank}", daemon=True)
+                self._loader.start()
         largest = max((p.nbytes for p in plans), default=0)
         total = sum(p.nbytes for p in plans)
         if self.mode == PrefetchMode.PRELOAD:
@@ -362,13 +423,13 @@ class DevicePath:
         capacity = _aligned(capacity) + _aligned(_CHECK_SLOTS * 4)
         self._allocate(capacity)
         self._ring = _Ring(capacity - _aligned(_CHECK_SLOTS * 4))
+        self._refill_at = self._ring.capacity - max(self._ring.capacity // 4, largest)
         self._slots = self._pool[self._ring.capacity:self._ring.capacity + _CHECK_SLOTS * 4].view(torch.int32)
         self._plans = deque(plans)
         if self._cuda:
             self._side = torch.cuda.Stream(device)
-        staged = sum(p.staged_nbytes for p in plans)
-        if (self._cuda or self._tier_on_host) and self.mode != PrefetchMode.OFF and 0 < staged <= self.host_tier_bytes:
-            self._start_tier(plans, staged)
+            if self._tier is not None:
+                self._pin_tier()
         if self.mode == PrefetchMode.PRELOAD:
             while self._plans:
                 self._stage(self._plans.popleft(), on_side=True)
@@ -378,22 +439,40 @@ class DevicePath:
             self._thread = threading.Thread(target=self._run, name=f"prism-prefetch-{self.rank}", daemon=True)
             self._thread.start()
 
-    def _start_tier(self, plans: list[_Plan], nbytes: int) -> None:
-        """The host tier: every op's staged pieces in one pinned buffer, filled in the trace's
-        order by a loader thread that runs as far ahead as host memory bandwidth allows (it is
-        not bound by the device pool), so staging an op is one DMA and never a host copy."""
-        self._tier = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self._cuda else \
-            wire.untracked_empty((nbytes,), torch.uint8)
+    def _await_plans(self) -> list[_Plan]:
+        with self._cond:
+            while self._planned is None:
+                if self._error is not None:
+                    raise RuntimeError(f"rank {self.rank}: planning the prefetch failed: {self._error}") \
+                        from self._error
+                self._cond.wait(0.05)
+            return self._planned
+
+    def _lay_out_tier(self, plans: list[_Plan]) -> None:
+        """The host tier: every op's staged pieces in one host buffer (pinned before the first
+        copy on CUDA), filled in the trace's order by a loader that runs as far ahead as host
+        memory bandwidth allows (it is not bound by the device pool), so staging an op is one
+        DMA and never a host copy."""
+        staged = sum(p.staged_nbytes for p in plans)
+        cuda = self.device_kind == "cuda" and torch.cuda.is_available()
+        if not (cuda or self._tier_on_host) or self.mode == PrefetchMode.OFF or not 0 < staged <= self.host_tier_bytes:
+            return
+        self._tier = wire.untracked_empty((staged,), torch.uint8)
         at = 0
         for p in plans:
             p.tier_at = at
             at += p.staged_nbytes
-        self.stats.host_tier_bytes = nbytes
-        self._loader = threading.Thread(target=self._load_tier, args=(list(plans),),
-                                        name=f"prism-prefetch-load-{self.rank}", daemon=True)
-        self._loader.start()
+        self.stats.host_tier_bytes = staged
+
+    def _pin_tier(self) -> None:
+        """Page-lock the host tier so its copies are asynchronous DMA (registered in place: the
+        loader may still be filling it). Failing that, copies still work, synchronously."""
+        err = int(torch.cuda.cudart().cudaHostRegister(self._tier.data_ptr(), self._tier.numel(), 0))
+        self._pinned = err == 0
+        self.stats.host_tier_pinned = self._pinned
 
     def _load_tier(self, plans: list[_Plan]) -> None:
+        t0 = time.monotonic()
         try:
             for plan in plans:
                 if self._closed:
@@ -411,6 +490,7 @@ class DevicePath:
                 with self._cond:
                     plan.refs = refs
                     self._cond.notify_all()
+            self.stats.host_tier_load_s = time.monotonic() - t0
         except BaseException as e:  # noqa: BLE001 - surfaced by take()
             with self._cond:
                 self._error = e
@@ -507,27 +587,46 @@ class DevicePath:
 
     # -- staging (stager thread, or the op's own thread when prefetch is off) -------------------
     def _run(self) -> None:
+        """Stage ops in the trace's order while they fit in the pool. Once it is full, wait
+        until a quarter of it is free again and stage a batch: a few wake-ups per pool's worth
+        of ops rather than one per op (each costs the program's thread the interpreter lock)."""
         try:
             if self._cuda:
                 torch.cuda.set_device(self.device)
             while True:
                 with self._cond:
+                    while not self._closed and self._plans and not self._room(self._plans[0]):
+                        self._cond.wait(0.05)
                     if self._closed or not self._plans:
                         return
-                    plan = self._plans[0]
-                    span = self._ring.alloc(plan.nbytes)
-                    while span is None and not self._closed:
-                        self._cond.wait(0.05)
-                        span = self._ring.alloc(plan.nbytes)
-                    if self._closed:
-                        return
-                    self._plans.popleft()
+                    batch = []
+                    while self._plans and len(batch) < _BATCH_OPS:
+                        span = self._ring.alloc(self._plans[0].nbytes)
+                        if span is None:
+                            break
+                        batch.append((self._plans.popleft(), span))
                     released, self._released = self._released, []
-                self._stage(plan, on_side=True, span=span, released=released)
+                for plan, span in batch:
+                    self._stage(plan, on_side=True, span=span, released=released)
+                    released = []
         except BaseException as e:  # noqa: BLE001 - surfaced by take()
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _room(self, plan: _Plan) -> bool:
+        """Whether to stage now (under the lock): the pool is below its refill mark or the next
+        op is not staged at all (the program may be waiting for it), and the op fits."""
+        if self._ring.used() > self._refill_at and self._ready:
+            return False
+        return self._ring.fits(plan.nbytes)
+
+    def _view(self, at: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The pool's bytes at ``at`` as a tensor (one call: a strided view of the typed pool)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self._pool.view(dtype)
+        return typed.as_strided(shape, _strides(shape), at // dtype.itemsize)
 
     def _stage(self, plan: _Plan, *, on_side: bool, span: tuple[int, int] | None = None,
                released: list | None = None) -> StagedOp:
@@ -536,48 +635,35 @@ class DevicePath:
                 span = self._ring.alloc(plan.nbytes)
             if span is None:
                 raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
-        pos = span[0]
-        copies: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-
-        def carve(shape, dtype) -> tuple[torch.Tensor, int]:
-            nonlocal pos
-            nbytes = _numel(shape) * dtype.itemsize
-            at = pos
-            view = self._pool[pos:pos + nbytes].view(dtype).reshape(shape) if nbytes else \
-                torch.empty(shape, dtype=dtype, device=self._pool.device)
-            pos += _aligned(nbytes)
-            return view, at
-
-        def put(item: _Item) -> torch.Tensor:
-            dst, at = carve(item.shape, item.dtype)
-            if item.nbytes:
-                copies.append((dst, at, item.load()))
-            return dst
-
+        base = span[0]
+        items = plan.items()
+        views = [self._view(base + off, t.shape, t.dtype) if t.nbytes else
+                 torch.empty(t.shape, dtype=t.dtype, device=self._pool.device)
+                 for t, off in zip(items, plan.offsets)]
+        scratch = [self._view(base + off, s, d) for (s, d), off in zip(plan.scratch, plan.offsets[len(items):])]
+        terms, k = {}, 0
+        for m, ps in plan.terms.items():
+            terms[m] = dict(zip(ps, views[k:k + len(ps)]))
+            k += len(ps)
         tiered = self._tier is not None and plan.tier_at >= 0 and on_side
         if tiered:
             self._wait_loaded(plan)
+        staged = StagedOp(idx=plan.idx, nbytes=plan.nbytes, span=span, terms=terms, result=views[k:],
+                          scratch=scratch)
         with self._read_lock:
             if tiered:
-                refs = plan.refs
+                staged.refs = plan.refs
+                staged.ready = self._from_tier(plan, base, released or [])
             else:
-                refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
-            staged = StagedOp(  # staged pieces first, scratch last: one copy covers the staged bytes
-                idx=plan.idx, nbytes=plan.nbytes, span=span, refs=refs,
-                terms={m: {i: put(t) for i, t in ps.items()} for m, ps in plan.terms.items()},
-                result=[put(t) for t in plan.result],
-            )
-            end = pos
-            staged.scratch = [carve(s, d)[0] for s, d in plan.scratch]
-            if tiered:
-                staged.ready = self._from_tier(plan, span[0], end, released or [])
-            elif self._cuda and on_side:
-                staged.ready = self._upload(span[0], end, copies, released or [])
-            else:  # host memory, or prefetch off (the op's stream moves the data now)
-                for dst, _, host in copies:
-                    dst.copy_(host)
+                staged.refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
+                copies = [(v, base + off, t.load()) for v, t, off in zip(views, items, plan.offsets) if t.nbytes]
+                if self._cuda and on_side:
+                    staged.ready = self._upload(base, base + plan.staged_nbytes, copies, released or [])
+                else:  # host memory, or prefetch off (the op's stream moves the data now)
+                    for dst, _, host in copies:
+                        dst.copy_(host)
         self.stats.staged_ops += 1
-        self.stats.staged_bytes += sum(h.nbytes for _, _, h in copies)
+        self.stats.staged_bytes += plan.staged_nbytes
         with self._cond:
             self.stats.high_water_bytes = max(self.stats.high_water_bytes, self._ring.used())
             if on_side and self.mode != PrefetchMode.OFF:
@@ -585,17 +671,18 @@ class DevicePath:
                 self._cond.notify_all()
         return staged
 
-    def _from_tier(self, plan: _Plan, start: int, end: int, released: list):
+    def _from_tier(self, plan: _Plan, start: int, released: list):
         """One DMA from the op's loaded bytes in the host tier into its pool space, on the side
         stream once the op's stream is done with whatever the space held before."""
+        n = plan.staged_nbytes
         if not self._cuda:
-            self._pool[start:end].copy_(self._tier[plan.tier_at:plan.tier_at + end - start])
+            self._pool[start:start + n].copy_(self._tier[plan.tier_at:plan.tier_at + n])
             return None
         with torch.cuda.stream(self._side):
             for event in released:
                 self._side.wait_event(event)
-            if end > start:
-                self._pool[start:end].copy_(self._tier[plan.tier_at:plan.tier_at + end - start], non_blocking=True)
+            if n:
+                self._pool[start:start + n].copy_(self._tier[plan.tier_at:plan.tier_at + n], non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._side)
         return ready
@@ -678,6 +765,8 @@ class DevicePath:
                 waited = True
                 self._cond.wait(0.05)
             staged = self._ready.popleft() if self._ready and self._ready[0].idx == idx else None
+            if not self._ready:
+                self._cond.notify_all()  # the stager may be holding off until the pool drains
         if staged is None:
             raise RuntimeError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
         if waited:
@@ -698,8 +787,8 @@ class DevicePath:
             return
         taken, self._taken = self._taken, []
         events = []
-        for staged, stream in taken:
-            if self._cuda:
+        if self._cuda:  # an event on a stream covers everything enqueued there before it
+            for stream in {s.cuda_stream: s for _, s in taken}.values():
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
@@ -788,15 +877,19 @@ class DevicePath:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        for thread in (self._thread, self._loader):
+        for thread in (self._thread, self._loader, self._prep):
             if thread is not None:
                 thread.join(timeout=5)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._pinned:
+            self._side.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._tier.data_ptr())
+            self._pinned = False
         left = [s.idx for s in self._ready] + [p.idx for p in self._plans]
         if self.device is None:  # never started: every op of the path is left
-            left = [p.idx for p in self._plan_all()]
+            left = [p.idx for p in (self._planned if self._planned is not None else self._plan_all())]
         self._taken = []
         self._ready.clear()
         self._plans.clear()

@@ -107,6 +107,7 @@ def _replay_transport(ctx: RankContext):
                 timeout_s=timeout_s, device_kind="cuda" if str(ctx.device).startswith("cuda") else "cpu",
                 workers=int(env.get("PRISM_PREFETCH_THREADS", "4")),
                 host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))))
+            device_path.prepare()  # plan and fill the host tier while the program builds its model
         return ReplayTransport(
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
             pruned=env.get("PRISM_PRUNED") == "1",

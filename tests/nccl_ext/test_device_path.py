@@ -225,3 +225,62 @@ def test_host_tier_is_skipped_beyond_its_bound():
     for s in range(10):
         dp.take(s, f"op {s}")
     assert dp.stats.host_tier_bytes == 0 and dp.close() == (0, None)
+
+
+def test_prepare_fills_the_host_tier_before_the_first_op():
+    rec = _Recording(20)
+    dp = _dp(rec, mode="stream", pool_bytes=8192, tier_on_host=True)
+    dp.prepare()
+    dp._prep.join(timeout=10)
+    assert not dp._prep.is_alive() and dp.device is None  # all read, nothing on the "device" yet
+    reads = rec.reads
+    assert reads == 20 * 2  # the peer's piece to stage and the own piece's word sum, once per op
+    for s in range(20):
+        staged = dp.take(s, f"op {s}")
+        live = rec.data[(0, s)].clone()
+        dp.verify([live], staged.refs, ("allreduce", s))
+        out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
+        assert torch.equal(out[0], live + rec.data[(1, s)])
+    assert rec.reads == reads  # the steps never touched the trace
+    assert dp.flush() == [] and dp.close() == (0, None)
+    assert dp.stats.host_tier_bytes == 20 * 1024 and dp.stats.staged_ops == 20
+
+
+def test_a_prepared_path_that_never_starts_reports_every_op():
+    dp = _dp(_Recording(6), mode="stream", tier_on_host=True)
+    dp.prepare()
+    assert dp.close() == (6, 0)
+
+
+def test_stager_refills_in_batches_once_the_pool_is_full():
+    rec = _Recording(40)
+    dp = _dp(rec, mode="stream", pool_bytes=16384)  # 8 ops of 2 KiB; refill below 6 ops' worth
+    dp.take(0, "op 0")
+    for _ in range(200):
+        if dp.stats.staged_ops >= 8:
+            break
+        threading.Event().wait(0.01)
+    assert dp.stats.staged_ops == 8
+    dp.take(1, "op 1")  # frees op 0's space: a quarter of the pool is not free yet
+    threading.Event().wait(0.2)
+    assert dp.stats.staged_ops == 8
+    dp.take(2, "op 2")  # a quarter free (ops 0-1): it refills as far as the ring allows
+    dp.take(3, "op 3")
+    for _ in range(200):
+        if dp.stats.staged_ops > 8:
+            break
+        threading.Event().wait(0.01)
+    assert dp.stats.staged_ops == 11
+    for s in range(4, 40):
+        dp.take(s, f"op {s}")
+    assert dp.close() == (0, None) and dp.stats.staged_ops == 40
+
+
+def test_ring_fits_agrees_with_alloc():
+    ring = _Ring(1000)
+    a = ring.alloc(600)
+    assert ring.fits(400) and not ring.fits(401)
+    ring.alloc(400)
+    assert not ring.fits(1)
+    ring.release(a)
+    assert ring.fits(600) and not ring.fits(601) and ring.used() == 400
