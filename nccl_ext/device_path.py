@@ -173,6 +173,11 @@ class PrefetchStats:
     host_tier_pinned: bool = False
     host_tier_load_s: float = 0.0
     """How long the loader took to fill the host tier (from the trace's mapped files)."""
+    host_tier_lead_s: float | None = None
+    """How long before the first op the host tier was full (negative: after it)."""
+    stager_batches: int = 0
+    stager_cpu_s: float = 0.0
+    """CPU time of the stager thread (it shares the interpreter with the program)."""
     checks: int = 0
     check_flushes: int = 0
     delayed_s: float = 0.0
@@ -195,6 +200,9 @@ class StagedOp:
     span: tuple[int, int] | None = None
     ready: object = None
     """The side stream's event after the copies (CUDA), None when already there."""
+    plan: object = None
+    """The op's plan until its tensors are made (views of the pool, on the program's thread
+    when it takes the op: the stager then makes no tensor per piece)."""
 
 
 @dataclass(slots=True)
@@ -372,6 +380,8 @@ class DevicePath:
         self._pinned = False
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._refill_at = 0
+        self._t_first: float | None = None
+        self._t_loaded: float | None = None
 
     @property
     def on_device(self) -> bool:
@@ -490,7 +500,8 @@ class DevicePath:
                 with self._cond:
                     plan.refs = refs
                     self._cond.notify_all()
-            self.stats.host_tier_load_s = time.monotonic() - t0
+            self._t_loaded = time.monotonic()
+            self.stats.host_tier_load_s = self._t_loaded - t0
         except BaseException as e:  # noqa: BLE001 - surfaced by take()
             with self._cond:
                 self._error = e
@@ -593,10 +604,12 @@ class DevicePath:
         try:
             if self._cuda:
                 torch.cuda.set_device(self.device)
+            cpu0 = time.thread_time()
             while True:
                 with self._cond:
                     while not self._closed and self._plans and not self._room(self._plans[0]):
-                        self._cond.wait(0.05)
+                        self._cond.wait(0.2)
+                    self.stats.stager_batches += 1
                     if self._closed or not self._plans:
                         return
                     batch = []
@@ -606,9 +619,19 @@ class DevicePath:
                             break
                         batch.append((self._plans.popleft(), span))
                     released, self._released = self._released, []
-                for plan, span in batch:
-                    self._stage(plan, on_side=True, span=span, released=released)
-                    released = []
+                # the first op gets its own event and is handed over at once (the program may be
+                # waiting for it); the rest share the batch's last event, handed over together
+                staged = [self._stage(plan, on_side=True, span=span, released=released if j == 0 else [],
+                                      publish=j == 0, event=j in (0, len(batch) - 1))
+                          for j, (plan, span) in enumerate(batch)]
+                last = staged[-1].ready
+                with self._cond:
+                    for s in staged[1:]:
+                        if s.ready is None:
+                            s.ready = last
+                        self._ready.append(s)
+                    self._cond.notify_all()
+                self.stats.stager_cpu_s = time.thread_time() - cpu0
         except BaseException as e:  # noqa: BLE001 - surfaced by take()
             with self._cond:
                 self._error = e
@@ -628,35 +651,47 @@ class DevicePath:
             typed = self._typed[dtype] = self._pool.view(dtype)
         return typed.as_strided(shape, _strides(shape), at // dtype.itemsize)
 
+    def _make_tensors(self, staged: StagedOp) -> StagedOp:
+        """The op's pieces and scratch as views of its pool space (once)."""
+        plan = staged.plan
+        if plan is None:
+            return staged
+        base = staged.span[0]
+        items = plan.items()
+        views = [self._view(base + off, t.shape, t.dtype) if t.nbytes else
+                 torch.empty(t.shape, dtype=t.dtype, device=self._pool.device)
+                 for t, off in zip(items, plan.offsets)]
+        staged.scratch = [self._view(base + off, s, d) for (s, d), off in zip(plan.scratch, plan.offsets[len(items):])]
+        k = 0
+        for m, ps in plan.terms.items():
+            staged.terms[m] = dict(zip(ps, views[k:k + len(ps)]))
+            k += len(ps)
+        staged.result = views[k:]
+        staged.plan = None
+        return staged
+
     def _stage(self, plan: _Plan, *, on_side: bool, span: tuple[int, int] | None = None,
-               released: list | None = None) -> StagedOp:
+               released: list | None = None, publish: bool = True, event: bool = True) -> StagedOp:
         if span is None:
             with self._cond:
                 span = self._ring.alloc(plan.nbytes)
             if span is None:
                 raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
         base = span[0]
-        items = plan.items()
-        views = [self._view(base + off, t.shape, t.dtype) if t.nbytes else
-                 torch.empty(t.shape, dtype=t.dtype, device=self._pool.device)
-                 for t, off in zip(items, plan.offsets)]
-        scratch = [self._view(base + off, s, d) for (s, d), off in zip(plan.scratch, plan.offsets[len(items):])]
-        terms, k = {}, 0
-        for m, ps in plan.terms.items():
-            terms[m] = dict(zip(ps, views[k:k + len(ps)]))
-            k += len(ps)
         tiered = self._tier is not None and plan.tier_at >= 0 and on_side
         if tiered:
             self._wait_loaded(plan)
-        staged = StagedOp(idx=plan.idx, nbytes=plan.nbytes, span=span, terms=terms, result=views[k:],
-                          scratch=scratch)
+        staged = StagedOp(idx=plan.idx, nbytes=plan.nbytes, span=span, plan=plan)
         with self._read_lock:
-            if tiered:
+            if tiered:  # one copy, no tensor per piece: they are made when the op is taken
                 staged.refs = plan.refs
-                staged.ready = self._from_tier(plan, base, released or [])
+                staged.ready = self._from_tier(plan, base, released or [], event)
             else:
+                self._make_tensors(staged)
+                views = [t for ts in staged.terms.values() for t in ts.values()] + staged.result
                 staged.refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
-                copies = [(v, base + off, t.load()) for v, t, off in zip(views, items, plan.offsets) if t.nbytes]
+                copies = [(v, base + off, t.load()) for v, t, off in zip(views, plan.items(), plan.offsets)
+                          if t.nbytes]
                 if self._cuda and on_side:
                     staged.ready = self._upload(base, base + plan.staged_nbytes, copies, released or [])
                 else:  # host memory, or prefetch off (the op's stream moves the data now)
@@ -666,25 +701,29 @@ class DevicePath:
         self.stats.staged_bytes += plan.staged_nbytes
         with self._cond:
             self.stats.high_water_bytes = max(self.stats.high_water_bytes, self._ring.used())
-            if on_side and self.mode != PrefetchMode.OFF:
+            if publish and on_side and self.mode != PrefetchMode.OFF:
                 self._ready.append(staged)
                 self._cond.notify_all()
         return staged
 
-    def _from_tier(self, plan: _Plan, start: int, released: list):
+    def _from_tier(self, plan: _Plan, start: int, released: list, event: bool = True):
         """One DMA from the op's loaded bytes in the host tier into its pool space, on the side
-        stream once the op's stream is done with whatever the space held before."""
+        stream once the op's stream is done with whatever the space held before; the copy's
+        event when ``event`` (a batch shares its last one)."""
         n = plan.staged_nbytes
         if not self._cuda:
             self._pool[start:start + n].copy_(self._tier[plan.tier_at:plan.tier_at + n])
             return None
-        with torch.cuda.stream(self._side):
-            for event in released:
-                self._side.wait_event(event)
-            if n:
+        side = self._side
+        for e in released:
+            side.wait_event(e)
+        if n:
+            with torch.cuda.stream(side):
                 self._pool[start:start + n].copy_(self._tier[plan.tier_at:plan.tier_at + n], non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self._side)
+        if not event:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(side)
         return ready
 
     def _upload(self, start: int, end: int, copies, released: list):
@@ -729,6 +768,7 @@ class DevicePath:
     def take(self, idx: int, what: str) -> StagedOp:
         """The staged data of op ``idx`` (the rank's event index), on the op's stream."""
         if self.device is None:
+            self._t_first = time.monotonic()
             cuda = self.device_kind == "cuda" and torch.cuda.is_available()
             self._start(torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         self._release_taken()
@@ -741,6 +781,7 @@ class DevicePath:
             staged = self._stage(self._plans.popleft(), on_side=False)
         else:
             staged = self._next_ready(idx, what)
+        self._make_tensors(staged)
         self._taken.append((staged, torch.cuda.current_stream(self.device) if self._cuda else None))
         return staged
 
@@ -797,7 +838,8 @@ class DevicePath:
                 if self.mode != PrefetchMode.PRELOAD:
                     self._ring.release(staged.span)
             self._released.extend(events)
-            self._cond.notify_all()
+            if self._plans and self._room(self._plans[0]):  # wake the stager only when it has work
+                self._cond.notify_all()
 
     def on(self, staged: StagedOp, device: torch.device) -> StagedOp:
         """``staged`` with its tensors on ``device`` — for an op on host tensors while the pool is
@@ -887,6 +929,8 @@ class DevicePath:
             self._side.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self._tier.data_ptr())
             self._pinned = False
+        if self._t_first is not None and self._t_loaded is not None:
+            self.stats.host_tier_lead_s = self._t_first - self._t_loaded
         left = [s.idx for s in self._ready] + [p.idx for p in self._plans]
         if self.device is None:  # never started: every op of the path is left
             left = [p.idx for p in (self._planned if self._planned is not None else self._plan_all())]
