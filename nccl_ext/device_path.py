@@ -176,6 +176,8 @@ class PrefetchStats:
     host_tier_lead_s: float | None = None
     """How long before the first op the host tier was full (negative: after it)."""
     stager_batches: int = 0
+    copies: int = 0
+    """Host-to-pool copies issued (a batch of ops back to back in the pool takes one)."""
     stager_cpu_s: float = 0.0
     """CPU time of the stager thread (it shares the interpreter with the program)."""
     checks: int = 0
@@ -198,6 +200,9 @@ class StagedOp:
     refs: list[int] = field(default_factory=list)
     """Word sums of this rank's recorded contribution pieces (divergence checks)."""
     span: tuple[int, int] | None = None
+    """The op's staged bytes in the pool's data ring (None: nothing staged)."""
+    scratch_span: tuple[int, int] | None = None
+    """Its scratch in the pool's scratch ring."""
     ready: object = None
     """The side stream's event after the copies (CUDA), None when already there."""
     plan: object = None
@@ -233,12 +238,10 @@ class _Plan:
     refs: list[int] | None = None
     """Word sums of ``own``, once the host tier's loader computed them."""
     offsets: list[int] = field(default_factory=list)
-    """Where each of :meth:`items` and then each scratch tensor starts, from the op's first
-    byte (computed once, so staging an op is views and one copy)."""
+    """Where each of :meth:`items` starts from the op's first staged byte, then each scratch
+    tensor from the op's first scratch byte (computed once: staging an op is one copy)."""
     staged_nbytes: int = 0
-    """Bytes of the staged pieces (they come first: one copy covers them)."""
-    nbytes: int = 0
-    """Pool bytes of the op: staged pieces and scratch."""
+    scratch_nbytes: int = 0
 
     def __post_init__(self) -> None:
         at = 0
@@ -246,10 +249,16 @@ class _Plan:
             self.offsets.append(at)
             at += _aligned(t.nbytes)
         self.staged_nbytes = at
+        at = 0
         for s, d in self.scratch:
             self.offsets.append(at)
             at += _aligned(_numel(s) * d.itemsize)
-        self.nbytes = at
+        self.scratch_nbytes = at
+
+    @property
+    def nbytes(self) -> int:
+        """Pool bytes of the op: staged pieces and scratch."""
+        return self.staged_nbytes + self.scratch_nbytes
 
     def items(self) -> list[_Item]:
         """The pieces to stage, in the order they are laid out (pool and host tier alike)."""
@@ -327,6 +336,39 @@ class _Ring:
         self._used -= span[1] - span[0]
 
 
+class _Space:
+    """The pool's two FIFO rings: staged bytes (consecutive ops sit back to back, as in the
+    host tier, so a batch of them moves in one copy) and scratch (where reductions fold)."""
+
+    def __init__(self, data: int, scratch: int):
+        self.data, self.scratch = _Ring(data), _Ring(scratch)
+        self.scratch_base = data
+        """Pool offset of the scratch ring."""
+
+    @property
+    def capacity(self) -> int:
+        return self.data.capacity + self.scratch.capacity
+
+    def used(self) -> int:
+        return self.data.used() + self.scratch.used()
+
+    def fits(self, plan: _Plan) -> bool:
+        return (not plan.staged_nbytes or self.data.fits(plan.staged_nbytes)) and \
+            (not plan.scratch_nbytes or self.scratch.fits(plan.scratch_nbytes))
+
+    def alloc(self, plan: _Plan) -> tuple[tuple[int, int] | None, tuple[int, int] | None] | None:
+        if not self.fits(plan):
+            return None
+        return (self.data.alloc(plan.staged_nbytes) if plan.staged_nbytes else None,
+                self.scratch.alloc(plan.scratch_nbytes) if plan.scratch_nbytes else None)
+
+    def release(self, op: StagedOp) -> None:
+        if op.span is not None:
+            self.data.release(op.span)
+        if op.scratch_span is not None:
+            self.scratch.release(op.scratch_span)
+
+
 class DevicePath:
     """One sandbox rank's device data path (see the module docstring)."""
 
@@ -358,7 +400,7 @@ class DevicePath:
         copied through a pinned mirror of the pool when staged."""
         self._tier_on_host = tier_on_host
         """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
-        self._ring: _Ring | None = None
+        self._space: _Space | None = None
         self._plans: deque[_Plan] = deque()
         self._ready: deque[StagedOp] = deque()
         self._taken: list[tuple[StagedOp, object]] = []
@@ -424,17 +466,21 @@ class DevicePath:
                 self._loader = threading.Thread(target=self._load_tier, args=(list(plans),),
                                                 name=f"prism-prefetch-load-{self.rank}", daemon=True)
                 self._loader.start()
-        largest = max((p.nbytes for p in plans), default=0)
-        total = sum(p.nbytes for p in plans)
+        staged = sum(p.staged_nbytes for p in plans)
+        scratch = sum(p.scratch_nbytes for p in plans)
         if self.mode == PrefetchMode.PRELOAD:
-            capacity = total
-        else:
-            capacity = max(self.requested_pool, 2 * largest)
-        capacity = _aligned(capacity) + _aligned(_CHECK_SLOTS * 4)
-        self._allocate(capacity)
-        self._ring = _Ring(capacity - _aligned(_CHECK_SLOTS * 4))
-        self._refill_at = self._ring.capacity - max(self._ring.capacity // 4, largest)
-        self._slots = self._pool[self._ring.capacity:self._ring.capacity + _CHECK_SLOTS * 4].view(torch.int32)
+            data, work = staged, scratch
+        else:  # the pool split between the rings as the run's bytes are
+            big_d = max((p.staged_nbytes for p in plans), default=0)
+            big_s = max((p.scratch_nbytes for p in plans), default=0)
+            work = max(2 * big_s, self.requested_pool * scratch // max(1, staged + scratch))
+            data = max(2 * big_d, self.requested_pool - work)
+        data, work = _aligned(data), _aligned(work)
+        self._allocate(data + work + _aligned(_CHECK_SLOTS * 4))
+        self._space = _Space(data, work)
+        largest = max((p.nbytes for p in plans), default=0)
+        self._refill_at = self._space.capacity - max(self._space.capacity // 4, largest)
+        self._slots = self._pool[data + work:data + work + _CHECK_SLOTS * 4].view(torch.int32)
         self._plans = deque(plans)
         if self._cuda:
             self._side = torch.cuda.Stream(device)
@@ -614,35 +660,74 @@ class DevicePath:
                         return
                     batch = []
                     while self._plans and len(batch) < _BATCH_OPS:
-                        span = self._ring.alloc(self._plans[0].nbytes)
-                        if span is None:
+                        spans = self._space.alloc(self._plans[0])
+                        if spans is None:
                             break
-                        batch.append((self._plans.popleft(), span))
+                        batch.append((self._plans.popleft(), spans))
                     released, self._released = self._released, []
-                # the first op gets its own event and is handed over at once (the program may be
-                # waiting for it); the rest share the batch's last event, handed over together
-                staged = [self._stage(plan, on_side=True, span=span, released=released if j == 0 else [],
-                                      publish=j == 0, event=j in (0, len(batch) - 1))
-                          for j, (plan, span) in enumerate(batch)]
-                last = staged[-1].ready
-                with self._cond:
-                    for s in staged[1:]:
-                        if s.ready is None:
-                            s.ready = last
-                        self._ready.append(s)
-                    self._cond.notify_all()
+                if self._tier is not None:
+                    self._stage_batch(batch, released)
+                else:
+                    for j, (plan, spans) in enumerate(batch):
+                        self._stage(plan, on_side=True, spans=spans, released=released if j == 0 else [])
                 self.stats.stager_cpu_s = time.thread_time() - cpu0
         except BaseException as e:  # noqa: BLE001 - surfaced by take()
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
 
+    def _stage_batch(self, batch: list, released: list) -> None:
+        """Stage a batch from the host tier: the first op with its own copy and event, handed
+        over at once (the program may be waiting for it); the rest with one copy per run of
+        ops back to back in the pool (the tier holds them back to back too) and one event,
+        handed over together."""
+        ops = []
+        for plan, (span, scratch) in batch:
+            self._wait_loaded(plan)
+            ops.append(StagedOp(idx=plan.idx, nbytes=plan.nbytes, span=span, scratch_span=scratch, plan=plan,
+                                refs=plan.refs))
+        first, rest = ops[0], ops[1:]
+        first.ready = self._from_tier(first.span, batch[0][0].tier_at, released, event=True)
+        self._publish([first])
+        if not rest:
+            return
+        run: list[tuple[StagedOp, int]] = []
+        for op, (plan, _) in zip(rest, batch[1:]):
+            if op.span is None:
+                continue
+            if run and run[-1][0].span[1] != op.span[0]:
+                self._from_tier((run[0][0].span[0], run[-1][0].span[1]), run[0][1], [], event=False)
+                run = []
+            run.append((op, plan.tier_at))
+        if run:
+            self._from_tier((run[0][0].span[0], run[-1][0].span[1]), run[0][1], [], event=False)
+        last = self._record_side()
+        for op in rest:
+            op.ready = last
+        self._publish(rest)
+
+    def _publish(self, ops: list[StagedOp]) -> None:
+        with self._cond:
+            for op in ops:
+                self.stats.staged_ops += 1
+                self.stats.staged_bytes += op.span[1] - op.span[0] if op.span is not None else 0
+                self._ready.append(op)
+            self.stats.high_water_bytes = max(self.stats.high_water_bytes, self._space.used())
+            self._cond.notify_all()
+
+    def _record_side(self):
+        if not self._cuda:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(self._side)
+        return ready
+
     def _room(self, plan: _Plan) -> bool:
         """Whether to stage now (under the lock): the pool is below its refill mark or the next
         op is not staged at all (the program may be waiting for it), and the op fits."""
-        if self._ring.used() > self._refill_at and self._ready:
+        if self._space.used() > self._refill_at and self._ready:
             return False
-        return self._ring.fits(plan.nbytes)
+        return self._space.fits(plan)
 
     def _view(self, at: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The pool's bytes at ``at`` as a tensor (one call: a strided view of the typed pool)."""
@@ -656,12 +741,15 @@ class DevicePath:
         plan = staged.plan
         if plan is None:
             return staged
-        base = staged.span[0]
+        base = staged.span[0] if staged.span is not None else 0
         items = plan.items()
         views = [self._view(base + off, t.shape, t.dtype) if t.nbytes else
                  torch.empty(t.shape, dtype=t.dtype, device=self._pool.device)
                  for t, off in zip(items, plan.offsets)]
-        staged.scratch = [self._view(base + off, s, d) for (s, d), off in zip(plan.scratch, plan.offsets[len(items):])]
+        if plan.scratch:
+            at = self._space.scratch_base + staged.scratch_span[0]
+            staged.scratch = [self._view(at + off, s, d) if _numel(s) else torch.empty(s, dtype=d, device=self._pool.device)
+                              for (s, d), off in zip(plan.scratch, plan.offsets[len(items):])]
         k = 0
         for m, ps in plan.terms.items():
             staged.terms[m] = dict(zip(ps, views[k:k + len(ps)]))
@@ -670,22 +758,24 @@ class DevicePath:
         staged.plan = None
         return staged
 
-    def _stage(self, plan: _Plan, *, on_side: bool, span: tuple[int, int] | None = None,
-               released: list | None = None, publish: bool = True, event: bool = True) -> StagedOp:
-        if span is None:
+    def _stage(self, plan: _Plan, *, on_side: bool, spans: tuple | None = None,
+               released: list | None = None) -> StagedOp:
+        """Stage one op (preload, prefetch off, or no host tier)."""
+        if spans is None:
             with self._cond:
-                span = self._ring.alloc(plan.nbytes)
-            if span is None:
+                spans = self._space.alloc(plan)
+            if spans is None:
                 raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
-        base = span[0]
+        span = spans[0]
+        base = span[0] if span is not None else 0
         tiered = self._tier is not None and plan.tier_at >= 0 and on_side
         if tiered:
             self._wait_loaded(plan)
-        staged = StagedOp(idx=plan.idx, nbytes=plan.nbytes, span=span, plan=plan)
+        staged = StagedOp(idx=plan.idx, nbytes=plan.nbytes, span=span, scratch_span=spans[1], plan=plan)
         with self._read_lock:
             if tiered:  # one copy, no tensor per piece: they are made when the op is taken
                 staged.refs = plan.refs
-                staged.ready = self._from_tier(plan, base, released or [], event)
+                staged.ready = self._from_tier(span, plan.tier_at, released or [], event=True)
             else:
                 self._make_tensors(staged)
                 views = [t for ts in staged.terms.values() for t in ts.values()] + staged.result
@@ -697,34 +787,31 @@ class DevicePath:
                 else:  # host memory, or prefetch off (the op's stream moves the data now)
                     for dst, _, host in copies:
                         dst.copy_(host)
-        self.stats.staged_ops += 1
-        self.stats.staged_bytes += plan.staged_nbytes
-        with self._cond:
-            self.stats.high_water_bytes = max(self.stats.high_water_bytes, self._ring.used())
-            if publish and on_side and self.mode != PrefetchMode.OFF:
-                self._ready.append(staged)
-                self._cond.notify_all()
+        if on_side and self.mode != PrefetchMode.OFF:
+            self._publish([staged])
+        else:
+            self.stats.staged_ops += 1
+            self.stats.staged_bytes += plan.staged_nbytes
+            self.stats.high_water_bytes = max(self.stats.high_water_bytes, self._space.used())
         return staged
 
-    def _from_tier(self, plan: _Plan, start: int, released: list, event: bool = True):
-        """One DMA from the op's loaded bytes in the host tier into its pool space, on the side
-        stream once the op's stream is done with whatever the space held before; the copy's
-        event when ``event`` (a batch shares its last one)."""
-        n = plan.staged_nbytes
+    def _from_tier(self, span: tuple[int, int] | None, tier_at: int, released: list, event: bool = True):
+        """One DMA of loaded bytes from the host tier at ``tier_at`` into ``span`` of the pool,
+        on the side stream once the ops' streams are done with whatever the space held before;
+        the copy's event when ``event``."""
+        n = span[1] - span[0] if span is not None else 0
+        self.stats.copies += n > 0
         if not self._cuda:
-            self._pool[start:start + n].copy_(self._tier[plan.tier_at:plan.tier_at + n])
+            if n:
+                self._pool[span[0]:span[1]].copy_(self._tier[tier_at:tier_at + n])
             return None
         side = self._side
         for e in released:
             side.wait_event(e)
         if n:
             with torch.cuda.stream(side):
-                self._pool[start:start + n].copy_(self._tier[plan.tier_at:plan.tier_at + n], non_blocking=True)
-        if not event:
-            return None
-        ready = torch.cuda.Event()
-        ready.record(side)
-        return ready
+                self._pool[span[0]:span[1]].copy_(self._tier[tier_at:tier_at + n], non_blocking=True)
+        return self._record_side() if event else None
 
     def _upload(self, start: int, end: int, copies, released: list):
         """Fill the pinned mirror of ``[start, end)`` of the pool on the helper threads and move
@@ -792,7 +879,7 @@ class DevicePath:
             while True:
                 while self._ready and self._ready[0].idx < idx:  # ops the program skipped
                     skipped = self._ready.popleft()
-                    self._ring.release(skipped.span)
+                    self._space.release(skipped)
                     if skipped.ready is not None:  # its copy may still run: reuse waits for it
                         self._released.append(skipped.ready)
                 if self._ready:
@@ -836,7 +923,7 @@ class DevicePath:
         with self._cond:
             for staged, _ in taken:
                 if self.mode != PrefetchMode.PRELOAD:
-                    self._ring.release(staged.span)
+                    self._space.release(staged)
             self._released.extend(events)
             if self._plans and self._room(self._plans[0]):  # wake the stager only when it has work
                 self._cond.notify_all()

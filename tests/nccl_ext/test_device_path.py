@@ -244,6 +244,7 @@ def test_prepare_fills_the_host_tier_before_the_first_op():
     assert rec.reads == reads  # the steps never touched the trace
     assert dp.flush() == [] and dp.close() == (0, None)
     assert dp.stats.host_tier_bytes == 20 * 1024 and dp.stats.staged_ops == 20
+    assert dp.stats.copies < 20  # ops back to back in the pool moved together
 
 
 def test_a_prepared_path_that_never_starts_reports_every_op():
