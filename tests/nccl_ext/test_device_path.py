@@ -130,16 +130,22 @@ def _dp(rec, **kw) -> DevicePath:
     return DevicePath(rank=0, sandbox=(0,), recording=rec, **kw)
 
 
+def _take_and_fold(dp: DevicePath, rec: _Recording, s: int) -> None:
+    """Take op ``s``, check the sandbox's unchanged contribution and fold it with the staged
+    peer: the result must be the exact sum."""
+    staged = dp.take(s, f"op {s}")
+    live = rec.data[(0, s)].clone()
+    dp.verify([live], staged.refs, ("allreduce", s))
+    out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
+    assert torch.equal(out[0], live + rec.data[(1, s)])
+
+
 @pytest.mark.parametrize("mode", ["stream", "off", "preload"])
 def test_every_op_gets_its_own_data_in_order(mode):
     rec = _Recording(40)
     dp = _dp(rec, mode=mode, pool_bytes=4096)  # room for a few ops only (2 KiB each with scratch)
     for s in range(40):
-        staged = dp.take(s, f"op {s}")
-        live = rec.data[(0, s)].clone()
-        dp.verify([live], staged.refs, ("allreduce", s))
-        out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
-        assert torch.equal(out[0], live + rec.data[(1, s)])
+        _take_and_fold(dp, rec, s)
     assert dp.flush() == []
     assert dp.close() == (0, None)
     st = dp.stats
@@ -236,11 +242,7 @@ def test_prepare_fills_the_host_tier_before_the_first_op():
     reads = rec.reads
     assert reads == 20 * 2  # the peer's piece to stage and the own piece's word sum, once per op
     for s in range(20):
-        staged = dp.take(s, f"op {s}")
-        live = rec.data[(0, s)].clone()
-        dp.verify([live], staged.refs, ("allreduce", s))
-        out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
-        assert torch.equal(out[0], live + rec.data[(1, s)])
+        _take_and_fold(dp, rec, s)
     assert rec.reads == reads  # the steps never touched the trace
     assert dp.flush() == [] and dp.close() == (0, None)
     assert dp.stats.host_tier_bytes == 20 * 1024 and dp.stats.staged_ops == 20
