@@ -9,6 +9,9 @@ import time
 
 from nccl_ext.atomic import atomic_write_text
 
+_HELD: list = []
+"""The physical group and store, kept until the process ends (see ``__main__``)."""
+
 
 def main() -> int:
     from nccl_ext.assistant import serve
@@ -21,6 +24,7 @@ def main() -> int:
     timeout_s = float(env.get("PRISM_TIMEOUT_S", "300"))
     recording = TraceRecording(TraceReader(env["PRISM_TRACE_DIR"], verify=False))
     physical, store = physical_group(len(sandbox), len(sandbox) + 1, timeout_s)
+    _HELD.extend((physical, store))
     t0 = time.monotonic()
     stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")),
                   device_path=env.get("PRISM_DATA_PATH") == "device", pruned=env.get("PRISM_PRUNED") == "1")
@@ -38,4 +42,23 @@ def main() -> int:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(main)())
+    code = 1
+    try:
+        code = record(main)()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported here: os._exit below would swallow it
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        # End like a forked rank does (os._exit, no interpreter teardown): the sandbox ranks
+        # close their connections as they exit, and gloo's and the store's C++ threads torn
+        # down in static destruction under a closing connection can abort a process whose
+        # work is done ("terminate called without an active exception", SIGABRT).
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
