@@ -28,7 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
 MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "512",
-         "--micro-batch-size", "4", "--vocab-size", "8192"]
+         "--micro-batch-size", "4", "--vocab-size", "8192",
+         # every replica trains on the same samples whatever the data-parallel size, so the
+         # sandbox's shard sees the same tokens (and MoE routing) at every world size
+         "--replicate-data"]
 JOBS = {
     "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *MODEL], None),
     # no tensor parallelism: megatron-core's local (non-Transformer-Engine) layer norm refuses

@@ -90,7 +90,8 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--replicate-data", action="store_true",
-                   help="every data-parallel replica draws the same samples (replicas stay identical)")
+                   help="every data-parallel replica draws the same samples (replicas stay identical), "
+                        "independent of the data-parallel size")
     g.add_argument("--log-all-ranks", action="store_true",
                    help="every rank also prints its grad norm and a parameter checksum each step")
     return p.parse_args(argv)
@@ -201,11 +202,21 @@ def synthetic_sample(seed, index, seq_length, vocab_size):
     return tokens
 
 
-def data_iterator(args, num_microbatches, iteration):
-    dp_rank = parallel_state.get_data_parallel_rank()
+def first_sample(args, num_microbatches: int, iteration: int, dp_rank: int) -> int:
+    """Index, in the global sample stream, of a data-parallel rank's first sample of an iteration.
+
+    Each replica takes its own slice of every global batch. With ``--replicate-data`` every
+    replica takes the same ``micro-batch size x micro-batches`` samples per iteration, from a
+    stream that does not depend on the data-parallel size: a replica sees the same tokens in a
+    world of 8 ranks as in one of 8,192 (for the same per-replica batch)."""
     per_dp = args.micro_batch_size * num_microbatches
-    # --replicate-data: every data-parallel replica trains on the samples of replica 0
-    base = iteration * args.global_batch_size + (0 if args.replicate_data else dp_rank * per_dp)
+    if args.replicate_data:
+        return iteration * per_dp
+    return iteration * args.global_batch_size + dp_rank * per_dp
+
+
+def data_iterator(args, num_microbatches, iteration):
+    base = first_sample(args, num_microbatches, iteration, parallel_state.get_data_parallel_rank())
     device = torch.cuda.current_device()
     position_ids = torch.arange(args.seq_length).unsqueeze(0).expand(args.micro_batch_size, -1)
     causal = torch.tril(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool))
