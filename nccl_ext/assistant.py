@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from nccl_ext import wire
 from nccl_ext.device_path import eligible
-from nccl_ext.ops import Collective, contributors
-from nccl_ext.pruning import CONTROL_TAG, decode, ring_of, run_op, uses_ring
+from nccl_ext.ops import Collective, ReduceKind, contributors
+from nccl_ext.pruning import RING_KINDS, RingChannels, ring_of, ring_processes, run_op, uses_ring
 from nccl_ext.replay_transport import Recording
 
 
@@ -142,12 +142,15 @@ def _stream(recording: Recording, sandbox: tuple[int, ...], rank: int, physical:
 
 
 def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.ProcessGroup, store, *,
-          window: int = 32, device_path: bool = False, pruned: bool = False) -> AssistantStats:
-    """Stream every sandbox rank's virtual payloads; returns when all were taken.
+          window: int = 32, device_path: bool = False, pruned: bool = False, rings: RingChannels | None = None,
+          grace_s: float = 10.0) -> AssistantStats:
+    """Stream every sandbox rank's virtual payloads and play the edges of every pruned ring;
+    returns when all were taken and played.
 
     The assistant is a server: it waits as long as its sandbox ranks run (their own waits
-    carry the deadlines) and fails fast when a sandbox rank ends without taking a message.
-    One failed stream fails the whole run.
+    carry the deadlines) and fails fast when a sandbox rank ends without taking a message,
+    or when every sandbox rank has ended ``grace_s`` ago with a ring op not played. One
+    failed stream or ring fails the whole run.
     """
     stats = AssistantStats({r: StreamStats() for r in sandbox})
     errors: list[BaseException] = []
@@ -160,52 +163,87 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
             errors.append(RuntimeError(f"assistant stream to sandbox rank {rank} failed: {e}"))
 
     threads = [threading.Thread(target=run, args=(r,), name=f"prism-assistant-{r}", daemon=True) for r in sandbox]
-    edges: list[threading.Thread] = []
+    players: list[_RingPlayer] = []
     if pruned:
-        threading.Thread(target=_control_loop, args=(recording, sandbox, physical, edges, errors, stats),
-                         name="prism-assistant-rings", daemon=True).start()
+        if rings is None:
+            raise ValueError("serve(pruned=True) needs the rings' channels")
+        players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats)
+                   for gid, ops in sorted(ring_ops(recording, sandbox).items())]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if pruned:  # rings may still run after the last streamed message: serve until every sandbox ended
-        while not store.check([done_key(r) for r in sandbox]) and not errors:
-            time.sleep(0.05)
-        for t in list(edges):
-            t.join()
+    ended_at: float | None = None
+    while any(p.thread.is_alive() for p in players) and not errors:
+        if ended_at is None and store.check([done_key(r) for r in sandbox]):
+            ended_at = time.monotonic()
+        if ended_at is not None and time.monotonic() - ended_at > grace_s:
+            left = [p for p in players if p.thread.is_alive()]
+            raise RuntimeError(
+                f"the sandbox ranks ended with {len(left)} pruned ring(s) not played to the end (group "
+                f"{left[0].gid} at seq {left[0].at}, {left[0].kind_at}); their program diverged from the trace "
+                "(capture again with mode=capture)")
+        time.sleep(0.05)
     if errors:
         raise errors[0]
     return stats
 
 
-def _control_loop(recording: Recording, sandbox: tuple[int, ...], physical: dist.ProcessGroup,
-                  edges: list[threading.Thread], errors: list, stats: AssistantStats) -> None:
-    """Play the edges of every pruned ring a sandbox rank starts (one thread per op)."""
-    me = len(sandbox)
-    while True:
-        ctrl = torch.empty(5, dtype=torch.int64)
-        try:
-            physical.recv_anysource([ctrl], CONTROL_TAG).wait(_FOREVER)
-        except BaseException:  # noqa: BLE001 - the sandboxes went away: nothing left to play
-            return
-        gid, seq, kind, reduce, k = decode(ctrl)
+RingOp = tuple[int, str, ReduceKind | None, int]
+"""(seq, collective kind, reduction, contribution pieces) of a pruned-ring op."""
 
-        def edge(gid=gid, seq=seq, kind=kind, reduce=reduce, k=k) -> None:
-            try:
-                ranks = recording.group_ranks(gid)
+
+def ring_ops(recording: Recording, sandbox: tuple[int, ...]) -> dict[int, list[RingOp]]:
+    """Per logical group, the collectives the sandbox ranks run over pruned rings that have
+    edges (virtual members), in the group's order — what the assistant plays, in the order
+    every live member issues them."""
+    out: dict[int, dict[int, RingOp]] = {}
+    for rank in sandbox:
+        for op, gid, seq, _peer, _tag in recording.ops_of(rank):
+            if op.kind not in RING_KINDS or seq in out.get(gid, {}):
+                continue
+            ranks = recording.group_ranks(gid)
+            if all(r in sandbox for r in ranks) or not uses_ring(op.kind, ranks, sandbox, recording.folded(gid)):
+                continue
+            out.setdefault(gid, {})[seq] = (seq, op.kind, ReduceKind(op.reduce) if op.reduce else None, op.n_tensors)
+    return {gid: [ops[q] for q in sorted(ops)] for gid, ops in out.items()}
+
+
+class _RingPlayer:
+    """Plays the edges of one logical group's pruned-ring ops, in order, on its own thread and
+    the group's own communicator."""
+
+    def __init__(self, recording: Recording, sandbox: tuple[int, ...], gid: int, ops: list[RingOp],
+                 rings: RingChannels, errors: list, stats: AssistantStats):
+        self.gid, self.at, self.kind_at = gid, ops[0][0], ops[0][1]
+        self.thread = threading.Thread(target=self._run, args=(recording, sandbox, ops, rings, errors, stats),
+                                       name=f"prism-assistant-ring-{gid}", daemon=True)
+        self.thread.start()
+
+    def _run(self, recording, sandbox, ops, rings: RingChannels, errors: list, stats: AssistantStats) -> None:
+        me, gid = len(sandbox), self.gid
+        ranks = recording.group_ranks(gid)
+        ring = ring_of(ranks, sandbox, me)
+        try:
+            if rings.device is not None:  # a thread starts on GPU 0: work on the assistant's GPU
+                torch.cuda.set_device(rings.device)
+            pg, local = rings.get(gid, ring_processes(ring))
+            for seq, kind, reduce, k in ops:
+                self.at, self.kind_at = seq, kind
                 cache: dict[int, list[torch.Tensor]] = {}
 
-                def pieces(m: int) -> list[torch.Tensor]:
+                def pieces(m: int, seq=seq) -> list[torch.Tensor]:
                     if m not in cache:
                         with _READ_LOCK:
-                            cache[m] = recording.contribution(ranks[m], gid, seq)
+                            got = recording.contribution(ranks[m], gid, seq)
+                        cache[m] = [t.to(rings.device) for t in got] if rings.device is not None else got
                     return cache[m]
 
-                run_op(ring_of(ranks, sandbox, me), physical, me, gid, seq, kind, reduce, pieces, k)
-                stats.ring_ops += 1
-            except BaseException as e:  # noqa: BLE001 - re-raised by serve()
-                errors.append(RuntimeError(f"assistant: pruned ring of group {gid} seq {seq} failed: {e}"))
-
-        t = threading.Thread(target=edge, name=f"prism-assistant-ring-{gid}-{seq}", daemon=True)
-        t.start()
-        edges.append(t)
+                run_op(ring, pg, local, me, gid, seq, kind, reduce, pieces, k, tags=rings.tags)
+                if rings.device is not None:
+                    torch.cuda.current_stream().synchronize()
+                with _READ_LOCK:
+                    stats.ring_ops += 1
+        except BaseException as e:  # noqa: BLE001 - re-raised by serve()
+            errors.append(RuntimeError(f"assistant: pruned ring of group {gid} seq {self.at} ({self.kind_at}) "
+                                       f"failed: {e}"))

@@ -20,15 +20,20 @@ chunks live members receive (chunks of pruned members are never reduced) and han
 its owner; an all-gather circulates every node's block (an edge's block is its arc's recorded
 pieces) around the ring.
 
-Nodes talk over a ``torch.distributed`` process group of the physical processes (gloo on CPU,
-NCCL between GPUs): live members are sandbox processes, edges are hosted by assistant
-processes (one process may host several edges). :class:`PhysicalGroups` creates the group of a
-ring's processes lazily, the first time a collective needs it (group reduction: groups without
-two physical processes never get a communicator).
+Nodes talk over a ``torch.distributed`` process group of the ring's physical processes (gloo
+over host memory, or NCCL between GPUs): live members are sandbox processes, edges are hosted
+by an assistant process (one process may host several edges). :class:`RingChannels` gives each
+logical group that runs rings its own communicator, created the first time the group needs
+it (group reduction: no other group gets one). The algorithms keep NCCL's matching rule — a
+pair's messages match in the order they are issued, tags aside — as long as each process
+issues one communicator's ops from one thread at a time (:class:`SerialWorker`); with
+``tags=False`` gloo matches by that order alone too, which is how the CPU tests check it.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -115,29 +120,83 @@ def compensation(kind: ReduceKind, recorded: Sequence[torch.Tensor]) -> torch.Te
     return fold(ReduceKind.SUM if kind is ReduceKind.AVG else kind, list(recorded))
 
 
-class PhysicalGroups:
-    """Process groups of ring nodes, created the first time a collective needs them."""
+def ring_processes(ring: PrunedRing) -> tuple[int, ...]:
+    """The physical ranks a ring runs on, in rank order (its communicator's members)."""
+    return tuple(sorted({x.phys for x in ring.nodes}))
 
-    def __init__(self, make: Callable[[list[int]], dist.ProcessGroup]):
+
+class RingChannels:
+    """One communicator per logical group that runs pruned rings, over the ring's physical
+    processes, created the first time the group needs it (every member creates it on its
+    first op of the group: gloo connects and NCCL initialises collectively)."""
+
+    def __init__(self, make: Callable[[int, tuple[int, ...]], dist.ProcessGroup], *, tags: bool = True,
+                 device: torch.device | None = None):
         self._make = make
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.tags = tags
+        """Match messages by tag too (gloo); False: by issue order only, as NCCL does."""
+        self.device = device
+        """Where ring tensors live (a GPU for NCCL); None: host memory."""
+        self._groups: dict[int, tuple[dist.ProcessGroup, dict[int, int]]] = {}
+        self._lock = threading.Lock()
         self.created = 0
 
-    def get(self, ring: PrunedRing) -> tuple[dist.ProcessGroup, dict[int, int]]:
-        """The group over the ring's physical ranks and a map physical rank -> rank in it."""
-        phys = tuple(sorted({x.phys for x in ring.nodes}))
-        pg = self._groups.get(phys)
-        if pg is None:
-            pg = self._groups[phys] = self._make(list(phys))
-            self.created += 1
-        return pg, {p: i for i, p in enumerate(phys)}
+    def get(self, gid: int, phys: Sequence[int]) -> tuple[dist.ProcessGroup, dict[int, int]]:
+        """Logical group ``gid``'s communicator over physical ranks ``phys`` and a map physical
+        rank -> rank in it."""
+        with self._lock:
+            hit = self._groups.get(gid)
+        if hit is None:
+            phys = tuple(sorted(phys))
+            hit = (self._make(gid, phys), {p: i for i, p in enumerate(phys)})
+            with self._lock:
+                self._groups[gid] = hit
+                self.created += 1
+        return hit
+
+
+def group_factory(store, me: int, backend: str, timeout_s: float) -> Callable[[int, tuple[int, ...]], dist.ProcessGroup]:
+    """Makes the ring communicator of a logical group, for physical rank ``me``, rendezvousing
+    through ``store`` under the group's own prefix."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def make(gid: int, phys: tuple[int, ...]) -> dist.ProcessGroup:
+        prefixed = dist.PrefixStore(f"prism/ring/{gid}", store)
+        rank, size = phys.index(me), len(phys)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        if backend != "gloo":
+            raise ValueError(f"ring backend {backend!r}: expected gloo or nccl")
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+    return make
+
+
+class SerialWorker:
+    """Runs jobs one at a time, in submission order, on its own daemon thread: the one thread
+    that issues a communicator's ops in a process."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
 
 
 class _Links:
     """Point-to-point between ring positions; positions played by the same process hand over
     in memory."""
 
-    def __init__(self, ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], tag: int):
+    def __init__(self, ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], tag: int | None):
         self.ring, self.pg, self.local, self.tag = ring, pg, local, tag
         self.works: list = []
         self._mem: dict[tuple[int, int], torch.Tensor] = {}
@@ -157,6 +216,8 @@ class _Links:
         return buf
 
     def _tag(self, src: int, dst: int, key: int) -> int:
+        if self.tag is None:  # match by issue order only (NCCL's rule)
+            return 0
         return (self.tag * 1_000_003 + (src * 65_537 + dst) * 4099 + key) & 0x3FFFFFFF
 
     def drain(self) -> None:
@@ -213,7 +274,7 @@ def _reduce_chunks(ring: PrunedRing, links: _Links, mine: list[int], kind: Reduc
 
 
 def all_reduce(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, kind: ReduceKind,
-               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int = 0) -> dict[int, torch.Tensor]:
+               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int | None = 0) -> dict[int, torch.Tensor]:
     """Run this process's nodes of an all-reduce; ``data(member)`` gives a live member's tensor
     or an edge's recorded one. Returns {live member played here: result}."""
     links = _Links(ring, pg, local, tag)
@@ -238,7 +299,7 @@ def all_reduce(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], p
 
 
 def reduce_scatter(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, kind: ReduceKind,
-                   data: Callable[[int, int], torch.Tensor], like: torch.Tensor, tag: int = 0) -> dict[int, torch.Tensor]:
+                   data: Callable[[int, int], torch.Tensor], like: torch.Tensor, tag: int | None = 0) -> dict[int, torch.Tensor]:
     """Each live member's chunk (``data(member, chunk)``: a member's ``chunk``-th input chunk),
     folded around the ring; chunks addressed to pruned members are never reduced. Returns
     {live member played here: its chunk's result}."""
@@ -261,7 +322,7 @@ def reduce_scatter(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int
 
 
 def all_gather(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int,
-               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int = 0) -> dict[int, list[torch.Tensor]]:
+               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int | None = 0) -> dict[int, list[torch.Tensor]]:
     """Every node's block (a live member's tensor, an edge's members' recorded tensors)
     circulates the ring once. Returns {live member played here: all members' tensors in order}."""
     links = _Links(ring, pg, local, tag)
@@ -294,8 +355,6 @@ def all_gather(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], p
 # -- emulation: sandbox ranks and the assistant run rings for groups with several sandbox members
 
 RING_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-CONTROL_TAG = 0x3FFFFFF0
-_REDUCES = list(ReduceKind)
 
 
 def uses_ring(kind: str, ranks: Sequence[int], sandbox: Sequence[int], folded: bool) -> bool:
@@ -311,40 +370,39 @@ def ring_of(ranks: Sequence[int], sandbox: Sequence[int], assistant: int) -> Pru
     return PrunedRing.plan(len(ranks), live, lambda m: list(sandbox).index(ranks[m]), edge_host=assistant)
 
 
-def control(gid: int, seq: int, kind: str, reduce: ReduceKind | None, pieces: int) -> torch.Tensor:
-    """The message a ring's first live member sends its edges' host to start their part."""
-    return torch.tensor([gid, seq, RING_KINDS.index(kind), _REDUCES.index(reduce or ReduceKind.SUM), pieces],
-                        dtype=torch.int64)
-
-
-def op_tag(gid: int, seq: int, piece: int) -> int:
+def _op_tag(gid: int, seq: int, piece: int) -> int:
     return (gid * 1_000_033 + seq * 131 + piece) & 0xFFFFF
 
 
-def run_op(ring: PrunedRing, pg: dist.ProcessGroup, phys: int, gid: int, seq: int, kind: str,
-           reduce: ReduceKind | None, pieces: Callable[[int], list[torch.Tensor]], k: int) -> dict[int, list[torch.Tensor]]:
-    """Run this process's nodes of one emulated collective; ``pieces(member)`` is a member's
-    contribution (live or recorded), ``k`` its length. Returns {live member here: result list}
-    in the layout of :func:`nccl_ext.ops.compute`."""
-    local = {p: p for p in range(pg.size())}
+def run_op(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, gid: int, seq: int,
+           kind: str, reduce: ReduceKind | None, pieces: Callable[[int], list[torch.Tensor]], k: int,
+           tags: bool = True) -> dict[int, list[torch.Tensor]]:
+    """Run this process's nodes of one emulated collective over ``pg`` (``local``: physical
+    rank -> rank in it); ``pieces(member)`` is a member's contribution (live or recorded),
+    ``k`` its length. Returns {live member here: result list} in the layout of
+    :func:`nccl_ext.ops.compute`. ``tags=False``: messages carry no tag (matched by order)."""
     n, out = ring.n, {}
+
+    def tag(piece: int) -> int | None:
+        return _op_tag(gid, seq, piece) if tags else None
+
     if kind == "all_reduce":
         for i in range(k):
             got = all_reduce(ring, pg, local, phys, reduce, lambda m: pieces(m)[i], pieces(_any(ring, phys))[i],
-                             tag=op_tag(gid, seq, i))
+                             tag=tag(i))
             for m, t in got.items():
                 out.setdefault(m, []).append(t)
     elif kind == "reduce_scatter":
         for i in range(k // n):
             got = reduce_scatter(ring, pg, local, phys, reduce, lambda m, j: pieces(m)[i * n + j],
-                                 pieces(_any(ring, phys))[i * n], tag=op_tag(gid, seq, i))
+                                 pieces(_any(ring, phys))[i * n], tag=tag(i))
             for m, t in got.items():
                 out.setdefault(m, []).append(t)
     else:
         per_member: dict[int, list[list[torch.Tensor]]] = {}
         for i in range(k):
             got = all_gather(ring, pg, local, phys, lambda m: pieces(m)[i], pieces(_any(ring, phys))[i],
-                             tag=op_tag(gid, seq, i))
+                             tag=tag(i))
             for m, ts in got.items():
                 per_member.setdefault(m, []).append(ts)
         out = {m: [rows[i][j] for i in range(k) for j in range(n)] for m, rows in per_member.items()}
@@ -355,7 +413,3 @@ def _any(ring: PrunedRing, phys: int) -> int:
     """A member whose tensors this process has (for buffer shapes)."""
     return ring.nodes[ring.index(phys=phys)[0]].members[0]
 
-
-def decode(ctrl: torch.Tensor) -> tuple[int, int, str, ReduceKind, int]:
-    gid, seq, kind, red, k = (int(x) for x in ctrl.tolist())
-    return gid, seq, RING_KINDS[kind], _REDUCES[red], k

@@ -18,6 +18,7 @@ the global replay's schedule on the target cluster, given to the recording), or 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from nccl_ext import wire
 from nccl_ext.atomic import atomic_write_text
 from nccl_ext.device_path import DevicePath, eligible, result_of
-from nccl_ext.pruning import CONTROL_TAG, control, ring_of, run_op, uses_ring
+from nccl_ext.pruning import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
@@ -63,6 +64,8 @@ class RecordedOp:
     kind: str = ""
     """Semantic collective kind (``nccl_ext.ops.Collective``), "send" or "recv"."""
     root: int | None = None
+    reduce: str | None = None
+    """A reduction's operator (``nccl_ext.ops.ReduceKind`` value)."""
     digests: tuple[str, ...] = ()
     """blake2b of each contribution tensor's bytes (divergence checks without reading tensors)."""
 
@@ -154,6 +157,7 @@ class ReplayTransport:
         summary_path: Path | None = None,
         device_path: DevicePath | None = None,
         pruned: bool = False,
+        rings: RingChannels | None = None,
     ):
         self.rank = rank
         self.sandbox = sandbox
@@ -174,6 +178,9 @@ class ReplayTransport:
         self.pruned = pruned
         """Collectives shared by several sandbox ranks run over pruned rings (else every sandbox
         member gathers all live contributions and folds on the host)."""
+        self.rings = rings
+        """The pruned rings' communicators, one per logical group (needed when ``pruned``)."""
+        self._ring_workers: dict[int, SerialWorker] = {}
         """Ops with no other sandbox member run on the sandbox's device (prefetch + compensation
         there); None: every op takes the host path."""
         self.unit = 0
@@ -314,15 +321,21 @@ class ReplayTransport:
     def _ring_collective(self, group, gid, seq, call, own: RecordedOp, what: str) -> Pending:
         """A collective shared with other sandbox ranks, over the pruned ring of the physical
         processes: live members plus the assistant playing one edge per arc of virtual members
-        (``nccl_ext/pruning.py``); the first live member tells the assistant to start."""
+        (``nccl_ext/pruning.py``). The group's ops run one after another on its own worker
+        thread and communicator, in the program's order — the order the assistant plays the
+        group's recorded ops in, so no message has to tell it which op comes next."""
         me = group.group_rank(self.rank)
         ring = ring_of(group.ranks, self.sandbox, self.assistant if self.assistant is not None else -1)
-        live = [_host(t) for t in call.tensors]
+        rings = self.rings
+        on_device = rings.device is not None
+        if on_device:  # NCCL: the ring reads a copy on the device, ordered after the program's stream
+            live = [t.detach().clone() for t in call.tensors]
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            live = [_host(t) for t in call.tensors]
         if self.check:
-            self._check(call.api, group, seq, gid, live, own)
-        if any(x.live is None for x in ring.nodes) and me == min(x.live for x in ring.nodes if x.live is not None):
-            self.physical.send([control(gid, seq, str(call.kind), call.reduce, len(live))], self.assistant,
-                               CONTROL_TAG).wait()
+            self._check(call.api, group, seq, gid, [_host(t) for t in live] if on_device else live, own)
         self.stats.ops += 1
         self.stats.physical_exchanges += 1
         self._note_unit_start()
@@ -333,12 +346,23 @@ class ReplayTransport:
 
         def run() -> None:
             try:
-                result = run_op(ring, self.physical, phys, gid, seq, kind, reduce, lambda m: live, k)[me]
+                pg, local = rings.get(gid, ring_processes(ring))
+                # a thread starts on GPU 0: the ring works on the program's GPU
+                with torch.cuda.device(rings.device) if on_device else contextlib.nullcontext():
+                    if on_device:
+                        torch.cuda.current_stream().wait_event(ready)
+                    result = run_op(ring, pg, local, phys, gid, seq, kind, reduce, lambda m: live, k,
+                                    tags=rings.tags)[me]
+                    if on_device:  # complete once the result is in memory (any stream may read it)
+                        torch.cuda.current_stream().synchronize()
                 self._finish_after(pending, result, delay)
             except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
                 pending.fail(RuntimeError(f"{what}: pruned ring failed: {e}"))
 
-        threading.Thread(target=run, name="prism-ring", daemon=True).start()
+        worker = self._ring_workers.get(gid)
+        if worker is None:
+            worker = self._ring_workers[gid] = SerialWorker(f"prism-ring-{gid}")
+        worker.submit(run)
         return pending
 
     def _virtual_ops(self, group: GroupInfo, gid: int, seq: int) -> list[RecordedOp]:
@@ -593,6 +617,7 @@ class ReplayTransport:
         atomic_write_text(self.summary_path, json.dumps({
             "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
             "physical_exchanges": self.stats.physical_exchanges, "folded_ops": self.stats.folded_ops, "waited_s": self.stats.waited_s,
+            "ring_groups": self.rings.created if self.rings is not None else 0,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
             "spans": self.spans, "memory": self.memory,
             "prefetch": self.device_path.stats.as_dict() if self.device_path is not None else None,

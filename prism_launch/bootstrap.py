@@ -74,6 +74,21 @@ def physical_group(rank: int, size: int, timeout_s: float):
     return dist.ProcessGroupGloo(dist.PrefixStore("prism/physical", store), rank, size, timeout), store
 
 
+def ring_channels(me: int, store, timeout_s: float):
+    """The pruned rings' communicators of physical rank ``me`` (``PRISM_RING_BACKEND``: gloo,
+    or nccl on this process's current GPU; ``PRISM_RING_TAGS=0``: messages matched by order)."""
+    from nccl_ext.pruning import RingChannels, group_factory
+
+    backend = os.environ.get("PRISM_RING_BACKEND", "gloo")
+    device = None
+    if backend == "nccl":
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+    return RingChannels(group_factory(store, me, backend, timeout_s), tags=os.environ.get("PRISM_RING_TAGS", "1") == "1",
+                        device=device)
+
+
 def _replay_transport(ctx: RankContext):
     from nccl_ext.replay_transport import ReplayTransport
     from prism_launch.replay_source import TraceRecording
@@ -108,9 +123,10 @@ def _replay_transport(ctx: RankContext):
                 workers=int(env.get("PRISM_PREFETCH_THREADS", "4")),
                 host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))))
             device_path.prepare()  # plan and fill the host tier while the program builds its model
+        pruned = env.get("PRISM_PRUNED") == "1"
         return ReplayTransport(
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
-            pruned=env.get("PRISM_PRUNED") == "1",
+            pruned=pruned, rings=ring_channels(sandbox.index(rank), store, timeout_s) if pruned and store else None,
             physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "predicted"),
             time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
             check=env.get("PRISM_CHECK", "1") == "1",

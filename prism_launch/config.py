@@ -56,6 +56,14 @@ class VirtualHost(StrEnum):
     """Each sandbox process reads the virtual ranks' recorded data from the trace itself."""
 
 
+class RingBackend(StrEnum):
+    gloo = "gloo"
+    """Pruned rings move host tensors over gloo."""
+    nccl = "nccl"
+    """Pruned rings run on the GPUs over NCCL (device=cuda; the assistant takes a GPU of its own,
+    the one after the node's sandbox ranks')."""
+
+
 class StartMethod(StrEnum):
     fork = "fork"
     """Ranks forked from the warmed launcher (fast, light: shared pages)."""
@@ -197,6 +205,11 @@ class EmulateConfig:
     """Collectives shared by several sandbox ranks run over pruned rings (live members plus the
     assistant playing one edge virtual rank per arc; ``nccl_ext/pruning.py``) instead of every
     sandbox member gathering all live contributions and folding on the host."""
+    ring_backend: RingBackend = RingBackend.gloo
+    """Transport of the pruned rings: one communicator per logical group that runs them."""
+    ring_tags: bool = True
+    """Match the rings' messages by tag as well as order (gloo). false: by issue order only, as
+    NCCL does — runs the gloo rings under NCCL's matching rule (a check that needs no GPU)."""
     data_path: DataPath = DataPath.auto
     """Where ops shared only with virtual ranks complete (device or host)."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
@@ -485,6 +498,13 @@ def validate(cfg: PrismConfig) -> None:
         raise ConfigError(f"emulate.prefetch.threads must be >= 1 (got {pf.threads})")
     if pf.host_tier_gib < 0:
         raise ConfigError(f"emulate.prefetch.host_tier_gib must be >= 0 (got {pf.host_tier_gib}; 0 turns the tier off)")
+    if cfg.emulate.ring_backend is RingBackend.nccl:
+        if cfg.device is not Device.cuda:
+            raise ConfigError("emulate.ring_backend=nccl runs the pruned rings on GPUs: set device=cuda, or use "
+                              "emulate.ring_backend=gloo")
+        if not cfg.emulate.pruned_rings:
+            raise ConfigError("emulate.ring_backend=nccl is the transport of the pruned rings: set "
+                              "emulate.pruned_rings=true as well")
     if cfg.emulate.time_scale < 0:
         raise ConfigError(f"emulate.time_scale must be >= 0 (got {cfg.emulate.time_scale})")
     if cfg.device is Device.cuda:

@@ -451,6 +451,8 @@ class Launcher:
             "PRISM_DATA_PATH": self.data_path(),
             "PRISM_PREFETCH": str(self.cfg.emulate.prefetch.mode),
             "PRISM_PRUNED": "1" if self.cfg.emulate.pruned_rings else "0",
+            "PRISM_RING_BACKEND": str(self.cfg.emulate.ring_backend),
+            "PRISM_RING_TAGS": "1" if self.cfg.emulate.ring_tags else "0",
             "PRISM_POOL_MIB": str(self.cfg.emulate.prefetch.pool_mib),
             "PRISM_PREFETCH_THREADS": str(self.cfg.emulate.prefetch.threads),
             "PRISM_HOST_TIER_BYTES": str(int(self.cfg.emulate.prefetch.host_tier_gib * 2**30)),
@@ -481,6 +483,7 @@ class Launcher:
             extra_specs.append(RankSpec(
                 rank=self.topo.world_size,
                 env={**env, "PRISM_ROLE": "assistant", "PRISM_TIMEOUT_S": str(self.cfg.comm.timeout_s),
+                     "PRISM_DEVICE_SLOT": str(len(local)),  # the GPU after this node's sandbox ranks
                      "PRISM_SUMMARY": str(summaries / "assistant.json"), "OMP_NUM_THREADS": "1"},
                 argv=[sys.executable, "-u", "-m", "prism_launch.assistant_main"],
             ))

@@ -55,7 +55,7 @@ class TraceRecording:
                 n_tensors=int(extra.get("n", 1)),
                 shapes=tuple(tuple(s) for s in extra.get("shapes", ())),
                 dtypes=tuple(extra.get("dtypes", ())),
-                idx=cols["idx"][i], kind=extra.get("kind", ""), root=extra.get("root"),
+                idx=cols["idx"][i], kind=extra.get("kind", ""), root=extra.get("root"), reduce=extra.get("reduce"),
                 digests=tuple(extra.get("digests", ())),
             )
             self._ops.setdefault(rank, []).append((rec, gid, seq, peer, tag))

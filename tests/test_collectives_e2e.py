@@ -52,6 +52,7 @@ def test_capture_matches_real_run(captured, tmp_path):
 
 
 RINGS = ["emulate.pruned_rings=true"]
+ORDERED = [*RINGS, "emulate.ring_tags=false"]  # ring messages matched by issue order only (NCCL's rule)
 DEVICE = ["emulate.data_path=device"]
 
 
@@ -60,6 +61,7 @@ DEVICE = ["emulate.data_path=device"]
     ([2], "inprocess", []), ([0, 3], "inprocess", []),
     # pruned rings: edges at the seam (0, 3), adjacent live members (1, 2), three live members
     ([0, 3], "assistant", RINGS), ([1, 2], "assistant", RINGS), ([0, 1, 3], "assistant", RINGS),
+    ([0, 3], "assistant", ORDERED), ([0, 1, 3], "assistant", ORDERED), ([0, 1, 2, 3], "inprocess", ORDERED),
     # the device data path for ops shared only with virtual ranks, alone and beside rings
     ([2], "assistant", DEVICE), ([1, 2], "assistant", DEVICE + RINGS), ([0, 3], "inprocess", DEVICE),
 ])
@@ -90,8 +92,19 @@ def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox, host
         assert sorted(map(int, streams)) == sorted(sandbox)
         if not extra:  # rings and the device path take ops off the streams
             assert all(s["messages"] > 10 for s in streams.values())
-    if extra and extra[-1] in RINGS:
+    if RINGS[0] in extra and host == "assistant":
         assert report["assistant"]["ring_ops"] > 0  # the assistant played edges of pruned rings
+        # group reduction: a communicator only for the groups with rings through the assistant
+        # (the world group; the odd-rank subgroup's ring is all-sandbox when 1 and 3 are live)
+        assert report["assistant"]["ring_groups"] == 1
+    if RINGS[0] in extra:
+        rings = {r: json.loads((tmp_path / "report" / "sandbox" / f"rank{r}.json").read_text())["ring_groups"]
+                 for r in sandbox}
+        # the world group, plus each step's own subgroup of even or odd ranks (new_group per
+        # step) when both its members are live; never one for a group with one live member
+        steps = sum(l.startswith("step ") for l in rank_lines(captured / "logs", sandbox[0]))
+        assert steps >= 2
+        assert rings == {r: 1 + steps * ({r % 2, r % 2 + 2} <= set(sandbox)) for r in sandbox}, rings
     if DEVICE[0] in extra:
         summary = json.loads((tmp_path / "report" / "sandbox" / f"rank{sandbox[0]}.json").read_text())
         assert summary["prefetch"]["staged_ops"] > 0

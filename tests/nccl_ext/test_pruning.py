@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from nccl_ext import pruning
 from nccl_ext.ops import Collective, ReduceKind, compute
-from nccl_ext.pruning import PhysicalGroups, PrunedRing
+from nccl_ext.pruning import PrunedRing, RingChannels, ring_processes
 
 N = 8
 ELEMS = 300_001  # a few 1 MiB chunks in float32, an odd count
@@ -45,27 +45,34 @@ def _chunks(m: int, dtype) -> list[torch.Tensor]:
     return [(torch.randn(ELEMS // 4, generator=g) * 7 ** (m % 3)).to(dtype) for _ in range(N)]
 
 
-def _node(phys: int, size: int, live: list[int], store_path: str, out) -> None:
+def _node(phys: int, size: int, live: list[int], store_path: str, out, tags: bool) -> None:
     torch.set_num_threads(1)  # forked after the parent's OpenMP pool ran: stay out of it
     try:
         store = dist.FileStore(store_path, size)
-        pg = dist.ProcessGroupGloo(store, phys, size, datetime.timedelta(seconds=60))
-        groups = PhysicalGroups(lambda ranks: pg)
+        made = []
+
+        def make(gid, members):
+            made.append((gid, members))
+            return dist.ProcessGroupGloo(dist.PrefixStore(f"g{gid}", store), members.index(phys), len(members),
+                                         datetime.timedelta(seconds=60))
+
+        channels = RingChannels(make, tags=tags)
         ring = PrunedRing.plan(N, live, lambda m: live.index(m), edge_host=len(live))
-        group, local = groups.get(ring)
+        group, local = channels.get(7, ring_processes(ring))
+        assert channels.get(7, ring_processes(ring))[0] is group and made == [(7, tuple(range(size)))]
         res = {}
-        tag = 0
+        tag = 0 if tags else None
         for dtype in (torch.float32, torch.bfloat16):
             for red in REDUCES:
-                tag += 1
+                tag = tag + 1 if tags else None
                 got = pruning.all_reduce(ring, group, local, phys, red, lambda m: _member(m, dtype),
                                          _member(0, dtype), tag=tag)
                 res.update({("ar", str(dtype), red.value, m): t for m, t in got.items()})
-            tag += 1
+            tag = tag + 1 if tags else None
             got = pruning.reduce_scatter(ring, group, local, phys, ReduceKind.SUM,
                                          lambda m, j: _chunks(m, dtype)[j], _chunks(0, dtype)[0], tag=tag)
             res.update({("rs", str(dtype), "sum", m): t for m, t in got.items()})
-            tag += 1
+            tag = tag + 1 if tags else None
             got = pruning.all_gather(ring, group, local, phys, lambda m: _member(m, dtype)[:1000],
                                      _member(0, dtype)[:1000], tag=tag)
             res.update({("ag", str(dtype), "", m): torch.stack(ts) for m, ts in got.items()})
@@ -75,11 +82,11 @@ def _node(phys: int, size: int, live: list[int], store_path: str, out) -> None:
         out.put((phys, repr(e)))
 
 
-def _run(live: list[int], tmp_path) -> dict:
+def _run(live: list[int], tmp_path, tags: bool = True) -> dict:
     size = len(live) + (1 if len(live) < N else 0)
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_node, args=(p, size, live, str(tmp_path / "store"), out)) for p in range(size)]
+    procs = [ctx.Process(target=_node, args=(p, size, live, str(tmp_path / "store"), out, tags)) for p in range(size)]
     for p in procs:
         p.start()
     results: dict = {}
@@ -109,8 +116,10 @@ def _expected(live: list[int]) -> dict:
 
 @pytest.mark.parametrize("live", [[0], [7], [3], [0, 7], [3, 4], [1, 6], [0, 2, 5], list(range(N))],
                          ids=["first", "last", "middle", "both-edges", "adjacent", "far-apart", "three", "unpruned"])
-def test_pruned_ring_results_equal_the_full_group_bit_for_bit(live, tmp_path):
-    got, exp = _run(live, tmp_path), _expected(live)
+@pytest.mark.parametrize("tags", [True, False], ids=["tagged", "ordered"])
+def test_pruned_ring_results_equal_the_full_group_bit_for_bit(live, tags, tmp_path):
+    """``ordered``: messages carry no tag, so gloo matches them by issue order only — NCCL's rule."""
+    got, exp = _run(live, tmp_path, tags), _expected(live)
     assert got.keys() == exp.keys()
     for key, t in exp.items():
         assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
