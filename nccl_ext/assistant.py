@@ -167,7 +167,10 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     if pruned:
         if rings is None:
             raise ValueError("serve(pruned=True) needs the rings' channels")
-        players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats)
+        def ended() -> bool:
+            return store.check([done_key(r) for r in sandbox])
+
+        players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended)
                    for gid, ops in sorted(ring_ops(recording, sandbox).items())]
     for t in threads:
         t.start()
@@ -178,15 +181,18 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
         if ended_at is None and store.check([done_key(r) for r in sandbox]):
             ended_at = time.monotonic()
         if ended_at is not None and time.monotonic() - ended_at > grace_s:
-            left = [p for p in players if p.thread.is_alive()]
-            raise RuntimeError(
-                f"the sandbox ranks ended with {len(left)} pruned ring(s) not played to the end (group "
-                f"{left[0].gid} at seq {left[0].at}, {left[0].kind_at}); their program diverged from the trace "
-                "(capture again with mode=capture)")
+            raise _unplayed([p for p in players if p.thread.is_alive()])
         time.sleep(0.05)
     if errors:
         raise errors[0]
     return stats
+
+
+def _unplayed(left: list[_RingPlayer]) -> RuntimeError:
+    return RuntimeError(
+        f"the sandbox ranks ended with {len(left)} pruned ring(s) not played to the end (group {left[0].gid} at "
+        f"seq {left[0].at}, {left[0].kind_at}); their program diverged from the trace (capture again with "
+        "mode=capture)")
 
 
 RingOp = tuple[int, str, ReduceKind | None, int]
@@ -214,8 +220,9 @@ class _RingPlayer:
     the group's own communicator."""
 
     def __init__(self, recording: Recording, sandbox: tuple[int, ...], gid: int, ops: list[RingOp],
-                 rings: RingChannels, errors: list, stats: AssistantStats):
+                 rings: RingChannels, errors: list, stats: AssistantStats, ended: Callable[[], bool]):
         self.gid, self.at, self.kind_at = gid, ops[0][0], ops[0][1]
+        self._ended = ended
         self.thread = threading.Thread(target=self._run, args=(recording, sandbox, ops, rings, errors, stats),
                                        name=f"prism-assistant-ring-{gid}", daemon=True)
         self.thread.start()
@@ -245,5 +252,8 @@ class _RingPlayer:
                 with _READ_LOCK:
                     stats.ring_ops += 1
         except BaseException as e:  # noqa: BLE001 - re-raised by serve()
-            errors.append(RuntimeError(f"assistant: pruned ring of group {gid} seq {self.at} ({self.kind_at}) "
-                                       f"failed: {e}"))
+            if self._ended():  # the sandboxes' exit closed the connections under this op
+                errors.append(_unplayed([self]))
+            else:
+                errors.append(RuntimeError(f"assistant: pruned ring of group {gid} seq {self.at} ({self.kind_at}) "
+                                           f"failed: {e}"))

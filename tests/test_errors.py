@@ -141,3 +141,20 @@ def test_sandbox_that_ends_early_is_reported(trace, tmp, path):
         assert "sandbox rank 1 ended with" in r.stderr and "never entered" in r.stderr
     assert "diverged from the trace" in r.stderr
     assert time.monotonic() - start < 60
+
+
+def test_sandboxes_that_end_before_a_pruned_ring_are_reported(tmp):
+    """The assistant plays each group's recorded ring ops in order; when every sandbox rank has
+    ended with one unplayed it fails, naming the group and seq, instead of waiting forever."""
+    three = ["--nproc-per-node", "3", *BASE[2:]]
+    r = run_prism([*three, "mode=capture", f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp)
+    assert r.returncode == 0, r.stderr
+    start = time.monotonic()
+    r = run_prism([*three, "mode=emulate", f"trace.dir={tmp / 'tr'}", "sandbox.ranks=[0,2]", "emulate.timing=none",
+                   "emulate.pruned_rings=true", "emulate.ring_tags=false", f"report.dir={tmp / 'rep'}", HANG],
+                  cwd=tmp, env={"STEPS": "1"}, timeout=120)
+    assert r.returncode == 1
+    assert "not played to the end (group 0 at seq 1, all_reduce)" in r.stderr, r.stderr
+    assert "diverged from the trace" in r.stderr
+    assert time.monotonic() - start < 60
+    assert _no_process_mentions(str(tmp))
