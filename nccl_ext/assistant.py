@@ -164,12 +164,13 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
 
     threads = [threading.Thread(target=run, args=(r,), name=f"prism-assistant-{r}", daemon=True) for r in sandbox]
     players: list[_RingPlayer] = []
+
+    def ended() -> bool:
+        return store.check([done_key(r) for r in sandbox])
+
     if pruned:
         if rings is None:
             raise ValueError("serve(pruned=True) needs the rings' channels")
-        def ended() -> bool:
-            return store.check([done_key(r) for r in sandbox])
-
         players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended)
                    for gid, ops in sorted(ring_ops(recording, sandbox).items())]
     for t in threads:
@@ -178,7 +179,7 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
         t.join()
     ended_at: float | None = None
     while any(p.thread.is_alive() for p in players) and not errors:
-        if ended_at is None and store.check([done_key(r) for r in sandbox]):
+        if ended_at is None and ended():
             ended_at = time.monotonic()
         if ended_at is not None and time.monotonic() - ended_at > grace_s:
             raise _unplayed([p for p in players if p.thread.is_alive()])

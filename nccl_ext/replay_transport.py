@@ -175,14 +175,16 @@ class ReplayTransport:
         """Compare live contributions with the recorded ones (divergence detection)."""
         self.summary_path = summary_path
         self.device_path = device_path
+        """Ops with no other sandbox member run on the sandbox's device (prefetch + compensation
+        there); None: every op takes the host path."""
         self.pruned = pruned
         """Collectives shared by several sandbox ranks run over pruned rings (else every sandbox
         member gathers all live contributions and folds on the host)."""
         self.rings = rings
         """The pruned rings' communicators, one per logical group (needed when ``pruned``)."""
+        if pruned and rings is None and len(sandbox) > 1:
+            raise ValueError("pruned rings need their channels (rings=RingChannels(...))")
         self._ring_workers: dict[int, SerialWorker] = {}
-        """Ops with no other sandbox member run on the sandbox's device (prefetch + compensation
-        there); None: every op takes the host path."""
         self.unit = 0
         self.stats = ReplayStats()
         self._warned: set[tuple[str, int]] = set()
