@@ -267,14 +267,23 @@ def test_stager_refills_in_batches_once_the_pool_is_full():
     dp.take(1, "op 1")  # frees op 0's space: a quarter of the pool is not free yet
     threading.Event().wait(0.2)
     assert dp.stats.staged_ops == 8
-    dp.take(2, "op 2")  # a quarter free (ops 0-1): it refills as far as the ring allows
-    dp.take(3, "op 3")
+    dp.take(2, "op 2")  # a quarter free (ops 0-1): it refills that space
     for _ in range(200):
-        if dp.stats.staged_ops >= 11:
+        if dp.stats.staged_ops >= 10:
             break
         threading.Event().wait(0.01)
-    assert dp.stats.staged_ops == 11
-    for s in range(4, 40):
+    threading.Event().wait(0.2)
+    assert dp.stats.staged_ops == 10
+    dp.take(3, "op 3")  # one op's space free: below the mark again, it holds off
+    threading.Event().wait(0.2)
+    assert dp.stats.staged_ops == 10
+    dp.take(4, "op 4")  # a quarter free (ops 2-3): the next batch
+    for _ in range(200):
+        if dp.stats.staged_ops >= 12:
+            break
+        threading.Event().wait(0.01)
+    assert dp.stats.staged_ops == 12
+    for s in range(5, 40):
         dp.take(s, f"op {s}")
     assert dp.close() == (0, None) and dp.stats.staged_ops == 40
 
