@@ -21,7 +21,7 @@ import torch.distributed as dist
 from nccl_ext import wire
 from nccl_ext.device_path import eligible
 from nccl_ext.ops import Collective, ReduceKind, contributors
-from nccl_ext.pruning import RING_KINDS, RingChannels, ring_of, ring_processes, run_op, uses_ring
+from nccl_ext.pruning import RING_KINDS, RingChannels, ring_of, ring_plan, ring_processes, run_op, uses_ring
 from nccl_ext.replay_transport import Recording
 
 
@@ -171,6 +171,7 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     if pruned:
         if rings is None:
             raise ValueError("serve(pruned=True) needs the rings' channels")
+        rings.open(ring_plan(recording, sandbox, len(sandbox), len(sandbox)))
         players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended)
                    for gid, ops in sorted(ring_ops(recording, sandbox).items())]
     for t in threads:

@@ -127,8 +127,12 @@ def ring_processes(ring: PrunedRing) -> tuple[int, ...]:
 
 class RingChannels:
     """One communicator per logical group that runs pruned rings, over the ring's physical
-    processes, created the first time the group needs it (every member creates it on its
-    first op of the group: gloo connects and NCCL initialises collectively)."""
+    processes. :meth:`open` creates a process's planned groups one after another in group-id
+    order before the program's ops (every member of a group creates it, and gloo connects
+    its members then: creating them in one global order cannot deadlock, and one at a time
+    keeps a process from connecting two groups at once — two gloo groups of the same
+    processes connecting concurrently in one process were seen to stall for good);
+    :meth:`get` creates an unplanned group on first use."""
 
     def __init__(self, make: Callable[[int, tuple[int, ...]], dist.ProcessGroup], *, tags: bool = True,
                  device: torch.device | None = None):
@@ -140,6 +144,11 @@ class RingChannels:
         self._groups: dict[int, tuple[dist.ProcessGroup, dict[int, int]]] = {}
         self._lock = threading.Lock()
         self.created = 0
+
+    def open(self, plan: dict[int, tuple[int, ...]]) -> None:
+        """Create the groups of ``plan`` (group id -> its ring's physical ranks), in id order."""
+        for gid in sorted(plan):
+            self.get(gid, plan[gid])
 
     def get(self, gid: int, phys: Sequence[int]) -> tuple[dist.ProcessGroup, dict[int, int]]:
         """Logical group ``gid``'s communicator over physical ranks ``phys`` and a map physical
@@ -361,6 +370,27 @@ def uses_ring(kind: str, ranks: Sequence[int], sandbox: Sequence[int], folded: b
     """Whether an op goes over a pruned ring in emulation: a ring collective, not folded, on a
     group with at least two sandbox members (a lone sandbox's ops take the device/host path)."""
     return kind in RING_KINDS and not folded and sum(r in sandbox for r in ranks) >= 2
+
+
+def ring_plan(recording, sandbox: Sequence[int], me: int, assistant: int | None) -> dict[int, tuple[int, ...]]:
+    """The ring groups physical rank ``me`` belongs to (group id -> its ring's physical ranks):
+    the groups on which the trace has collectives that run over pruned rings (sandbox positions
+    are physical ranks 0.., ``assistant`` the edges' host; without one only all-sandbox groups
+    run rings). ``recording``: a :class:`nccl_ext.replay_transport.Recording`."""
+    plan: dict[int, tuple[int, ...]] = {}
+    for rank in sandbox:
+        for op, gid, _seq, _peer, _tag in recording.ops_of(rank):
+            if gid in plan or op.kind not in RING_KINDS:
+                continue
+            ranks = recording.group_ranks(gid)
+            if not uses_ring(op.kind, ranks, sandbox, recording.folded(gid)):
+                continue
+            if assistant is None and not all(r in sandbox for r in ranks):
+                continue
+            phys = ring_processes(ring_of(ranks, sandbox, -1 if assistant is None else assistant))
+            if me in phys:
+                plan[gid] = phys
+    return plan
 
 
 def ring_of(ranks: Sequence[int], sandbox: Sequence[int], assistant: int) -> PrunedRing:

@@ -123,10 +123,16 @@ def _replay_transport(ctx: RankContext):
                 workers=int(env.get("PRISM_PREFETCH_THREADS", "4")),
                 host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))))
             device_path.prepare()  # plan and fill the host tier while the program builds its model
-        pruned = env.get("PRISM_PRUNED") == "1"
+        rings = None
+        if env.get("PRISM_PRUNED") == "1" and store is not None:
+            from nccl_ext.pruning import ring_plan
+
+            me = sandbox.index(rank)
+            rings = ring_channels(me, store, timeout_s)
+            rings.open(ring_plan(recording, sandbox, me, len(sandbox) if assistant else None))
         return ReplayTransport(
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
-            pruned=pruned, rings=ring_channels(sandbox.index(rank), store, timeout_s) if pruned and store else None,
+            pruned=env.get("PRISM_PRUNED") == "1", rings=rings,
             physical=physical, assistant=len(sandbox) if assistant else None, on_close=on_close, timing=env.get("PRISM_TIMING", "predicted"),
             time_scale=float(env.get("PRISM_TIME_SCALE", "1")), strict=env.get("PRISM_STRICT") == "1",
             check=env.get("PRISM_CHECK", "1") == "1",
