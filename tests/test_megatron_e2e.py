@@ -94,15 +94,14 @@ def test_device_data_path_is_bit_identical(capture, tmp_path):
 
 
 def test_pruned_rings_under_ordered_matching_are_bit_identical(capture, tmp_path):
-    """Sandbox ranks 0 and 5 of the dense job share the model-parallel group [0, 1, 4, 5]
-    (Megatron's grad-norm and found-inf all-reduces): those collectives run over a pruned ring
-    — 0, the assistant's edge for the arc 1, 4, then 5 — with messages matched by issue order
-    only (NCCL's rule), and every logged number stays bit-identical."""
+    """Two sandbox ranks with virtual ranks between them in shared groups — dense 0 and 5:
+    the world and the model-parallel group [0, 1, 4, 5] (Megatron's grad-norm and found-inf
+    all-reduces); MoE 0 and 3: the world — run those groups' all-reduces, reduce-scatters and
+    all-gathers over pruned rings (live members plus the assistant's edges) with messages
+    matched by issue order only (NCCL's rule); every logged number stays bit-identical."""
     name, d = capture
-    if name != "dense":
-        pytest.skip("the dense job's model-parallel group has live and virtual members")
     nproc, args = JOBS[name]
-    sandbox = [0, 5]
+    sandbox = {"dense": [0, 5], "moe": [0, 3]}[name]
     r = run_prism([*_flags(nproc), "--log-dir", tmp_path / "logs", "mode=emulate", f"trace.dir={d / 'trace'}",
                    f"sandbox.ranks={json.dumps(sandbox)}", f"report.dir={tmp_path / 'report'}",
                    "emulate.pruned_rings=true", "emulate.ring_tags=false", RECIPE, *args, "--log-all-ranks"],
