@@ -23,8 +23,8 @@ pieces) around the ring.
 Nodes talk over a ``torch.distributed`` process group of the ring's physical processes (gloo
 over host memory, or NCCL between GPUs): live members are sandbox processes, edges are hosted
 by an assistant process (one process may host several edges). :class:`RingChannels` gives each
-logical group that runs rings its own communicator, created the first time the group needs
-it (group reduction: no other group gets one). The algorithms keep NCCL's matching rule — a
+logical group that runs rings its own communicator, created at startup from the trace's plan
+(:func:`ring_plan`; group reduction: no other group gets one). The algorithms keep NCCL's matching rule — a
 pair's messages match in the order they are issued, tags aside — as long as each process
 issues one communicator's ops from one thread at a time (:class:`SerialWorker`); with
 ``tags=False`` gloo matches by that order alone too, which is how the CPU tests check it.
