@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -40,12 +41,27 @@ class TensorDesc:
     shape: tuple[int, ...]
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype of each element size (a tensor's raw bits, in any layout, through numpy)."""
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Raw bytes of ``t`` (moved to CPU, made contiguous)."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel() == 0:
+    """Raw bytes of ``t`` (moved to CPU, made contiguous — a copy the communication layer
+    makes outside the program's allocator, so it never shows in the program's memory)."""
+    t = t.detach()
+    if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    if t.device.type != "cpu" or not t.is_contiguous():
+        flat = untracked_empty(tuple(t.shape), t.dtype)
+        bits = _BITS.get(t.element_size())
+        if t.device.type == "cpu" and bits is not None:
+            # numpy's strided copy of the raw bits: torch's transposing copy_ takes a temporary
+            # from the allocator
+            np.copyto(flat.view(bits).numpy(), t.view(bits).numpy())
+        else:
+            flat.copy_(t)
+        t = flat
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def untracked_empty(shape, dtype: torch.dtype) -> torch.Tensor:

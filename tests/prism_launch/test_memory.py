@@ -367,3 +367,21 @@ def test_cuda_request_without_cuda_is_measured_on_cpu():
         assert t.method()["name"] in (memory._HOOK_NAME, "unavailable")
     finally:
         t.stop()
+
+
+def test_communication_layer_copies_stay_out_of_the_programs_memory(tracker):
+    """Checksumming or sending a non-contiguous contribution copies it outside the program's
+    allocator (a real backend reads the program's tensor in place): the bytes are right and the
+    program's current and peak memory do not move."""
+    from nccl_ext import wire
+
+    x = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    h = x.to(torch.bfloat16)
+    views = [x.t(), x[:, ::2], x[::3], h.t(), h[:, ::2]]
+    expected = [bytes(v.contiguous().view(torch.uint8).numpy()) for v in views]
+    p = Probe(tracker)
+    for v, want in zip(views, expected):
+        assert not v.is_contiguous()
+        assert bytes(wire.tensor_bytes(v)) == want
+        wire.digest(v)
+    assert p() == (0, 0)
