@@ -9,13 +9,10 @@ import time
 
 from nccl_ext.atomic import atomic_write_text
 
-_HELD: list = []
-"""The physical group and store, kept until the process ends (see ``__main__``)."""
-
 
 def main() -> int:
     from nccl_ext.assistant import serve
-    from prism_launch.bootstrap import physical_group, ring_channels
+    from prism_launch.bootstrap import outlive_interpreter, physical_group, ring_channels
     from prism_launch.replay_source import TraceRecording
     from prism_launch.trace import TraceReader
 
@@ -27,8 +24,8 @@ def main() -> int:
     if pruned and env.get("PRISM_RING_BACKEND") == "nccl":
         _take_gpu(int(env.get("PRISM_DEVICE_SLOT", "0")))
     physical, store = physical_group(len(sandbox), len(sandbox) + 1, timeout_s)
-    _HELD.extend((physical, store))
     rings = ring_channels(len(sandbox), store, timeout_s) if pruned else None
+    outlive_interpreter(physical, store, rings)
     t0 = time.monotonic()
     stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")),
                   device_path=env.get("PRISM_DATA_PATH") == "device", pruned=pruned, rings=rings)

@@ -89,6 +89,19 @@ def ring_channels(me: int, store, timeout_s: float):
                         device=device)
 
 
+def outlive_interpreter(*objs) -> None:
+    """Keep c10d objects (the physical group, its store, the ring groups) alive past interpreter
+    teardown. Freed while the interpreter finalizes — as the other physical processes close
+    their connections — they were seen to abort a rank whose program had finished
+    ("terminate called without an active exception", SIGABRT); the process's exit releases
+    them instead."""
+    import ctypes
+
+    for o in objs:
+        if o is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
+
+
 def _replay_transport(ctx: RankContext):
     from nccl_ext.replay_transport import ReplayTransport
     from prism_launch.replay_source import TraceRecording
@@ -130,6 +143,7 @@ def _replay_transport(ctx: RankContext):
             me = sandbox.index(rank)
             rings = ring_channels(me, store, timeout_s)
             rings.open(ring_plan(recording, sandbox, me, len(sandbox) if assistant else None))
+        outlive_interpreter(physical, store, rings)
         return ReplayTransport(
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
             pruned=env.get("PRISM_PRUNED") == "1", rings=rings,
