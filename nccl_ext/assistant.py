@@ -171,9 +171,10 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     if pruned:
         if rings is None:
             raise ValueError("serve(pruned=True) needs the rings' channels")
-        rings.open(ring_plan(recording, sandbox, len(sandbox), len(sandbox)))
+        plan = ring_plan(recording, sandbox, len(sandbox), len(sandbox))
+        rings.open(plan)
         players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended)
-                   for gid, ops in sorted(ring_ops(recording, sandbox).items())]
+                   for gid, ops in sorted(ring_ops(recording, sandbox, plan).items())]
     for t in threads:
         t.start()
     for t in threads:
@@ -201,20 +202,16 @@ RingOp = tuple[int, str, ReduceKind | None, int]
 """(seq, collective kind, reduction, contribution pieces) of a pruned-ring op."""
 
 
-def ring_ops(recording: Recording, sandbox: tuple[int, ...]) -> dict[int, list[RingOp]]:
-    """Per logical group, the collectives the sandbox ranks run over pruned rings that have
-    edges (virtual members), in the group's order — what the assistant plays, in the order
-    every live member issues them."""
-    out: dict[int, dict[int, RingOp]] = {}
+def ring_ops(recording: Recording, sandbox: tuple[int, ...], plan: dict[int, tuple[int, ...]]) -> dict[int, list[RingOp]]:
+    """Per group of the assistant's ring plan (:func:`nccl_ext.pruning.ring_plan`: the groups
+    whose rings have edges), the collectives the sandbox ranks run over it, in the group's
+    order — what the assistant plays, in the order every live member issues them."""
+    out: dict[int, dict[int, RingOp]] = {gid: {} for gid in plan}
     for rank in sandbox:
         for op, gid, seq, _peer, _tag in recording.ops_of(rank):
-            if op.kind not in RING_KINDS or seq in out.get(gid, {}):
-                continue
-            ranks = recording.group_ranks(gid)
-            if all(r in sandbox for r in ranks) or not uses_ring(op.kind, ranks, sandbox, recording.folded(gid)):
-                continue
-            out.setdefault(gid, {})[seq] = (seq, op.kind, ReduceKind(op.reduce) if op.reduce else None, op.n_tensors)
-    return {gid: [ops[q] for q in sorted(ops)] for gid, ops in out.items()}
+            if gid in plan and op.kind in RING_KINDS and seq not in out[gid]:
+                out[gid][seq] = (seq, op.kind, ReduceKind(op.reduce) if op.reduce else None, op.n_tensors)
+    return {gid: [ops[q] for q in sorted(ops)] for gid, ops in out.items() if ops}
 
 
 class _RingPlayer:
