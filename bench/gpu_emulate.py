@@ -6,7 +6,7 @@ Per job and world size: a folded capture (ranks context-switched on the one GPU 
 coordinator), then emulation of one sandbox rank on the GPU (device data path: virtual peers' recorded data
 prefetched into a device pool, compensation folded there); again with ``emulate.timing=none``
 (no virtual peer ever late: the sandbox's own step) for each prefetch mode — ``stream`` (the
-default), ``off`` (data moved when each op is entered) and ``preload`` (everything on the
+default), ``stream-fixed`` (stream within ``pool_mib``, not grown), ``off`` (data moved when each op is entered) and ``preload`` (everything on the
 device before the run: no virtual-peer data movement at all, the reference); and once with
 ``cluster.gpu_memory_gib`` below the job's need, which must OOM. Prints losses vs the capture,
 step times, prefetch statistics, sandbox GPU peak memory and the predictions.
@@ -37,6 +37,12 @@ JOBS = {
     # no tensor parallelism: megatron-core's local (non-Transformer-Engine) layer norm refuses
     # sequence parallelism on CUDA, and tensor-parallel MoE layers need it
     "moe": (["--num-experts", "4", "--expert-model-parallel-size", "2", *MODEL], None),
+}
+MODES = {  # how virtual peers' data moves, as settings
+    "stream": ["emulate.prefetch.mode=stream"],  # ahead of the program (the pool grows when the GPU can spare it)
+    "stream-fixed": ["emulate.prefetch.mode=stream", "emulate.prefetch.grow=false"],  # within pool_mib only
+    "off": ["emulate.prefetch.mode=off"],
+    "preload": ["emulate.prefetch.mode=preload"],
 }
 _STEP = re.compile(r"step (\d+) \| loss (\S+) .*step_time_ms (\S+)")
 
@@ -96,7 +102,7 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
     for r in range(repeat):  # interleaved, so a drift of the machine hits every mode alike
         for mode in modes:  # no virtual lateness: the sandbox's own step with each way of moving virtual data
             tag = f"none-{mode}" + (f"-{r}" if r else "")
-            res[tag] = emulate(tag, ["emulate.timing=none", f"emulate.prefetch.mode={mode}"])
+            res[tag] = emulate(tag, ["emulate.timing=none", *MODES[mode]])
             _progress(out_file, {"job": name, "world": world, tag: res[tag]})
     if "preload" in modes:
         def med(mode: str) -> float:

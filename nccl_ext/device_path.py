@@ -158,6 +158,8 @@ def word_sum(t: torch.Tensor) -> int:
 class PrefetchStats:
     mode: str = PrefetchMode.STREAM
     pool_bytes: int = 0
+    pool_grown: bool = False
+    """The pool holds the whole run's staged data (``prefetch.grow``: the device had it to spare)."""
     staged_ops: int = 0
     staged_bytes: int = 0
     hits: int = 0
@@ -369,13 +371,34 @@ class _Space:
             self.scratch.release(op.scratch_span)
 
 
+def split_pool(mode: str, plans: list[_Plan], requested: int, spare: int | None) -> tuple[int, int, bool]:
+    """The pool's data and scratch rings (aligned bytes) and whether it was grown: the whole
+    run's bytes for ``preload``, and for ``stream`` when ``spare`` (device memory it may take)
+    holds them; else ``requested`` split between the rings as the run's bytes are, each at
+    least twice its largest op."""
+    staged = sum(p.staged_nbytes for p in plans)
+    scratch = sum(p.scratch_nbytes for p in plans)
+    whole = _aligned(staged) + _aligned(scratch)
+    if mode == PrefetchMode.PRELOAD:
+        return _aligned(staged), _aligned(scratch), False
+    big_d = max((p.staged_nbytes for p in plans), default=0)
+    big_s = max((p.scratch_nbytes for p in plans), default=0)
+    work = max(2 * big_s, requested * scratch // max(1, staged + scratch))
+    data = max(2 * big_d, requested - work)
+    data, work = _aligned(data), _aligned(work)
+    if mode == PrefetchMode.STREAM and spare is not None and data + work < whole <= spare:
+        return _aligned(staged), _aligned(scratch), True
+    return data, work, False
+
+
 class DevicePath:
     """One sandbox rank's device data path (see the module docstring)."""
 
     def __init__(self, *, rank: int, sandbox: tuple[int, ...], recording, mode: str = PrefetchMode.STREAM,
                  pool_bytes: int = 512 << 20, check: bool = True, timeout_s: float = 300.0,
                  read_lock: threading.Lock | None = None, device_kind: str = "cpu", workers: int = 4,
-                 host_tier_bytes: int = 16 << 30, tier_on_host: bool = False):
+                 host_tier_bytes: int = 16 << 30, tier_on_host: bool = False, grow: bool = False,
+                 expected_peak: int | None = None, reserve_bytes: int = 4 << 30):
         if mode not in PrefetchMode.ALL:
             raise ValueError(f"emulate.prefetch.mode must be one of {PrefetchMode.ALL} (got {mode!r})")
         self.rank = rank
@@ -399,6 +422,11 @@ class DevicePath:
         """Largest pinned host tier (the run's staged data) to fill ahead; beyond it each op is
         copied through a pinned mirror of the pool when staged."""
         self._tier_on_host = tier_on_host
+        self.grow = grow
+        """Stream mode on CUDA: take a pool holding the whole run when the device can spare it."""
+        self.expected_peak = expected_peak
+        """The program's peak device memory in the capture (what it will still grow to)."""
+        self.reserve_bytes = int(reserve_bytes)
         """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
         self._space: _Space | None = None
         self._plans: deque[_Plan] = deque()
@@ -466,20 +494,14 @@ class DevicePath:
                 self._loader = threading.Thread(target=self._load_tier, args=(list(plans),),
                                                 name=f"prism-prefetch-load-{self.rank}", daemon=True)
                 self._loader.start()
-        staged = sum(p.staged_nbytes for p in plans)
-        scratch = sum(p.scratch_nbytes for p in plans)
-        if self.mode == PrefetchMode.PRELOAD:
-            data, work = staged, scratch
-        else:  # the pool split between the rings as the run's bytes are
-            big_d = max((p.staged_nbytes for p in plans), default=0)
-            big_s = max((p.scratch_nbytes for p in plans), default=0)
-            work = max(2 * big_s, self.requested_pool * scratch // max(1, staged + scratch))
-            data = max(2 * big_d, self.requested_pool - work)
-        data, work = _aligned(data), _aligned(work)
+        spare = self._spare_bytes() if self.grow and self.mode == PrefetchMode.STREAM else None
+        data, work, self.stats.pool_grown = split_pool(self.mode, plans, self.requested_pool, spare)
         self._allocate(data + work + _aligned(_CHECK_SLOTS * 4))
         self._space = _Space(data, work)
         largest = max((p.nbytes for p in plans), default=0)
         self._refill_at = self._space.capacity - max(self._space.capacity // 4, largest)
+        if self.stats.pool_grown:  # everything fits: stage it all as fast as it goes
+            self._refill_at = self._space.capacity
         self._slots = self._pool[data + work:data + work + _CHECK_SLOTS * 4].view(torch.int32)
         self._plans = deque(plans)
         if self._cuda:
@@ -494,6 +516,18 @@ class DevicePath:
         elif self.mode == PrefetchMode.STREAM:
             self._thread = threading.Thread(target=self._run, name=f"prism-prefetch-{self.rank}", daemon=True)
             self._thread.start()
+
+    def _spare_bytes(self) -> int | None:
+        """Device memory a grown pool may take: free memory, less what the program will still
+        take from the device to reach its captured peak (a quarter more for the allocator's
+        rounding and fragmentation) and the reserve; None without a captured peak."""
+        if self.expected_peak is None or not self._cuda:
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - allocated
+        to_come = max(0, self.expected_peak - allocated - cached)
+        return max(0, free - to_come * 5 // 4 - self.reserve_bytes)
 
     def _await_plans(self) -> list[_Plan]:
         with self._cond:

@@ -134,7 +134,9 @@ def _replay_transport(ctx: RankContext):
                 pool_bytes=int(env.get("PRISM_POOL_MIB", "512")) << 20, check=env.get("PRISM_CHECK", "1") == "1",
                 timeout_s=timeout_s, device_kind="cuda" if str(ctx.device).startswith("cuda") else "cpu",
                 workers=int(env.get("PRISM_PREFETCH_THREADS", "4")),
-                host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))))
+                host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))),
+                grow=env.get("PRISM_POOL_GROW", "0") == "1", expected_peak=_captured_peak(reader, rank),
+                reserve_bytes=int(env.get("PRISM_POOL_RESERVE_BYTES", str(4 << 30))))
             device_path.prepare()  # plan and fill the host tier while the program builds its model
         rings = None
         if env.get("PRISM_PRUNED") == "1" and store is not None:
@@ -274,7 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv[0], argv[1:], module=module)
 
 
+def _captured_peak(reader, rank: int) -> int | None:
+    """The capture's peak memory of ``rank`` (the largest captured rank's when the rank was
+    folded into another), or None when the trace has no memory record."""
+    if "memory.json" not in reader.json_files():
+        return None
+    peaks = {int(r): m.get("peak_bytes") for r, m in reader.read_json("memory.json").items()}
+    peaks = {r: p for r, p in peaks.items() if p is not None}
+    if not peaks:
+        return None
+    return int(peaks.get(rank, max(peaks.values())))
+
+
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     sys.exit(record(main)())
+

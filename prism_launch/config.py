@@ -179,6 +179,15 @@ class PrefetchConfig:
     mode: PrefetchMode = PrefetchMode.stream
     pool_mib: int = 512
     """Device pool size (raised to twice the largest op when that does not fit)."""
+    grow: bool = True
+    """On CUDA, ``mode=stream`` takes a pool holding the run's whole staged data when the device
+    has that much to spare beyond what the program will still need (the capture's peak for the
+    rank, from the trace) and ``reserve_gib``: the stager then runs ahead by everything, so no
+    staging copy is left in flight when the program synchronises the device later (a device
+    synchronise waits for every stream, the stager's too: Megatron's pipeline send/recv does one
+    per transfer). Otherwise the pool stays at ``pool_mib``."""
+    reserve_gib: float = 4.0
+    """Device memory a grown pool leaves free beyond the program's expected need."""
     threads: int = 4
     """Host threads copying recorded data into pinned memory and summing it for checks."""
     host_tier_gib: float = 16.0
@@ -494,6 +503,8 @@ def validate(cfg: PrismConfig) -> None:
     pf = cfg.emulate.prefetch
     if pf.pool_mib < 1:
         raise ConfigError(f"emulate.prefetch.pool_mib must be >= 1 (got {pf.pool_mib})")
+    if pf.reserve_gib < 0:
+        raise ConfigError(f"emulate.prefetch.reserve_gib must be >= 0 (got {pf.reserve_gib})")
     if pf.threads < 1:
         raise ConfigError(f"emulate.prefetch.threads must be >= 1 (got {pf.threads})")
     if pf.host_tier_gib < 0:

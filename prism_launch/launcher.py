@@ -454,6 +454,8 @@ class Launcher:
             "PRISM_RING_BACKEND": str(self.cfg.emulate.ring_backend),
             "PRISM_RING_TAGS": "1" if self.cfg.emulate.ring_tags else "0",
             "PRISM_POOL_MIB": str(self.cfg.emulate.prefetch.pool_mib),
+            "PRISM_POOL_GROW": "1" if self.cfg.emulate.prefetch.grow else "0",
+            "PRISM_POOL_RESERVE_BYTES": str(int(self.cfg.emulate.prefetch.reserve_gib * 2**30)),
             "PRISM_PREFETCH_THREADS": str(self.cfg.emulate.prefetch.threads),
             "PRISM_HOST_TIER_BYTES": str(int(self.cfg.emulate.prefetch.host_tier_gib * 2**30)),
         }

@@ -296,3 +296,48 @@ def test_ring_fits_agrees_with_alloc():
     assert not ring.fits(1)
     ring.release(a)
     assert ring.fits(600) and not ring.fits(601) and ring.used() == 400
+
+
+def _plans(n: int, staged: int, scratch: int) -> list:
+    item = dpm._Item((staged // 4,), torch.float32, lambda: None)
+    return [dpm._Plan(i, {1: {0: item}}, [], [((scratch // 4,), torch.float32)], []) for i in range(n)]
+
+
+def test_split_pool_grows_to_the_whole_run_only_when_it_is_spare():
+    plans = _plans(100, 1 << 20, 1 << 18)  # 100 MiB staged, 25 MiB scratch
+    whole = 100 * (1 << 20) + 100 * (1 << 18)
+    data, work, grown = dpm.split_pool("stream", plans, 16 << 20, None)
+    assert not grown and abs(data + work - (16 << 20)) <= 1024 and data >= 2 << 20 and work >= 2 << 18
+    assert dpm.split_pool("stream", plans, 16 << 20, whole - 1) == (data, work, False)  # does not fit
+    assert dpm.split_pool("stream", plans, 16 << 20, whole) == (100 << 20, 25 << 20, True)
+    assert dpm.split_pool("stream", plans, 1 << 30, 1 << 40)[2] is False  # the asked pool holds it all already
+    assert dpm.split_pool("preload", plans, 16 << 20, None) == (100 << 20, 25 << 20, False)
+    assert dpm.split_pool("off", plans, 16 << 20, 1 << 40) == (data, work, False)
+
+
+def test_a_grown_pool_stages_the_whole_run_ahead_of_the_program(monkeypatch):
+    rec = _Recording(30)
+    monkeypatch.setattr(DevicePath, "_spare_bytes", lambda self: 1 << 30)
+    dp = _dp(rec, mode="stream", pool_bytes=8192, tier_on_host=True, grow=True)  # 8 KiB would hold 4 ops
+    dp.take(0, "op 0")
+    for _ in range(250):
+        if dp.stats.staged_ops == 30:
+            break
+        threading.Event().wait(0.02)
+    assert dp.stats.pool_grown and dp.stats.pool_bytes >= 30 * 2048
+    assert dp.stats.staged_ops == 30  # everything, before the program took a second op
+    for s in range(1, 30):
+        _take_and_fold(dp, rec, s)
+    assert dp.flush() == [] and dp.close() == (0, None)
+    assert dp.stats.stalls + dp.stats.in_flight <= 1  # the first op only (taken before the stager ran)
+
+
+def test_without_spare_memory_or_a_captured_peak_the_pool_stays_as_asked(monkeypatch):
+    monkeypatch.setattr(DevicePath, "_spare_bytes", lambda self: 4096)
+    dp = _dp(_Recording(30), mode="stream", pool_bytes=8192, tier_on_host=True, grow=True)
+    for s in range(30):
+        dp.take(s, f"op {s}")
+    assert not dp.stats.pool_grown and dp.stats.pool_bytes < 30 * 2048 and dp.close() == (0, None)
+    monkeypatch.undo()
+    dp = _dp(_Recording(3), mode="stream", grow=True, expected_peak=None)  # host pool: no CUDA memory to size
+    assert dp._spare_bytes() is None

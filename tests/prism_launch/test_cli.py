@@ -105,6 +105,7 @@ def test_no_python_capture_and_emulate_hook_the_python_it_starts(tmp):
 
 @pytest.mark.parametrize(("override", "message"), [
     ("emulate.prefetch.pool_mib=0", "emulate.prefetch.pool_mib must be >= 1"),
+    ("emulate.prefetch.reserve_gib=-1", "emulate.prefetch.reserve_gib must be >= 0"),
     ("emulate.prefetch.threads=0", "emulate.prefetch.threads must be >= 1"),
     ("emulate.prefetch.host_tier_gib=-1", "emulate.prefetch.host_tier_gib must be >= 0"),
     ("emulate.prefetch.mode=eager", "emulate.prefetch.mode"),
