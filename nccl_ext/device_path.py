@@ -10,7 +10,8 @@ and a send or receive with a virtual peer — never leaves the sandbox's device:
   memory on a side stream, ahead of the op. The op's stream waits for that copy's event only;
   the host waits only when the stager is behind (a *stall*). ``mode="off"`` stages each op when
   it is entered, on the op's stream; ``mode="preload"`` stages the whole run before the first
-  op (the reference with no virtual-peer data movement at all).
+  op (the reference with no virtual-peer data movement at all). On CUDA, ``stream`` with
+  ``grow`` does what preload does when the device can spare the run's data (:func:`split_pool`).
 * **Compensation on device.** Reductions fold the staged recorded terms and the live tensor
   with :func:`nccl_ext.ops.fold` in group-rank order, into pool scratch — the arithmetic of the
   capture step for step, so results are bit-identical to it (IEEE adds, multiplies, min/max are
@@ -159,7 +160,8 @@ class PrefetchStats:
     mode: str = PrefetchMode.STREAM
     pool_bytes: int = 0
     pool_grown: bool = False
-    """The pool holds the whole run's staged data (``prefetch.grow``: the device had it to spare)."""
+    """Stream mode took a pool holding the whole run's staged data and filled it before the
+    first op (``prefetch.grow``: the device had it to spare)."""
     staged_ops: int = 0
     staged_bytes: int = 0
     hits: int = 0
@@ -374,7 +376,7 @@ class _Space:
 def split_pool(mode: str, plans: list[_Plan], requested: int, spare: int | None) -> tuple[int, int, bool]:
     """The pool's data and scratch rings (aligned bytes) and whether it was grown: the whole
     run's bytes for ``preload``, and for ``stream`` when ``spare`` (device memory it may take)
-    holds them; else ``requested`` split between the rings as the run's bytes are, each at
+    holds them (the caller then fills it before the first op); else ``requested`` split between the rings as the run's bytes are, each at
     least twice its largest op."""
     staged = sum(p.staged_nbytes for p in plans)
     scratch = sum(p.scratch_nbytes for p in plans)
@@ -423,7 +425,8 @@ class DevicePath:
         copied through a pinned mirror of the pool when staged."""
         self._tier_on_host = tier_on_host
         self.grow = grow
-        """Stream mode on CUDA: take a pool holding the whole run when the device can spare it."""
+        """Stream mode on CUDA: take a pool holding the whole run, filled before the first op,
+        when the device can spare it (``emulate.prefetch.grow``)."""
         self.expected_peak = expected_peak
         """The program's peak device memory in the capture (what it will still grow to)."""
         self.reserve_bytes = int(reserve_bytes)
@@ -500,15 +503,13 @@ class DevicePath:
         self._space = _Space(data, work)
         largest = max((p.nbytes for p in plans), default=0)
         self._refill_at = self._space.capacity - max(self._space.capacity // 4, largest)
-        if self.stats.pool_grown:  # everything fits: stage it all as fast as it goes
-            self._refill_at = self._space.capacity
         self._slots = self._pool[data + work:data + work + _CHECK_SLOTS * 4].view(torch.int32)
         self._plans = deque(plans)
         if self._cuda:
             self._side = torch.cuda.Stream(device)
             if self._tier is not None:
                 self._pin_tier()
-        if self.mode == PrefetchMode.PRELOAD:
+        if self.mode == PrefetchMode.PRELOAD or self.stats.pool_grown:
             while self._plans:
                 self._stage(self._plans.popleft(), on_side=True)
             if self._cuda:
@@ -523,11 +524,15 @@ class DevicePath:
         rounding and fragmentation) and the reserve; None without a captured peak."""
         if self.expected_peak is None or not self._cuda:
             return None
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
         cached = torch.cuda.memory_reserved(self.device) - allocated
         to_come = max(0, self.expected_peak - allocated - cached)
-        return max(0, free - to_come * 5 // 4 - self.reserve_bytes)
+        spare = free - to_come * 5 // 4 - self.reserve_bytes
+        limit = int(os.environ.get("PRISM_MEMORY_LIMIT", "0"))
+        if limit > 0:  # the target GPU's cap stays enforceable: cap plus pool within the device
+            spare = min(spare, total - limit)
+        return max(0, spare)
 
     def _await_plans(self) -> list[_Plan]:
         with self._cond:

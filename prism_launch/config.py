@@ -180,12 +180,13 @@ class PrefetchConfig:
     pool_mib: int = 512
     """Device pool size (raised to twice the largest op when that does not fit)."""
     grow: bool = True
-    """On CUDA, ``mode=stream`` takes a pool holding the run's whole staged data when the device
-    has that much to spare beyond what the program will still need (the capture's peak for the
-    rank, from the trace) and ``reserve_gib``: the stager then runs ahead by everything, so no
-    staging copy is left in flight when the program synchronises the device later (a device
-    synchronise waits for every stream, the stager's too: Megatron's pipeline send/recv does one
-    per transfer). Otherwise the pool stays at ``pool_mib``."""
+    """On CUDA, when the device can spare the run's whole staged data beyond what the program
+    will still need (the capture's peak for the rank, from the trace) and ``reserve_gib``,
+    ``mode=stream`` takes a pool that holds it and fills it before the first op, as ``preload``
+    does: no staging copy then runs beside the program's steps. (A copy in flight is waited for
+    by every device synchronise of the program — Megatron's pipeline send/recv makes one per
+    transfer — and the host tier's loader may still be behind early steps.) Otherwise the pool
+    stays at ``pool_mib`` and streams."""
     reserve_gib: float = 4.0
     """Device memory a grown pool leaves free beyond the program's expected need."""
     threads: int = 4

@@ -315,21 +315,17 @@ def test_split_pool_grows_to_the_whole_run_only_when_it_is_spare():
     assert dpm.split_pool("off", plans, 16 << 20, 1 << 40) == (data, work, False)
 
 
-def test_a_grown_pool_stages_the_whole_run_ahead_of_the_program(monkeypatch):
+def test_a_grown_pool_is_filled_before_the_first_op_is_handed_over(monkeypatch):
     rec = _Recording(30)
     monkeypatch.setattr(DevicePath, "_spare_bytes", lambda self: 1 << 30)
     dp = _dp(rec, mode="stream", pool_bytes=8192, tier_on_host=True, grow=True)  # 8 KiB would hold 4 ops
     dp.take(0, "op 0")
-    for _ in range(250):
-        if dp.stats.staged_ops == 30:
-            break
-        threading.Event().wait(0.02)
     assert dp.stats.pool_grown and dp.stats.pool_bytes >= 30 * 2048
-    assert dp.stats.staged_ops == 30  # everything, before the program took a second op
+    assert dp.stats.staged_ops == 30 and dp._thread is None  # all of it, no stager left to run beside the program
     for s in range(1, 30):
         _take_and_fold(dp, rec, s)
     assert dp.flush() == [] and dp.close() == (0, None)
-    assert dp.stats.stalls + dp.stats.in_flight <= 1  # the first op only (taken before the stager ran)
+    assert dp.stats.hits == 30 and dp.stats.stalls == dp.stats.in_flight == 0
 
 
 def test_without_spare_memory_or_a_captured_peak_the_pool_stays_as_asked(monkeypatch):
