@@ -400,7 +400,7 @@ class DevicePath:
                  pool_bytes: int = 512 << 20, check: bool = True, timeout_s: float = 300.0,
                  read_lock: threading.Lock | None = None, device_kind: str = "cpu", workers: int = 4,
                  host_tier_bytes: int = 16 << 30, tier_on_host: bool = False, grow: bool = False,
-                 expected_peak: int | None = None, reserve_bytes: int = 4 << 30):
+                 expected_peak: int | None = None, reserve_bytes: int = 4 << 30, share: int = 1):
         if mode not in PrefetchMode.ALL:
             raise ValueError(f"emulate.prefetch.mode must be one of {PrefetchMode.ALL} (got {mode!r})")
         self.rank = rank
@@ -430,6 +430,8 @@ class DevicePath:
         self.expected_peak = expected_peak
         """The program's peak device memory in the capture (what it will still grow to)."""
         self.reserve_bytes = int(reserve_bytes)
+        self.share = max(1, int(share))
+        """Processes growing pools on this GPU: each may take its share of the spare memory."""
         """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
         self._space: _Space | None = None
         self._plans: deque[_Plan] = deque()
@@ -529,6 +531,7 @@ class DevicePath:
         cached = torch.cuda.memory_reserved(self.device) - allocated
         to_come = max(0, self.expected_peak - allocated - cached)
         spare = free - to_come * 5 // 4 - self.reserve_bytes
+        spare //= self.share  # the others on this GPU see the same free memory
         limit = int(os.environ.get("PRISM_MEMORY_LIMIT", "0"))
         if limit > 0:  # the target GPU's cap stays enforceable: cap plus pool within the device
             spare = min(spare, total - limit)

@@ -136,7 +136,7 @@ def _replay_transport(ctx: RankContext):
                 workers=int(env.get("PRISM_PREFETCH_THREADS", "4")),
                 host_tier_bytes=int(env.get("PRISM_HOST_TIER_BYTES", str(16 << 30))),
                 grow=env.get("PRISM_POOL_GROW", "0") == "1", expected_peak=_captured_peak(reader, rank),
-                reserve_bytes=int(env.get("PRISM_POOL_RESERVE_BYTES", str(4 << 30))))
+                reserve_bytes=int(env.get("PRISM_POOL_RESERVE_BYTES", str(4 << 30))), share=_gpu_sharers(env))
             device_path.prepare()  # plan and fill the host tier while the program builds its model
         rings = None
         if env.get("PRISM_PRUNED") == "1" and store is not None:
@@ -274,6 +274,18 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m prism_launch.bootstrap [-m] SCRIPT [ARGS]", file=sys.stderr)
         return 2
     return run(argv[0], argv[1:], module=module)
+
+
+def _gpu_sharers(env) -> int:
+    """How many of this node's processes the launcher put on this process's GPU (slots are
+    dealt round-robin over the GPUs present)."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return 1
+    slot, slots = int(env.get("PRISM_DEVICE_SLOT", "0")), int(env.get("PRISM_DEVICE_SLOTS", "1"))
+    return max(1, sum(1 for j in range(slots) if j % n == slot % n))
 
 
 def _captured_peak(reader, rank: int) -> int | None:

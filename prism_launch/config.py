@@ -185,8 +185,8 @@ class PrefetchConfig:
     ``mode=stream`` takes a pool that holds it and fills it before the first op, as ``preload``
     does: no staging copy then runs beside the program's steps. (A copy in flight is waited for
     by every device synchronise of the program — Megatron's pipeline send/recv makes one per
-    transfer — and the host tier's loader may still be behind early steps.) Otherwise the pool
-    stays at ``pool_mib`` and streams."""
+    transfer — and the host tier's loader may still be behind early steps.) Sandbox ranks that
+    share a GPU split its spare memory. Otherwise the pool stays at ``pool_mib`` and streams."""
     reserve_gib: float = 4.0
     """Device memory a grown pool leaves free beyond the program's expected need."""
     threads: int = 4

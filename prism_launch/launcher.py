@@ -233,7 +233,7 @@ class Launcher:
         spawn = self.no_python or method is StartMethod.spawn
         argv = self._argv()
         specs = [RankSpec(rank=r, env={**self._rank_env(r, mode, extra_env(r) if callable(extra_env) else extra_env),
-                                       "PRISM_DEVICE_SLOT": str(i)},
+                                       "PRISM_DEVICE_SLOT": str(i), "PRISM_DEVICE_SLOTS": str(len(ranks))},
                           argv=argv if spawn else None) for i, r in enumerate(ranks)]
         specs += [RankSpec(rank=x.rank, env=x.env, argv=x.argv if spawn else None) for x in extra_specs]
         log_dir = log_dir or self.log_dir(mode)

@@ -23,3 +23,21 @@ def test_captured_peak_of_the_rank_or_of_the_largest_captured_rank(tmp_path):
 
 def test_no_memory_record_no_captured_peak(tmp_path):
     assert _captured_peak(_trace(tmp_path, None), 0) is None
+
+
+def test_gpu_sharers_without_cuda_is_one():
+    from prism_launch.bootstrap import _gpu_sharers
+
+    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "1", "PRISM_DEVICE_SLOTS": "4"}) == 1  # this machine has no GPU
+
+
+def test_gpu_sharers_counts_the_slots_dealt_to_the_same_gpu(monkeypatch):
+    import torch
+
+    from prism_launch.bootstrap import _gpu_sharers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "1", "PRISM_DEVICE_SLOTS": "4"}) == 2  # slots 1 and 3 on GPU 1
+    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "0", "PRISM_DEVICE_SLOTS": "3"}) == 2  # slots 0 and 2 on GPU 0
+    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "1", "PRISM_DEVICE_SLOTS": "2"}) == 1
