@@ -45,6 +45,9 @@ from nccl_ext.ops import Collective, ReduceKind, contributors, fold
 _ALIGN = 256
 _CHUNK_WORDS = 1 << 21
 """Host-side copies and sums are split into pieces of this many 32-bit words (8 MiB)."""
+_TIER_BATCH_BYTES = 64 << 20
+"""The host tier's loader copies and sums the ops it loads in batches of about this many staged
+bytes, spread over its helper threads (a single op is often one piece: no parallelism)."""
 _CHECK_SLOTS = 4096
 _BATCH_OPS = 64
 """Most ops the stager stages per wake-up."""
@@ -272,6 +275,19 @@ class _Plan:
 def _chunks(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     step = max(1, (_CHUNK_WORDS * 4) // max(1, dst.element_size()))
     return [(dst[s:s + step], src[s:s + step]) for s in range(0, dst.numel(), step)]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _host_pages(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of anonymous host memory outside torch's allocator, as a uint8 tensor. Its
+    pages are zero and unmapped until first written — by the host tier's loader threads, in
+    parallel — rather than zeroed up front on one thread."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _aligned(n: int) -> int:
@@ -555,7 +571,7 @@ class DevicePath:
         cuda = self.device_kind == "cuda" and torch.cuda.is_available()
         if not (cuda or self._tier_on_host) or self.mode == PrefetchMode.OFF or not 0 < staged <= self.host_tier_bytes:
             return
-        self._tier = wire.untracked_empty((staged,), torch.uint8)
+        self._tier = _host_pages(staged)
         at = 0
         for p in plans:
             p.tier_at = at
@@ -572,7 +588,8 @@ class DevicePath:
     def _load_tier(self, plans: list[_Plan]) -> None:
         t0 = time.monotonic()
         try:
-            for plan in plans:
+            batch, nbytes = [], 0
+            for k, plan in enumerate(plans):
                 if self._closed:
                     return
                 work, at = [], plan.tier_at
@@ -583,17 +600,43 @@ class DevicePath:
                             src = (src if src.is_contiguous() else src.contiguous()).view(torch.uint8)
                             work += _chunks(self._tier[at:at + src.numel()], src)
                         at += _aligned(item.nbytes)
-                    refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
-                self._parallel(work, lambda a, b: a.copy_(b))
-                with self._cond:
-                    plan.refs = refs
-                    self._cond.notify_all()
+                    own = [item.load() if item.nbytes else None for item in plan.own]
+                batch.append((plan, work, own))
+                nbytes += plan.staged_nbytes
+                if k == 0 or nbytes >= _TIER_BATCH_BYTES or k == len(plans) - 1:  # the first op at once
+                    self._fill_tier(batch)
+                    batch, nbytes = [], 0
             self._t_loaded = time.monotonic()
             self.stats.host_tier_load_s = self._t_loaded - t0
         except BaseException as e:  # noqa: BLE001 - surfaced by take()
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _fill_tier(self, batch: list) -> None:
+        """Copy a batch of ops' pieces into the tier and sum their own recorded pieces, all as
+        one set of jobs on the helper threads (the tier's fresh pages are faulted in there too),
+        then hand the ops over."""
+        jobs: list = [(_copy, (dst, src)) for _, work, _ in batch for dst, src in work]
+        copies, where = len(jobs), []
+        for i, (_, _, own) in enumerate(batch):
+            for j, t in enumerate(own):
+                if t is None:
+                    continue
+                w = _words(t)
+                parts = [w[s:s + _CHUNK_WORDS] for s in range(0, w.numel(), _CHUNK_WORDS)] \
+                    if w.dtype == torch.int32 and w.numel() >= 2 * _CHUNK_WORDS else [t]
+                for part in parts:
+                    where.append((i, j))
+                    jobs.append((word_sum, (part,)))
+        done = self._parallel(jobs, lambda fn, args: fn(*args))
+        refs = [[0] * len(own) for _, _, own in batch]
+        for (i, j), v in zip(where, done[copies:]):
+            refs[i][j] = (refs[i][j] + v) & 0xFFFFFFFF
+        with self._cond:
+            for (plan, _, _), r in zip(batch, refs):
+                plan.refs = r
+            self._cond.notify_all()
 
     def _wait_loaded(self, plan: _Plan) -> None:
         with self._cond:

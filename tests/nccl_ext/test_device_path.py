@@ -337,3 +337,14 @@ def test_without_spare_memory_or_a_captured_peak_the_pool_stays_as_asked(monkeyp
     monkeypatch.undo()
     dp = _dp(_Recording(3), mode="stream", grow=True, expected_peak=None)  # host pool: no CUDA memory to size
     assert dp._spare_bytes() is None
+
+
+def test_host_tier_sums_large_own_pieces_in_parts_and_batches_small_ops():
+    rec = _Recording(3, size=5_000_000)  # 20 MB contributions: summed in 8 MiB parts on the helper threads
+    dp = _dp(rec, mode="stream", tier_on_host=True, workers=3, host_tier_bytes=1 << 30)
+    dp.prepare()
+    dp._prep.join(60)
+    assert [p.refs for p in dp._planned] == [[word_sum(rec.data[(0, s)])] for s in range(3)]
+    assert all(torch.equal(dp._tier[p.tier_at:p.tier_at + p.staged_nbytes].view(torch.float32), rec.data[(1, s)])
+               for s, p in enumerate(dp._planned))
+    assert dp.close() == (3, 0)  # never started: every op left
