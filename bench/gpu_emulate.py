@@ -6,7 +6,8 @@ Per job and world size: a folded capture (ranks context-switched on the one GPU 
 coordinator), then emulation of one sandbox rank on the GPU (device data path: virtual peers' recorded data
 prefetched into a device pool, compensation folded there); again with ``emulate.timing=none``
 (no virtual peer ever late: the sandbox's own step) for each prefetch mode — ``stream`` (the
-default), ``stream-fixed`` (stream within ``pool_mib``, not grown), ``off`` (data moved when each op is entered) and ``preload`` (everything on the
+default), ``stream-fixed`` (stream within ``pool_mib``, not grown), ``inline`` (within
+``pool_mib``, copies issued by the program's thread one op at a time), ``off`` (data moved when each op is entered) and ``preload`` (everything on the
 device before the run: no virtual-peer data movement at all, the reference); and once with
 ``cluster.gpu_memory_gib`` below the job's need, which must OOM. Prints losses vs the capture,
 step times, prefetch statistics, sandbox GPU peak memory and the predictions.
@@ -41,6 +42,7 @@ JOBS = {
 MODES = {  # how virtual peers' data moves, as settings
     "stream": ["emulate.prefetch.mode=stream"],  # ahead of the program (the pool grows when the GPU can spare it)
     "stream-fixed": ["emulate.prefetch.mode=stream", "emulate.prefetch.grow=false"],  # within pool_mib only
+    "inline": ["emulate.prefetch.mode=inline", "emulate.prefetch.grow=false"],  # copies issued at op entry
     "off": ["emulate.prefetch.mode=off"],
     "preload": ["emulate.prefetch.mode=preload"],
 }

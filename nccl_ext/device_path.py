@@ -10,7 +10,9 @@ and a send or receive with a virtual peer — never leaves the sandbox's device:
   memory on a side stream, ahead of the op. The op's stream waits for that copy's event only;
   the host waits only when the stager is behind (a *stall*). ``mode="off"`` stages each op when
   it is entered, on the op's stream; ``mode="preload"`` stages the whole run before the first
-  op (the reference with no virtual-peer data movement at all). On CUDA, ``stream`` with
+  op (the reference with no virtual-peer data movement at all); ``mode="inline"`` stages from
+  the host tier on the program's own thread as it enters ops, one op at a time (no stager
+  thread, no batches). On CUDA, ``stream`` with
   ``grow`` does what preload does when the device can spare the run's data (:func:`split_pool`).
 * **Compensation on device.** Reductions fold the staged recorded terms and the live tensor
   with :func:`nccl_ext.ops.fold` in group-rank order, into pool scratch — the arithmetic of the
@@ -57,7 +59,9 @@ class PrefetchMode:
     STREAM = "stream"
     OFF = "off"
     PRELOAD = "preload"
-    ALL = (STREAM, OFF, PRELOAD)
+    INLINE = "inline"
+    ALL = (STREAM, OFF, PRELOAD, INLINE)
+    STREAMING = (STREAM, INLINE)
 
 
 _POOL_BYTES: dict[str, int] = {}
@@ -404,7 +408,7 @@ def split_pool(mode: str, plans: list[_Plan], requested: int, spare: int | None)
     work = max(2 * big_s, requested * scratch // max(1, staged + scratch))
     data = max(2 * big_d, requested - work)
     data, work = _aligned(data), _aligned(work)
-    if mode == PrefetchMode.STREAM and spare is not None and data + work < whole <= spare:
+    if mode in PrefetchMode.STREAMING and spare is not None and data + work < whole <= spare:
         return _aligned(staged), _aligned(scratch), True
     return data, work, False
 
@@ -471,6 +475,7 @@ class DevicePath:
         self._pinned = False
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._refill_at = 0
+        self._inline = False
         self._t_first: float | None = None
         self._t_loaded: float | None = None
 
@@ -515,7 +520,7 @@ class DevicePath:
                 self._loader = threading.Thread(target=self._load_tier, args=(list(plans),),
                                                 name=f"prism-prefetch-load-{self.rank}", daemon=True)
                 self._loader.start()
-        spare = self._spare_bytes() if self.grow and self.mode == PrefetchMode.STREAM else None
+        spare = self._spare_bytes() if self.grow and self.mode in PrefetchMode.STREAMING else None
         data, work, self.stats.pool_grown = split_pool(self.mode, plans, self.requested_pool, spare)
         self._allocate(data + work + _aligned(_CHECK_SLOTS * 4))
         self._space = _Space(data, work)
@@ -532,7 +537,9 @@ class DevicePath:
                 self._stage(self._plans.popleft(), on_side=True)
             if self._cuda:
                 self._side.synchronize()
-        elif self.mode == PrefetchMode.STREAM:
+        elif self.mode == PrefetchMode.INLINE and self._tier is not None:
+            self._inline = True  # the program's thread stages as it enters ops (take)
+        elif self.mode in PrefetchMode.STREAMING:
             self._thread = threading.Thread(target=self._run, name=f"prism-prefetch-{self.rank}", daemon=True)
             self._thread.start()
 
@@ -569,7 +576,8 @@ class DevicePath:
         DMA and never a host copy."""
         staged = sum(p.staged_nbytes for p in plans)
         cuda = self.device_kind == "cuda" and torch.cuda.is_available()
-        if not (cuda or self._tier_on_host) or self.mode == PrefetchMode.OFF or not 0 < staged <= self.host_tier_bytes:
+        host = self._tier_on_host or self.mode == PrefetchMode.INLINE  # inline stages from the tier only
+        if not (cuda or host) or self.mode == PrefetchMode.OFF or not 0 < staged <= self.host_tier_bytes:
             return
         self._tier = _host_pages(staged)
         at = 0
@@ -952,14 +960,56 @@ class DevicePath:
             self.stats.stalls += 1
             staged = self._stage(self._plans.popleft(), on_side=False)
         else:
-            staged = self._next_ready(idx, what)
+            late = self._stage_inline(idx) if self._inline else False
+            staged = self._next_ready(idx, what, late)
         self._make_tensors(staged)
         self._taken.append((staged, torch.cuda.current_stream(self.device) if self._cuda else None))
         return staged
 
-    def _next_ready(self, idx: int, what: str) -> StagedOp:
+    def _stage_inline(self, idx: int) -> bool:
+        """``mode=inline``: on the program's thread as op ``idx`` is entered, issue the copies of
+        the ops after it that the pool has room for and the host tier holds — one op at a time,
+        so copies are spread through the step instead of a stager's batches (a device
+        synchronise of the program waits for any copy still running) and no second thread
+        wants the interpreter. Op ``idx`` itself is staged now if it was not yet; True when that
+        waited for the host tier's loader (a stall)."""
+        late = False
+        with self._cond:
+            while self._ready and self._ready[0].idx < idx:  # ops the program skipped
+                skipped = self._ready.popleft()
+                self._space.release(skipped)
+                if skipped.ready is not None:
+                    self._released.append(skipped.ready)
+        while self._plans and self._plans[0].idx < idx:  # never staged, never needed
+            self._plans.popleft()
+        while self._plans:
+            plan = self._plans[0]
+            due = plan.idx == idx
+            if not due and plan.refs is None:
+                break  # the loader has not reached it: the next op entered tries again
+            with self._cond:
+                spans = self._space.alloc(plan)
+            if spans is None:
+                if due:
+                    raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
+                break
+            if due and plan.refs is None:
+                t0 = time.monotonic()
+                self._wait_loaded(plan)
+                self.stats.stall_s += time.monotonic() - t0
+                late = True
+            self._plans.popleft()
+            released, self._released = self._released, []
+            span, scratch = spans
+            op = StagedOp(idx=plan.idx, nbytes=plan.nbytes, span=span, scratch_span=scratch, plan=plan,
+                          refs=plan.refs)
+            op.ready = self._from_tier(span, plan.tier_at, released, event=True)
+            self._publish([op])
+        return late
+
+    def _next_ready(self, idx: int, what: str, late: bool = False) -> StagedOp:
         t0 = time.monotonic()
-        waited = False
+        waited = late
         with self._cond:
             while True:
                 while self._ready and self._ready[0].idx < idx:  # ops the program skipped
@@ -984,7 +1034,7 @@ class DevicePath:
             raise RuntimeError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
         if waited:
             self.stats.stalls += 1
-            self.stats.stall_s += time.monotonic() - t0
+            self.stats.stall_s += 0.0 if late else time.monotonic() - t0
         elif staged.ready is None or staged.ready.query():
             self.stats.hits += 1
         else:

@@ -172,6 +172,11 @@ class PrefetchMode(StrEnum):
     preload = "preload"
     """The whole run's data is staged before the first op (the reference without any
     virtual-peer data movement; needs a pool holding all of it)."""
+    inline = "inline"
+    """As stream, but the program's own thread issues the copies as it enters ops, one op at a
+    time, from the host tier (no stager thread or batches: a device synchronise of the
+    program waits for at most the copies of the last ops entered). Needs the host tier
+    (``host_tier_gib``); without it, stream."""
 
 
 @dataclass(kw_only=True, slots=True)

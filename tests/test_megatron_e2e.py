@@ -72,7 +72,8 @@ def test_device_data_path_is_bit_identical(capture, tmp_path):
     data prefetched into a pool (CPU here: the same code with host memory as the device)."""
     name, d = capture
     nproc, args = JOBS[name]
-    for sandbox, mode in [(SANDBOXES[name][0], "stream"), (SANDBOXES[name][0], "off"), (SANDBOXES[name][1], "preload")]:
+    for sandbox, mode in [(SANDBOXES[name][0], "stream"), (SANDBOXES[name][0], "off"), (SANDBOXES[name][1], "preload"),
+                          (SANDBOXES[name][1], "inline")]:
         out = tmp_path / f"{mode}-{'-'.join(map(str, sandbox))}"
         r = run_prism([*_flags(nproc), "--log-dir", out / "logs", "mode=emulate", f"trace.dir={d / 'trace'}",
                        f"sandbox.ranks={json.dumps(sandbox)}", f"report.dir={out / 'report'}",
@@ -90,6 +91,9 @@ def test_device_data_path_is_bit_identical(capture, tmp_path):
             if mode == "off":
                 assert p["stalls"] == p["staged_ops"]
             if mode == "stream":
+                assert p["high_water_bytes"] <= p["pool_bytes"] and p["hits"] > 0
+            if mode == "inline":  # from the host tier, on the program's thread
+                assert p["host_tier_bytes"] > 0 and p["stager_batches"] == 0 and 0 < p["copies"] <= p["staged_ops"], p
                 assert p["high_water_bytes"] <= p["pool_bytes"] and p["hits"] > 0
 
 

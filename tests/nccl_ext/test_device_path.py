@@ -348,3 +348,43 @@ def test_host_tier_sums_large_own_pieces_in_parts_and_batches_small_ops():
     assert all(torch.equal(dp._tier[p.tier_at:p.tier_at + p.staged_nbytes].view(torch.float32), rec.data[(1, s)])
                for s, p in enumerate(dp._planned))
     assert dp.close() == (3, 0)  # never started: every op left
+
+
+def test_inline_mode_stages_on_the_programs_thread_as_ops_are_entered():
+    rec = _Recording(40)
+    dp = _dp(rec, mode="inline", pool_bytes=8192, tier_on_host=True)  # room for a few ops of 2 KiB
+    dp.prepare()
+    dp._prep.join(30)  # the host tier is loaded: every later op is staged ahead
+    for s in range(40):
+        if s == 10:
+            assert 10 < dp.stats.staged_ops < 20  # ahead of the 10 entered, as far as the pool holds
+        staged = dp.take(s, f"op {s}")
+        live = rec.data[(0, s)].clone()
+        if s == 21:
+            live[3] = 7.0
+        dp.verify([live], staged.refs, ("allreduce", s))
+        out = result_of(Collective.ALL_REDUCE, 2, 0, None, [live], staged.terms, staged.scratch, ReduceKind.SUM)
+        assert torch.equal(out[0], live + rec.data[(1, s)])
+    assert dp.flush() == [("allreduce", 21)]
+    assert dp._thread is None and dp.close() == (0, None)
+    st = dp.stats
+    assert st.staged_ops == 40 and st.hits == 40 and st.stalls == st.in_flight == 0
+    assert st.high_water_bytes <= st.pool_bytes
+
+
+def test_inline_mode_skips_ops_the_program_never_enters_and_refuses_out_of_order_ones():
+    rec = _Recording(20)
+    dp = _dp(rec, mode="inline", pool_bytes=8192, tier_on_host=True)
+    for s in (0, 1, 5, 6, 12):  # the loader may still be behind: staged at entry then
+        _take_and_fold(dp, rec, s)
+    with pytest.raises(RuntimeError, match="diverged"):
+        dp.take(3, "op 3")
+    assert dp.close() == (7, 13)  # 13..19 never entered
+
+
+def test_inline_without_a_host_tier_falls_back_to_the_stager_thread():
+    rec = _Recording(12)
+    dp = _dp(rec, mode="inline", pool_bytes=8192, host_tier_bytes=4096)  # the run's data exceeds the tier
+    for s in range(12):
+        _take_and_fold(dp, rec, s)
+    assert dp._thread is not None and dp.close() == (0, None) and dp.stats.staged_ops == 12
