@@ -7,8 +7,9 @@ coordinator), then emulation of one sandbox rank on the GPU (device data path: v
 prefetched into a device pool, compensation folded there); again with ``emulate.timing=none``
 (no virtual peer ever late: the sandbox's own step) for each prefetch mode — ``stream`` (the
 default), ``stream-fixed`` (stream within ``pool_mib``, not grown), ``inline`` (within
-``pool_mib``, copies issued by the program's thread one op at a time), ``off`` (data moved when each op is entered) and ``preload`` (everything on the
-device before the run: no virtual-peer data movement at all, the reference); and once with
+``pool_mib``, copies issued by the program's thread one op at a time), ``off`` (data moved
+when each op is entered) and ``preload`` (everything on the device before the run: no
+virtual-peer data movement at all, the reference); and once with
 ``cluster.gpu_memory_gib`` below the job's need, which must OOM. Prints losses vs the capture,
 step times, prefetch statistics, sandbox GPU peak memory and the predictions.
 """

@@ -12,8 +12,8 @@ and a send or receive with a virtual peer — never leaves the sandbox's device:
   it is entered, on the op's stream; ``mode="preload"`` stages the whole run before the first
   op (the reference with no virtual-peer data movement at all); ``mode="inline"`` stages from
   the host tier on the program's own thread as it enters ops, one op at a time (no stager
-  thread, no batches). On CUDA, ``stream`` with
-  ``grow`` does what preload does when the device can spare the run's data (:func:`split_pool`).
+  thread, no batches). On CUDA, with ``grow``, both do what preload does when the device can
+  spare the run's data (:func:`split_pool`).
 * **Compensation on device.** Reductions fold the staged recorded terms and the live tensor
   with :func:`nccl_ext.ops.fold` in group-rank order, into pool scratch — the arithmetic of the
   capture step for step, so results are bit-identical to it (IEEE adds, multiplies, min/max are
@@ -167,8 +167,8 @@ class PrefetchStats:
     mode: str = PrefetchMode.STREAM
     pool_bytes: int = 0
     pool_grown: bool = False
-    """Stream mode took a pool holding the whole run's staged data and filled it before the
-    first op (``prefetch.grow``: the device had it to spare)."""
+    """A streaming mode took a pool holding the whole run's staged data and filled it before
+    the first op (``prefetch.grow``: the device had it to spare)."""
     staged_ops: int = 0
     staged_bytes: int = 0
     hits: int = 0
@@ -395,9 +395,9 @@ class _Space:
 
 def split_pool(mode: str, plans: list[_Plan], requested: int, spare: int | None) -> tuple[int, int, bool]:
     """The pool's data and scratch rings (aligned bytes) and whether it was grown: the whole
-    run's bytes for ``preload``, and for ``stream`` when ``spare`` (device memory it may take)
-    holds them (the caller then fills it before the first op); else ``requested`` split between the rings as the run's bytes are, each at
-    least twice its largest op."""
+    run's bytes for ``preload``, and for ``stream``/``inline`` when ``spare`` (device memory it
+    may take) holds them (the caller then fills it before the first op); else ``requested``
+    split between the rings as the run's bytes are, each at least twice its largest op."""
     staged = sum(p.staged_nbytes for p in plans)
     scratch = sum(p.scratch_nbytes for p in plans)
     whole = _aligned(staged) + _aligned(scratch)
@@ -444,15 +444,15 @@ class DevicePath:
         """Largest pinned host tier (the run's staged data) to fill ahead; beyond it each op is
         copied through a pinned mirror of the pool when staged."""
         self._tier_on_host = tier_on_host
+        """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
         self.grow = grow
-        """Stream mode on CUDA: take a pool holding the whole run, filled before the first op,
+        """Streaming on CUDA: take a pool holding the whole run, filled before the first op,
         when the device can spare it (``emulate.prefetch.grow``)."""
         self.expected_peak = expected_peak
         """The program's peak device memory in the capture (what it will still grow to)."""
         self.reserve_bytes = int(reserve_bytes)
         self.share = max(1, int(share))
         """Processes growing pools on this GPU: each may take its share of the spare memory."""
-        """Use the host tier when the "device" is host memory too (tests of its logic on CPU)."""
         self._space: _Space | None = None
         self._plans: deque[_Plan] = deque()
         self._ready: deque[StagedOp] = deque()

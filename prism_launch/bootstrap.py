@@ -304,4 +304,3 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     sys.exit(record(main)())
-

@@ -187,8 +187,8 @@ class PrefetchConfig:
     grow: bool = True
     """On CUDA, when the device can spare the run's whole staged data beyond what the program
     will still need (the capture's peak for the rank, from the trace) and ``reserve_gib``,
-    ``mode=stream`` takes a pool that holds it and fills it before the first op, as ``preload``
-    does: no staging copy then runs beside the program's steps. (A copy in flight is waited for
+    ``mode=stream`` (or ``inline``) takes a pool that holds it and fills it before the first op,
+    as ``preload`` does: no staging copy then runs beside the program's steps. (A copy in flight is waited for
     by every device synchronise of the program — Megatron's pipeline send/recv makes one per
     transfer — and the host tier's loader may still be behind early steps.) Sandbox ranks that
     share a GPU split its spare memory. Otherwise the pool stays at ``pool_mib`` and streams."""
