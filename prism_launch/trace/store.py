@@ -292,6 +292,49 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+VERIFIED_NAME = ".verified.json"
+"""Beside the manifest, not part of the trace: the files found intact, each with the size,
+modification time and inode it had then. A later open hashes only the files changed since
+(git's index does the same); a read-only trace is hashed at every open."""
+
+
+def _verify_files(path: Path, files: Mapping[str, str]) -> None:
+    """Check every file's sha256 against the manifest's, skipping those unchanged since they
+    were last found intact, hashing the rest in parallel (hashlib releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        known = json.loads((path / VERIFIED_NAME).read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    stamps = {rel: _stamp(path, rel, sha) for rel, sha in files.items()}  # as they were before hashing
+    todo = [rel for rel in files if known.get(rel) != stamps[rel]]
+    if not todo:
+        return
+    with ThreadPoolExecutor(min(8, len(todo))) as pool:
+        actual = list(pool.map(lambda rel: _sha256_file(path / rel), todo))
+    for rel, got in zip(todo, actual):
+        if got != files[rel]:
+            raise TraceCorruptError(path, rel, files[rel], got)
+    _remember_verified(path, stamps)
+
+
+def _stamp(path: Path, rel: str, sha: str) -> list:
+    st = (path / rel).stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino, sha]
+
+
+def _remember_verified(path: Path, stamps: Mapping[str, list]) -> None:
+    """Record the stamps of files just found intact (kept only where the trace is writable)."""
+    tmp = path / f"{VERIFIED_NAME}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(dict(stamps)))
+        os.replace(tmp, path / VERIFIED_NAME)
+    except OSError:  # a read-only trace: verified, just not remembered
+        tmp.unlink(missing_ok=True)
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -726,11 +769,16 @@ class TraceWriter:
             target.write_bytes(data)
             written.append(rel)
 
-        files: dict[str, str] = {}
-        for rel in written:
-            path = staging / rel
-            _fsync_file(path)
-            files[rel] = _sha256_file(path)
+        from concurrent.futures import ThreadPoolExecutor
+
+        def seal(rel: str) -> str:
+            _fsync_file(staging / rel)
+            return _sha256_file(staging / rel)
+
+        with ThreadPoolExecutor(min(8, len(written))) as pool:  # hashlib and fsync release the GIL
+            files = dict(zip(written, pool.map(seal, written)))
+        # what was just hashed needs no hashing at the first open
+        _remember_verified(staging, {rel: _stamp(staging, rel, sha) for rel, sha in files.items()})
         dirs = {(staging / rel).parent for rel in written}
         for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
             _fsync_dir(d)
@@ -793,7 +841,8 @@ class TraceReader:
     """Read-only access to a committed PrismTrace.
 
     Opening validates the manifest; with ``verify=True`` every listed file is also
-    checked against its sha256 (with ``verify=False`` only their presence).
+    checked against its sha256 (with ``verify=False`` only their presence) — except files
+    unchanged since an earlier open found them intact (:data:`VERIFIED_NAME`).
     """
 
     def __init__(self, path: str | Path, *, verify: bool = True, hint: str | None = None) -> None:
@@ -836,10 +885,8 @@ class TraceReader:
             file_path = self.path / rel
             if not file_path.is_file():
                 raise TraceCorruptError(self.path, rel, expected, None, reason="file listed in the manifest is missing")
-            if verify:
-                actual = _sha256_file(file_path)
-                if actual != expected:
-                    raise TraceCorruptError(self.path, rel, expected, actual)
+        if verify:
+            _verify_files(self.path, self.manifest.files)
 
         self._lock = threading.Lock()
         self._events: pa.Table | None = None

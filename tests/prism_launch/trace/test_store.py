@@ -318,3 +318,50 @@ def test_refuses_to_replace_foreign_directory(tmp_path):
     with pytest.raises(TraceError, match="not a PrismTrace"):
         TraceWriter(d)
     assert (d / "precious.txt").read_text() == "keep me"
+
+
+def test_files_found_intact_are_not_hashed_again_until_they_change(tmp_path, monkeypatch):
+    from prism_launch.trace import store
+
+    path = tmp_path / "trace"
+    m, _ = _write(path)
+    hashed = []
+    real = store._sha256_file
+    monkeypatch.setattr(store, "_sha256_file", lambda p: hashed.append(p.name) or real(p))
+    TraceReader(path)
+    assert hashed == []  # the writer hashed what it wrote and remembered it
+    (path / store.VERIFIED_NAME).unlink()
+    TraceReader(path)
+    assert len(hashed) == len(m.files)  # nothing remembered: everything hashed
+    hashed.clear()
+    TraceReader(path)
+    assert hashed == []  # nothing changed since
+    f = path / tensor_file_name(0)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))  # same size, new modification time
+    with pytest.raises(TraceCorruptError) as ei:
+        TraceReader(path)
+    assert hashed == [f.name] and ei.value.file == tensor_file_name(0)
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))  # repaired: hashed once more, then remembered again
+    TraceReader(path)
+    hashed.clear()
+    TraceReader(path)
+    assert hashed == []
+
+
+def test_a_trace_that_cannot_be_written_is_verified_at_every_open(tmp_path, monkeypatch):
+    from prism_launch.trace import store
+
+    path = tmp_path / "trace"
+    m, _ = _write(path)
+    hashed = []
+    real = store._sha256_file
+    monkeypatch.setattr(store, "_sha256_file", lambda p: hashed.append(p.name) or real(p))
+    (path / store.VERIFIED_NAME).unlink()
+    monkeypatch.setattr(store.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
+    for _ in range(2):
+        TraceReader(path)
+    assert len(hashed) == 2 * len(m.files)
+    assert not (path / store.VERIFIED_NAME).exists() and not list(path.glob("*.tmp"))
