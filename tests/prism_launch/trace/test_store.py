@@ -320,14 +320,23 @@ def test_refuses_to_replace_foreign_directory(tmp_path):
     assert (d / "precious.txt").read_text() == "keep me"
 
 
-def test_files_found_intact_are_not_hashed_again_until_they_change(tmp_path, monkeypatch):
+@pytest.fixture
+def hashed(monkeypatch):
+    """The names of the files hashed from now on."""
+    from prism_launch.trace import store
+
+    names: list[str] = []
+    real = store._sha256_file
+    monkeypatch.setattr(store, "_sha256_file", lambda p: names.append(p.name) or real(p))
+    return names
+
+
+def test_files_found_intact_are_not_hashed_again_until_they_change(tmp_path, hashed):
     from prism_launch.trace import store
 
     path = tmp_path / "trace"
     m, _ = _write(path)
-    hashed = []
-    real = store._sha256_file
-    monkeypatch.setattr(store, "_sha256_file", lambda p: hashed.append(p.name) or real(p))
+    hashed.clear()  # what the writer hashed
     TraceReader(path)
     assert hashed == []  # the writer hashed what it wrote and remembered it
     (path / store.VERIFIED_NAME).unlink()
@@ -351,14 +360,12 @@ def test_files_found_intact_are_not_hashed_again_until_they_change(tmp_path, mon
     assert hashed == []
 
 
-def test_a_trace_that_cannot_be_written_is_verified_at_every_open(tmp_path, monkeypatch):
+def test_a_trace_that_cannot_be_written_is_verified_at_every_open(tmp_path, hashed, monkeypatch):
     from prism_launch.trace import store
 
     path = tmp_path / "trace"
     m, _ = _write(path)
-    hashed = []
-    real = store._sha256_file
-    monkeypatch.setattr(store, "_sha256_file", lambda p: hashed.append(p.name) or real(p))
+    hashed.clear()
     (path / store.VERIFIED_NAME).unlink()
     monkeypatch.setattr(store.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
     for _ in range(2):
