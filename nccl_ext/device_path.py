@@ -1021,8 +1021,8 @@ class DevicePath:
                     break
                 if self._error is not None:
                     raise RuntimeError(f"{what}: prefetch failed: {self._error}") from self._error
-                if not self._plans and (self._thread is None or not self._thread.is_alive()):
-                    break
+                if self._inline or not self._plans and (self._thread is None or not self._thread.is_alive()):
+                    break  # nothing more will be staged for this op
                 if time.monotonic() - t0 > self.timeout_s:
                     raise RuntimeError(f"{what}: the prefetcher did not stage this op within {self.timeout_s:.0f} s")
                 waited = True

@@ -3,6 +3,7 @@ member position and reduce op; the prefetch pool stages in trace order within it
 checks catch a changed contribution; a program that stops early is told."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -380,6 +381,28 @@ def test_inline_mode_skips_ops_the_program_never_enters_and_refuses_out_of_order
     with pytest.raises(RuntimeError, match="diverged"):
         dp.take(3, "op 3")
     assert dp.close() == (7, 13)  # 13..19 never entered
+
+
+def test_inline_mode_refuses_an_op_off_the_trace_at_once_while_the_loader_lags():
+    gate = threading.Event()
+
+    class Slow(_Recording):
+        def piece(self, rank, gid, seq, i):
+            if seq >= 1:
+                gate.wait(60)  # the host tier's loader stops at op 1
+            return super().piece(rank, gid, seq, i)
+
+    rec = Slow(6)
+    dp = _dp(rec, mode="inline", pool_bytes=8192, tier_on_host=True, timeout_s=60)
+    try:
+        dp.take(0, "op 0")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="diverged"):
+            dp.take(0, "op 0 again")  # nothing staged, and op 1 is not loaded: nothing will stage it
+        assert time.monotonic() - t0 < 5
+    finally:
+        gate.set()
+        dp.close()
 
 
 def test_inline_without_a_host_tier_falls_back_to_the_stager_thread():
