@@ -647,11 +647,16 @@ class DevicePath:
             self._cond.notify_all()
 
     def _wait_loaded(self, plan: _Plan) -> None:
+        deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while plan.refs is None:
                 if self._error is not None or self._closed:
                     raise RuntimeError(f"rank {self.rank}: loading op #{plan.idx} into the host tier failed: "
                                        f"{self._error}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {self.rank}: op #{plan.idx} was not loaded into the host tier within "
+                                       f"{self.timeout_s:.0f} s (reading the trace stalled?); raise comm.timeout_s "
+                                       "if the trace's storage is that slow")
                 self._cond.wait(0.05)
 
     def _allocate(self, capacity: int) -> None:

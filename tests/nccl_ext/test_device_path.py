@@ -411,3 +411,20 @@ def test_inline_without_a_host_tier_falls_back_to_the_stager_thread():
     for s in range(12):
         _take_and_fold(dp, rec, s)
     assert dp._thread is not None and dp.close() == (0, None) and dp.stats.staged_ops == 12
+
+
+def test_a_stuck_host_tier_loader_fails_the_op_by_its_deadline():
+    gate = threading.Event()
+
+    class Stuck(_Recording):
+        def piece(self, rank, gid, seq, i):
+            gate.wait(60)
+            return super().piece(rank, gid, seq, i)
+
+    dp = _dp(Stuck(3), mode="inline", pool_bytes=8192, tier_on_host=True, timeout_s=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 0: op #0 was not loaded into the host tier within 1 s"):
+            dp.take(0, "op 0")
+    finally:
+        gate.set()
+        dp.close()
