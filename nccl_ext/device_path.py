@@ -169,6 +169,8 @@ class PrefetchStats:
     pool_grown: bool = False
     """A streaming mode took a pool holding the whole run's staged data and filled it before
     the first op (``prefetch.grow``: the device had it to spare)."""
+    preload_s: float = 0.0
+    """How long the first op waited while the whole run was staged (preload, or a grown pool)."""
     staged_ops: int = 0
     staged_bytes: int = 0
     hits: int = 0
@@ -533,10 +535,12 @@ class DevicePath:
             if self._tier is not None:
                 self._pin_tier()
         if self.mode == PrefetchMode.PRELOAD or self.stats.pool_grown:
+            t0 = time.monotonic()
             while self._plans:
                 self._stage(self._plans.popleft(), on_side=True)
             if self._cuda:
                 self._side.synchronize()
+            self.stats.preload_s = time.monotonic() - t0
         elif self.mode == PrefetchMode.INLINE and self._tier is not None:
             self._inline = True  # the program's thread stages as it enters ops (take)
         elif self.mode in PrefetchMode.STREAMING:

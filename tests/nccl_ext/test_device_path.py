@@ -326,7 +326,7 @@ def test_a_grown_pool_is_filled_before_the_first_op_is_handed_over(monkeypatch):
     for s in range(1, 30):
         _take_and_fold(dp, rec, s)
     assert dp.flush() == [] and dp.close() == (0, None)
-    assert dp.stats.hits == 30 and dp.stats.stalls == dp.stats.in_flight == 0
+    assert dp.stats.hits == 30 and dp.stats.stalls == dp.stats.in_flight == 0 and dp.stats.preload_s > 0
 
 
 def test_without_spare_memory_or_a_captured_peak_the_pool_stays_as_asked(monkeypatch):
