@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,12 +79,17 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
     out = work / f"{name}-{world}"
     flags = ["--nnodes", world // 8, "--nproc-per-node", 8, "-r", "3", "device=cuda", f"sandbox.ranks=[{sandbox}]",
              f"trace.dir={out / 'trace'}", "comm.timeout_s=900", "capture.fold=true"]
-    cap = run([*flags, "--log-dir", out / "cap", "mode=capture", RECIPE, *args], work)
-    m = re.search(r"captured (.*?) in ([\d.]+)s", cap.stderr)
-    res = {"job": name, "world": world, "sandbox": sandbox, "capture": m.group(0) if m else None}
+    if (out / "trace" / "manifest.json").exists() and steps(out / "cap", sandbox):  # from an earlier run (--work)
+        res = {"job": name, "world": world, "sandbox": sandbox, "capture": f"reused {out / 'trace'}"}
+    else:
+        cap = run([*flags, "--log-dir", out / "cap", "mode=capture", RECIPE, *args], work)
+        m = re.search(r"captured (.*?) in ([\d.]+)s", cap.stderr)
+        res = {"job": name, "world": world, "sandbox": sandbox, "capture": m.group(0) if m else None}
     cap_steps = steps(out / "cap", sandbox)
 
     def emulate(tag: str, extra: list) -> dict:
+        for stale in (out / tag, out / f"rep-{tag}"):  # an earlier run's, in a reused --work
+            shutil.rmtree(stale, ignore_errors=True)
         run([*flags, "--log-dir", out / tag, "mode=emulate", f"report.dir={out / ('rep-' + tag)}", *extra,
              RECIPE, *args], work)
         rep = json.loads((out / f"rep-{tag}" / "report.json").read_text())
@@ -115,6 +121,8 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
         res["median_step_ms"] = {mode: med(mode) for mode in modes}
         res["step_vs_preload"] = {mode: round(med(mode) / base, 4) for mode in modes}
     if oom_gib:
+        for stale in (out / "oom", out / "rep-oom"):
+            shutil.rmtree(stale, ignore_errors=True)
         r = run([*flags, "--log-dir", out / "oom", "mode=emulate", f"cluster.gpu_memory_gib={oom_gib}",
                  f"report.dir={out / 'rep-oom'}", RECIPE, *args], work, ok=False)
         oom_rep = json.loads((out / "rep-oom" / "report.json").read_text()) if (out / "rep-oom" / "report.json").exists() else {}
@@ -147,8 +155,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="timed emulations per prefetch mode, interleaved")
     ap.add_argument("--peak-worlds", default="", help="world sizes with only capture + default emulation "
                                                       "(peak memory against the world size)")
+    ap.add_argument("--work", default=None, help="working folder; a job's capture found there (same job, world "
+                                                   "and --iters) is reused instead of captured again")
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="prism-gpu-"))
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="prism-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
     for name in a.jobs.split(","):
         for world in (int(w) for w in a.peak_worlds.split(",") if w):
             res = peak_only(name, world, work, a.iters)
