@@ -428,3 +428,21 @@ def test_a_stuck_host_tier_loader_fails_the_op_by_its_deadline():
     finally:
         gate.set()
         dp.close()
+
+
+def test_spare_memory_leaves_room_for_the_program_the_reserve_the_sharers_and_the_target_cap(monkeypatch):
+    g = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * g, 140 * g))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * g)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * g)
+    dp = _dp(_Recording(1), grow=True, expected_peak=11 * g, reserve_bytes=4 * g, share=2)
+    dp._cuda, dp.device = True, torch.device("cuda", 0)
+    # the program will take 11 - 1 allocated - 1 cached = 9 GiB more (x1.25), then the reserve
+    monkeypatch.delenv("PRISM_MEMORY_LIMIT", raising=False)
+    assert dp._spare_bytes() == (100 * g - 9 * g * 5 // 4 - 4 * g) // 2
+    monkeypatch.setenv("PRISM_MEMORY_LIMIT", str(130 * g))  # cap + pool must fit the device
+    assert dp._spare_bytes() == 10 * g
+    dp.expected_peak = 200 * g  # more than the device has: nothing to spare
+    assert dp._spare_bytes() == 0
+    dp.expected_peak = None
+    assert dp._spare_bytes() is None
