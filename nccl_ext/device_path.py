@@ -984,11 +984,7 @@ class DevicePath:
         waited for the host tier's loader (a stall)."""
         late = False
         with self._cond:
-            while self._ready and self._ready[0].idx < idx:  # ops the program skipped
-                skipped = self._ready.popleft()
-                self._space.release(skipped)
-                if skipped.ready is not None:
-                    self._released.append(skipped.ready)
+            self._drop_skipped(idx)
         while self._plans and self._plans[0].idx < idx:  # never staged, never needed
             self._plans.popleft()
         while self._plans:
@@ -1016,16 +1012,20 @@ class DevicePath:
             self._publish([op])
         return late
 
+    def _drop_skipped(self, idx: int) -> None:
+        """Free the staged ops before ``idx`` that the program skipped (under the lock)."""
+        while self._ready and self._ready[0].idx < idx:
+            skipped = self._ready.popleft()
+            self._space.release(skipped)
+            if skipped.ready is not None:  # its copy may still run: reuse waits for it
+                self._released.append(skipped.ready)
+
     def _next_ready(self, idx: int, what: str, late: bool = False) -> StagedOp:
         t0 = time.monotonic()
         waited = late
         with self._cond:
             while True:
-                while self._ready and self._ready[0].idx < idx:  # ops the program skipped
-                    skipped = self._ready.popleft()
-                    self._space.release(skipped)
-                    if skipped.ready is not None:  # its copy may still run: reuse waits for it
-                        self._released.append(skipped.ready)
+                self._drop_skipped(idx)
                 if self._ready:
                     break
                 if self._error is not None:
