@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +65,52 @@ def run(args: list, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
+def machine() -> dict:
+    """What else the machine was doing as a run started: load, dirty page cache still being
+    written back (a capture writes many GiB), the busiest processes and the GPU's clocks."""
+    state: dict = {"loadavg": os.getloadavg()}
+    try:
+        mem = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        state["dirty_mib"] = int(mem["Dirty"].split()[0]) // 1024
+        state["writeback_mib"] = int(mem["Writeback"].split()[0]) // 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    try:  # the busiest processes over one second (top's second frame)
+        out = subprocess.run(["top", "-b", "-n", "2", "-d", "1", "-o", "%CPU", "-w", "200"], capture_output=True,
+                             text=True, timeout=20).stdout
+        frame = out.split("PID USER")[-1].splitlines()[1:5]
+        state["busiest"] = [" ".join(line.split()[8:9] + line.split()[11:12]) for line in frame]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,"
+                              "utilization.gpu", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20).stdout
+        state["gpu"] = out.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return state
+
+
+class Sampler:
+    """``machine()`` every few seconds while a run goes on (in the background)."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.samples.append(machine())
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return self.samples
+
+
 def steps(log_root: Path, rank: int) -> list[tuple[str, float]]:
     for f in sorted(log_root.glob(f"*/{rank}/stdout.log")):
         found = [(m.group(2), float(m.group(3))) for m in _STEP.finditer(f.read_text())]
@@ -90,8 +137,10 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
     def emulate(tag: str, extra: list) -> dict:
         for stale in (out / tag, out / f"rep-{tag}"):  # an earlier run's, in a reused --work
             shutil.rmtree(stale, ignore_errors=True)
+        before, sampler = machine(), Sampler()
         run([*flags, "--log-dir", out / tag, "mode=emulate", f"report.dir={out / ('rep-' + tag)}", *extra,
              RECIPE, *args], work)
+        during = sampler.stop()
         rep = json.loads((out / f"rep-{tag}" / "report.json").read_text())
         summary = json.loads((out / f"rep-{tag}" / "sandbox" / f"rank{sandbox}.json").read_text())
         me = rep["ranks"][str(sandbox)]
@@ -104,6 +153,7 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
             "predicted_iteration_ms": rep["predicted"]["iteration_time_s"] * 1e3,
             "divergences": len(me.get("divergences") or []),
             "prefetch": summary.get("prefetch"),
+            "machine": {"before": before, "during": during},
         }
 
     res["emulate"] = emulate("emu", [])
