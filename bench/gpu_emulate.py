@@ -152,6 +152,8 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
             "sandbox_peak_gib": (me.get("peak_memory_bytes") or 0) / 2**30,
             "predicted_iteration_ms": rep["predicted"]["iteration_time_s"] * 1e3,
             "divergences": len(me.get("divergences") or []),
+            # the virtual side's time on the sandbox's thread (ops issued, served, checked), per step
+            "own_ms_per_step": summary.get("own_s", 0.0) * 1e3 / max(1, len(got)),
             "prefetch": summary.get("prefetch"),
             "machine": {"before": before, "during": during},
         }

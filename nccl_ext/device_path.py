@@ -73,6 +73,18 @@ def pool_bytes(device: torch.device | str) -> int:
     return _POOL_BYTES.get(str(torch.device(device)), 0)
 
 
+_SEGMENT = 2 << 20
+
+
+def charged_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole 2 MiB: what a device pool is given so that torch's caching
+    allocator charges it exactly its size. The allocator rounds a block to 512 B and keeps a
+    large block's whole segment (rounded to 2 MiB) when the rest would be under 1 MiB, so a
+    pool of any other size is charged up to ~1 MiB more than it asked for — and leaving the
+    asked size out of the program's memory figures would credit the program with the rest."""
+    return -(-nbytes // _SEGMENT) * _SEGMENT
+
+
 def eligible(sandbox: tuple[int, ...], rank: int, group_ranks: tuple[int, ...] | None = None,
              peer: int | None = None) -> bool:
     """Whether an op of sandbox ``rank`` goes through the device path: a collective whose other
@@ -667,6 +679,7 @@ class DevicePath:
         """The pool, outside what the program is charged for; a memory cap of the target GPU
         (``PRISM_MEMORY_LIMIT``) is widened by it first so the pool itself never trips it."""
         if self._cuda:
+            capacity = charged_size(capacity)
             limit = int(os.environ.get("PRISM_MEMORY_LIMIT", "0"))
             if limit > 0:
                 total = torch.cuda.get_device_properties(self.device).total_memory

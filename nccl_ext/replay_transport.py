@@ -131,6 +131,9 @@ class ReplayStats:
     p2p: int = 0
     physical_exchanges: int = 0
     waited_s: float = 0.0
+    own_s: float = 0.0
+    """Wall time the program's thread spent in this transport issuing ops (serving virtual
+    members, staging waits and checks included): the virtual side's cost on the sandbox's CPU."""
     divergences: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
 
@@ -247,6 +250,13 @@ class ReplayTransport:
         pass  # group reduction: nothing to set up until an op uses the group
 
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
+        t0 = time.perf_counter()
+        try:
+            return self._collective(group, seq, call)
+        finally:
+            self.stats.own_s += time.perf_counter() - t0
+
+    def _collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         self._span("c")
         gid = self._gid(group)
         what = f"rank {self.rank}: {call.api} on group {group.desc or group.key} seq {seq}"
@@ -493,6 +503,13 @@ class ReplayTransport:
         return works
 
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
+        t0 = time.perf_counter()
+        try:
+            return self._send(group, dst, tag, seq, tensor)
+        finally:
+            self.stats.own_s += time.perf_counter() - t0
+
+    def _send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
         self._span("s")
         gid = self._gid(group)
         self.stats.p2p += 1
@@ -515,6 +532,13 @@ class ReplayTransport:
         return Pending.done("send")
 
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
+        t0 = time.perf_counter()
+        try:
+            return self._recv(group, src, tag, seq, like)
+        finally:
+            self.stats.own_s += time.perf_counter() - t0
+
+    def _recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
         self._span("r")
         gid = self._gid(group)
         self.stats.p2p += 1
@@ -619,6 +643,7 @@ class ReplayTransport:
         atomic_write_text(self.summary_path, json.dumps({
             "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
             "physical_exchanges": self.stats.physical_exchanges, "folded_ops": self.stats.folded_ops, "waited_s": self.stats.waited_s,
+            "own_s": self.stats.own_s,
             "ring_groups": self.rings.created if self.rings is not None else 0,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
             "spans": self.spans, "memory": self.memory,

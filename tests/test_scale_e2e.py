@@ -49,6 +49,8 @@ def test_folded_capture_equals_full_capture_and_replays_exactly(tmp_path):
     assert report["predicted"]["ranks_replayed"] == 4
     summary = json.loads((tmp_path / "tfold" / "report" / "sandbox" / f"rank{sandbox}.json").read_text())
     assert summary["folded_ops"] > 0 and summary["divergences"] == []
+    # the virtual side's time on the program's thread is measured, and is a part of the run
+    assert 0 < summary["own_s"] < summary["steps"][-1]["t"]
     # a sandbox rank outside the captured set is refused with what to do
     out = run_prism([*BASE, "mode=emulate", "sandbox.ranks=[5]", f"trace.dir={tmp_path / 'tfold'}", RECIPE, *DENSE],
                     cwd=tmp_path, timeout=120)

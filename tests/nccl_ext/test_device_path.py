@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nccl_ext import device_path as dpm
-from nccl_ext.device_path import DevicePath, _Ring, needed_pieces, result_of, word_sum
+from nccl_ext.device_path import DevicePath, _Ring, charged_size, needed_pieces, result_of, word_sum
 from nccl_ext.ops import Collective, ReduceKind, compute
 from nccl_ext.replay_transport import RecordedOp
 
@@ -302,6 +302,30 @@ def test_ring_fits_agrees_with_alloc():
 def _plans(n: int, staged: int, scratch: int) -> list:
     item = dpm._Item((staged // 4,), torch.float32, lambda: None)
     return [dpm._Plan(i, {1: {0: item}}, [], [((scratch // 4,), torch.float32)], []) for i in range(n)]
+
+
+def test_a_device_pool_is_sized_in_whole_allocator_segments():
+    # pools measured on an H200 whose charge exceeded their size: a grown dense pool of
+    # 7,419,434,496 B was charged 289,280 B more (its segment's tail was under 1 MiB), a
+    # 536,887,552 B pool 256 B more (512 B rounding); the program's peak moved by as much
+    for asked in (7_419_434_496, 536_887_552, 9_089_095_168, 1, 2 << 20, (2 << 20) + 1):
+        got = charged_size(asked)
+        assert got >= asked and got % (2 << 20) == 0 and got - asked < 2 << 20
+    assert charged_size(7_419_434_496) - 7_419_434_496 == 289_280
+    assert charged_size(2 << 20) == 2 << 20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_pool_is_charged_exactly_what_is_left_out_of_the_programs_memory():
+    from nccl_ext.device_path import pool_bytes
+
+    for asked in (7_419_434_496 >> 4, 536_887_552):
+        path = DevicePath(rank=0, sandbox=(0,), recording=None, mode="off", device_kind="cuda")
+        path.device, path._cuda = torch.device("cuda", torch.cuda.current_device()), True
+        before = torch.cuda.memory_allocated()
+        path._allocate(asked)
+        assert torch.cuda.memory_allocated() - before == pool_bytes(path.device) >= asked
+        del path._pool
 
 
 def test_split_pool_grows_to_the_whole_run_only_when_it_is_spare():
