@@ -169,9 +169,15 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
         def med(mode: str) -> float:
             return statistics.median(t for r in range(repeat)
                                      for t in res[f"none-{mode}" + (f"-{r}" if r else "")]["steps_ms"][1:])
+        def runs(mode: str) -> list[float]:  # each run's median step (runs differ more than steps do)
+            return [res[f"none-{mode}" + (f"-{r}" if r else "")]["step_ms"] for r in range(repeat)]
+
         base = med("preload")
         res["median_step_ms"] = {mode: med(mode) for mode in modes}
         res["step_vs_preload"] = {mode: round(med(mode) / base, 4) for mode in modes}
+        res["run_medians_ms"] = {mode: runs(mode) for mode in modes}
+        res["median_of_runs_vs_preload"] = {
+            mode: round(statistics.median(runs(mode)) / statistics.median(runs("preload")), 4) for mode in modes}
     if oom_gib:
         for stale in (out / "oom", out / "rep-oom"):
             shutil.rmtree(stale, ignore_errors=True)
