@@ -19,6 +19,7 @@ the global replay's schedule on the target cluster, given to the recording), or 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import threading
@@ -142,6 +143,20 @@ def _tag(*parts: int) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
 
 
+def _own_time(method):
+    """Count the wall time the calling thread spends in ``method`` into ``stats.own_s``."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.stats.own_s += time.perf_counter() - t0
+
+    return timed
+
+
 class ReplayTransport:
     def __init__(
         self,
@@ -249,14 +264,8 @@ class ReplayTransport:
     def register_group(self, group: GroupInfo) -> None:
         pass  # group reduction: nothing to set up until an op uses the group
 
+    @_own_time
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
-        t0 = time.perf_counter()
-        try:
-            return self._collective(group, seq, call)
-        finally:
-            self.stats.own_s += time.perf_counter() - t0
-
-    def _collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         self._span("c")
         gid = self._gid(group)
         what = f"rank {self.rank}: {call.api} on group {group.desc or group.key} seq {seq}"
@@ -502,14 +511,8 @@ class ReplayTransport:
                 works.append(self.physical.recv([b], src, _tag(gid, seq, m, i)))
         return works
 
+    @_own_time
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
-        t0 = time.perf_counter()
-        try:
-            return self._send(group, dst, tag, seq, tensor)
-        finally:
-            self.stats.own_s += time.perf_counter() - t0
-
-    def _send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
         self._span("s")
         gid = self._gid(group)
         self.stats.p2p += 1
@@ -531,14 +534,8 @@ class ReplayTransport:
                 self._diverged("send", group, seq, f"payload to rank {dst} differs from the recorded one")
         return Pending.done("send")
 
+    @_own_time
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
-        t0 = time.perf_counter()
-        try:
-            return self._recv(group, src, tag, seq, like)
-        finally:
-            self.stats.own_s += time.perf_counter() - t0
-
-    def _recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
         self._span("r")
         gid = self._gid(group)
         self.stats.p2p += 1
