@@ -319,13 +319,17 @@ def test_a_device_pool_is_sized_in_whole_allocator_segments():
 def test_a_cuda_pool_is_charged_exactly_what_is_left_out_of_the_programs_memory():
     from nccl_ext.device_path import pool_bytes
 
-    for asked in (7_419_434_496 >> 4, 536_887_552):
-        path = DevicePath(rank=0, sandbox=(0,), recording=None, mode="off", device_kind="cuda")
-        path.device, path._cuda = torch.device("cuda", torch.cuda.current_device()), True
-        before = torch.cuda.memory_allocated()
-        path._allocate(asked)
-        assert torch.cuda.memory_allocated() - before == pool_bytes(path.device) >= asked
-        del path._pool
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        for asked in (7_419_434_496 >> 4, 536_887_552):
+            path = DevicePath(rank=0, sandbox=(0,), recording=None, mode="off", device_kind="cuda")
+            path.device, path._cuda = device, True
+            before = torch.cuda.memory_allocated()
+            path._allocate(asked)
+            assert torch.cuda.memory_allocated() - before == pool_bytes(device) >= asked
+            del path._pool
+    finally:
+        dpm._POOL_BYTES.pop(str(device), None)  # no pool left for later tests' memory figures
 
 
 def test_split_pool_grows_to_the_whole_run_only_when_it_is_spare():
