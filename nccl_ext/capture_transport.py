@@ -141,6 +141,10 @@ class CaptureTransport:
             self._send(("bye", self.rank))
         except OSError:
             pass
+        # the reader polls every 0.1 s: end it (and drop the tensors it last received) before
+        # Python finalizes (nccl_ext/helpers.py)
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5.0)
 
     # -- receiving ------------------------------------------------------------------------
     def _read_loop(self) -> None:

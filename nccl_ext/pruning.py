@@ -187,18 +187,29 @@ def group_factory(store, me: int, backend: str, timeout_s: float) -> Callable[[i
 
 class SerialWorker:
     """Runs jobs one at a time, in submission order, on its own daemon thread: the one thread
-    that issues a communicator's ops in a process."""
+    that issues a communicator's ops in a process. :meth:`close` ends the thread after the
+    jobs already submitted (before Python finalizes: ``nccl_ext/helpers.py``)."""
 
     def __init__(self, name: str):
+        self.name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
+    def close(self, deadline_s: float) -> bool:
+        """Let the submitted jobs finish and end the thread; False if it still runs after
+        ``deadline_s``."""
+        self._jobs.put(None)
+        self._thread.join(deadline_s)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
-        while True:
-            self._jobs.get()()
+        while (job := self._jobs.get()) is not None:
+            job()
+            del job  # the job's tensors go now, not at the next job
 
 
 class _Links:

@@ -39,6 +39,7 @@ from nccl_ext.atomic import atomic_write_text
 from nccl_ext.device_path import DevicePath, eligible, result_of
 from nccl_ext.pruning import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
 from nccl_ext.groups import GroupInfo
+from nccl_ext.helpers import GRACE_S, HelperThreads
 from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
@@ -137,6 +138,11 @@ class ReplayStats:
     members, staging waits and checks included): the virtual side's cost on the sandbox's CPU."""
     divergences: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
+    helper_threads: int = 0
+    """Threads started to complete ops (exchanges, timed finishes, ring workers)."""
+    in_flight_at_close: list[str] = field(default_factory=list)
+    """Ops whose thread was still running when the rank closed (the program never waited for
+    them); empty for a program that waits for all its communication."""
 
 
 def _tag(*parts: int) -> int:
@@ -203,6 +209,8 @@ class ReplayTransport:
         if pruned and rings is None and len(sandbox) > 1:
             raise ValueError("pruned rings need their channels (rings=RingChannels(...))")
         self._ring_workers: dict[int, SerialWorker] = {}
+        self._helpers = HelperThreads(f"rank{rank}")
+        """The threads completing this rank's ops; joined by ``close()`` (see ``nccl_ext/helpers.py``)."""
         self.unit = 0
         self.stats = ReplayStats()
         self._warned: set[tuple[str, int]] = set()
@@ -244,9 +252,30 @@ class ReplayTransport:
             return
         with self._lock:
             self.stats.waited_s += delay
-        timer = threading.Timer(delay, pending.complete, args=(value,))
-        timer.daemon = True
-        timer.start()
+        self._helpers.after(delay, pending.complete, value, what=pending.what, pending=pending)
+
+    def _when_all(self, works: list, then, pending: Pending) -> None:
+        """Run ``then`` once every c10d work finished; fail ``pending`` if one failed.
+
+        gloo's send/recv works have no future (torch 2.13: "Work::getFuture not
+        implemented"), so a short-lived thread waits on them; each wait is bounded by the
+        gloo group's timeout (``comm.timeout_s``). One thread per op, never a shared queue:
+        an earlier async recv may only complete after a later op of this rank does.
+        """
+        if not works:
+            then()
+            return
+
+        def wait_all() -> None:
+            try:
+                for w in works:
+                    w.wait()
+                works.clear()  # the works hold the sent tensors; release them before completing
+                then()
+            except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
+                pending.fail(RuntimeError(f"{pending.what}: sandbox exchange failed: {e}"))
+
+        self._helpers.start(wait_all, name="prism-sandbox-exchange", what=pending.what, pending=pending)
 
     def _diverged(self, what: str, group: GroupInfo, seq: int, detail: str) -> None:
         record = {"step": self.unit, "op": what, "group": list(group.ranks), "group_desc": group.desc,
@@ -336,7 +365,7 @@ class ReplayTransport:
 
         if live_peers:
             works += self._exchange(group, gid, seq, call, me, needed, live_peers, contributions)
-        _when_all(works, finish, pending)
+        self._when_all(works, finish, pending)
         return pending
 
     def _ring_collective(self, group, gid, seq, call, own: RecordedOp, what: str) -> Pending:
@@ -522,7 +551,7 @@ class ReplayTransport:
         if dst in self.sandbox:
             work = self.physical.send([tensor.detach().contiguous().cpu()], self._phys_rank(dst), _tag(gid, self.rank, dst, tag, seq, 7))
             pending = Pending(f"rank {self.rank}: send to rank {dst} tag {tag} seq {seq}", self.timeout_s)
-            _when_all([work], lambda: pending.complete(None), pending)
+            self._when_all([work], lambda: pending.complete(None), pending)
             return pending
         rec = self.recording.sent(gid, self.rank, dst, tag, seq)
         if rec is None:
@@ -544,7 +573,7 @@ class ReplayTransport:
         if src in self.sandbox:
             buf = wire.untracked_empty(like.shape, like.dtype)
             work = self.physical.recv([buf], self._phys_rank(src), _tag(gid, src, self.rank, tag, seq, 7))
-            _when_all([work], lambda: pending.complete([buf]), pending)
+            self._when_all([work], lambda: pending.complete([buf]), pending)
             return pending
         sent = self.recording.sent(gid, src, self.rank, tag, seq)
         own = self.recording.received(self.rank, gid, src, tag, seq)
@@ -567,7 +596,7 @@ class ReplayTransport:
         buf = wire.untracked_empty((rec_send.nbytes,), torch.uint8)
         work = self.physical.recv([buf], self.assistant, own.idx)
         out: list = [None]
-        _when_all([work], lambda: self._finish_after(pending, _unpack(buf, [(0, rec_send)], out)[0], delay), pending)
+        self._when_all([work], lambda: self._finish_after(pending, _unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending
 
     def _device_send(self, group, gid, dst, tag, seq, tensor) -> Pending:
@@ -620,11 +649,14 @@ class ReplayTransport:
 
     def close(self) -> None:
         left: tuple[int, int | None] = (0, None)
-        if self.device_path is not None:
-            try:
-                self._flush_checks()
-            finally:
-                left = self.device_path.close()
+        try:
+            if self.device_path is not None:
+                try:
+                    self._flush_checks()
+                finally:
+                    left = self.device_path.close()
+        finally:
+            self._stop_helpers()
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
@@ -634,6 +666,20 @@ class ReplayTransport:
                 f"sandbox rank {self.rank} ended with {left[0]} op(s) of the trace never entered (next: op "
                 f"#{left[1]}); its program diverged from the trace (capture again with mode=capture)")
 
+    def _stop_helpers(self) -> None:
+        """End every thread this rank started before Python finalizes (``nccl_ext/helpers.py``)."""
+        workers, self._ring_workers = list(self._ring_workers.values()), {}
+        deadline = time.monotonic() + self.timeout_s
+        # a ring worker ends within ms once its last job completed an op; one still running
+        # has an op the program never waited for
+        stuck = [w.name for w in workers if not w.close(max(0.0, min(GRACE_S, deadline - time.monotonic())))]
+        stuck += self._helpers.stop(max(0.0, deadline - time.monotonic()))
+        self.stats.helper_threads = self._helpers.started + len(workers)
+        self.stats.in_flight_at_close = stuck
+        if stuck:
+            print(f"prism: rank {self.rank}: {len(stuck)} op(s) still in flight when the program ended "
+                  f"(never waited for): {'; '.join(stuck[:4])}", file=sys.stderr, flush=True)
+
     def _write_summary(self) -> None:
         if self.summary_path is None:
             return
@@ -641,6 +687,7 @@ class ReplayTransport:
             "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
             "physical_exchanges": self.stats.physical_exchanges, "folded_ops": self.stats.folded_ops, "waited_s": self.stats.waited_s,
             "own_s": self.stats.own_s,
+            "helper_threads": self.stats.helper_threads, "in_flight_at_close": self.stats.in_flight_at_close,
             "ring_groups": self.rings.created if self.rings is not None else 0,
             "divergences": self.stats.divergences, "steps": self.stats.steps,
             "spans": self.spans, "memory": self.memory,
@@ -687,26 +734,3 @@ def _unpack(buf: torch.Tensor, served: list[tuple[int, RecordedOp]], into: list)
         into[m] = tensors
     return into
 
-
-def _when_all(works: list, then, pending: Pending) -> None:
-    """Run ``then`` once every c10d work finished; fail ``pending`` if one failed.
-
-    gloo's send/recv works have no future (torch 2.13: "Work::getFuture not
-    implemented"), so a short-lived thread waits on them; each wait is bounded by the
-    gloo group's timeout (``comm.timeout_s``). One thread per op, never a shared queue:
-    an earlier async recv may only complete after a later op of this rank does.
-    """
-    if not works:
-        then()
-        return
-
-    def wait_all() -> None:
-        try:
-            for w in works:
-                w.wait()
-            works.clear()  # the works hold the sent tensors; release them before completing
-            then()
-        except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
-            pending.fail(RuntimeError(f"{pending.what}: sandbox exchange failed: {e}"))
-
-    threading.Thread(target=wait_all, name="prism-sandbox-exchange", daemon=True).start()

@@ -91,10 +91,10 @@ def ring_channels(me: int, store, timeout_s: float):
 
 def outlive_interpreter(*objs) -> None:
     """Keep c10d objects (the physical group, its store, the ring groups) alive past interpreter
-    teardown. Freed while the interpreter finalizes — as the other physical processes close
-    their connections — they were seen to abort a rank whose program had finished
-    ("terminate called without an active exception", SIGABRT); the process's exit releases
-    them instead."""
+    teardown: the process's exit releases them, so no c10d destructor (which waits on the
+    group's queued work and joins its threads) runs while Python finalizes, as the other
+    physical processes close their connections. (The aborts at exit once blamed on these
+    objects came from the transport's own threads: ``nccl_ext/helpers.py``.)"""
     import ctypes
 
     for o in objs:
@@ -186,6 +186,18 @@ def _finish_memory() -> None:
         world.transport.report_memory(tracker.summary())
 
 
+def finish() -> None:
+    """End a capture or emulation rank whose program returned: its memory figures into its
+    summary, then its transport closed — the transport's threads joined while Python can still
+    run them (``nccl_ext/helpers.py``)."""
+    from nccl_ext import install
+
+    try:
+        _finish_memory()
+    finally:
+        install.close()
+
+
 def activate(ctx: RankContext) -> None:
     """Prepare this process to be logical rank ``ctx.rank``; idempotent per process."""
     import torch
@@ -256,12 +268,7 @@ def run(script: str, args: list[str], *, module: bool = False) -> int:
 
             atomic_write_text(os.environ["PRISM_MEMORY_OUT"], json.dumps(tracker.summary()))
         if ctx.mode in ("capture", "emulate"):
-            from nccl_ext import install
-
-            try:
-                _finish_memory()
-            finally:
-                install.close()
+            finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,6 @@ if os.environ.get("PRISM_HOOK") == "1" and "RANK" in os.environ:
     if os.environ.get("PRISM_MODE") in ("capture", "emulate"):
         import atexit
 
-        from nccl_ext import install
+        from prism_launch.bootstrap import finish
 
-        atexit.register(install.close)
+        atexit.register(finish)  # registered first, so it runs after the program's own handlers

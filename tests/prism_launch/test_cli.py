@@ -101,6 +101,10 @@ def test_no_python_capture_and_emulate_hook_the_python_it_starts(tmp):
                    "sandbox.ranks=[1]", f"trace.dir={tmp / 'tr'}", script], cwd=tmp, env=env)
     assert r.returncode == 0, r.stderr
     assert "MODULE rank 1 name __main__ sum 3.0" in r.stdout
+    # the hook ends the rank as bootstrap does: memory figures in, op threads joined
+    summary = json.loads((tmp / "tr" / "report" / "sandbox" / "rank1.json").read_text())
+    assert summary["memory"]["peak_bytes"] > 0
+    assert summary["helper_threads"] >= 1 and summary["in_flight_at_close"] == []
 
 
 @pytest.mark.parametrize(("override", "message"), [
