@@ -51,6 +51,8 @@ def test_folded_capture_equals_full_capture_and_replays_exactly(tmp_path):
     assert summary["folded_ops"] > 0 and summary["divergences"] == []
     # the virtual side's time on the program's thread is measured, and is a part of the run
     assert 0 < summary["own_s"] < summary["steps"][-1]["t"]
+    # every thread the rank started for its ops ended with the rank (none left to finalization)
+    assert summary["helper_threads"] > 0 and summary["in_flight_at_close"] == []
     # a sandbox rank outside the captured set is refused with what to do
     out = run_prism([*BASE, "mode=emulate", "sandbox.ranks=[5]", f"trace.dir={tmp_path / 'tfold'}", RECIPE, *DENSE],
                     cwd=tmp_path, timeout=120)
