@@ -73,10 +73,10 @@ class HelperThreads:
         thread.start()
 
     def stop(self, deadline_s: float, grace_s: float = GRACE_S) -> list[str]:
-        """Cancel timers not yet due and join every thread: those of finished ops (or with no
-        op) for up to ``deadline_s`` in all, those of ops still outstanding for up to
-        ``grace_s``. Returns what each thread still running after that was for (empty when all
-        ended); idempotent."""
+        """Cancel timers not yet due and join every thread: those of completed ops (or with no
+        op) for up to ``deadline_s`` in all, those of ops still outstanding or failed (a wait
+        past its deadline may still be blocked in the backend) for up to ``grace_s``. Returns
+        what each thread still running after that was for (empty when all ended); idempotent."""
         with self._lock:
             self._stopped = True
             helpers, self._live = self._live, []
@@ -87,7 +87,7 @@ class HelperThreads:
         end, end_grace = now + deadline_s, now + min(grace_s, deadline_s)
         left: list[str] = []
         for h in helpers:
-            outstanding = h.pending is not None and not h.pending.is_done and not h.timer
+            outstanding = h.pending is not None and not h.pending.succeeded and not h.timer
             h.thread.join(max(0.0, (end_grace if outstanding else end) - time.monotonic()))
             if h.thread.is_alive():
                 left.append(h.what)

@@ -38,6 +38,11 @@ class Pending:
     def is_done(self) -> bool:
         return self._event.is_set()
 
+    @property
+    def succeeded(self) -> bool:
+        """Completed with a value (not failed, not outstanding)."""
+        return self._event.is_set() and self._error is None
+
     def complete(self, value: Any) -> None:
         self._finish(value, None)
 

@@ -142,7 +142,7 @@ class ReplayStats:
     """Threads started to complete ops (exchanges, timed finishes, ring workers)."""
     in_flight_at_close: list[str] = field(default_factory=list)
     """Ops whose thread was still running when the rank closed (the program never waited for
-    them); empty for a program that waits for all its communication."""
+    them, or they failed); empty for a program that completes all its communication."""
 
 
 def _tag(*parts: int) -> int:
@@ -210,6 +210,7 @@ class ReplayTransport:
             raise ValueError("pruned rings need their channels (rings=RingChannels(...))")
         self._ring_workers: dict[int, SerialWorker] = {}
         self._helpers = HelperThreads(f"rank{rank}")
+        self._workers_closed = 0
         """The threads completing this rank's ops; joined by ``close()`` (see ``nccl_ext/helpers.py``)."""
         self.unit = 0
         self.stats = ReplayStats()
@@ -674,11 +675,12 @@ class ReplayTransport:
         # has an op the program never waited for
         stuck = [w.name for w in workers if not w.close(max(0.0, min(GRACE_S, deadline - time.monotonic())))]
         stuck += self._helpers.stop(max(0.0, deadline - time.monotonic()))
-        self.stats.helper_threads = self._helpers.started + len(workers)
+        self._workers_closed += len(workers)
+        self.stats.helper_threads = self._helpers.started + self._workers_closed
         self.stats.in_flight_at_close = stuck
         if stuck:
-            print(f"prism: rank {self.rank}: {len(stuck)} op(s) still in flight when the program ended "
-                  f"(never waited for): {'; '.join(stuck[:4])}", file=sys.stderr, flush=True)
+            print(f"prism: rank {self.rank}: {len(stuck)} op thread(s) still running when the rank ended (ops never "
+                  f"waited for, or failed): {'; '.join(stuck[:4])}", file=sys.stderr, flush=True)
 
     def _write_summary(self) -> None:
         if self.summary_path is None:

@@ -46,6 +46,18 @@ def test_a_thread_of_an_op_never_waited_for_is_reported_after_the_grace():
         helpers.start(lambda: None, name="x", what="late")
 
 
+def test_a_thread_of_a_failed_op_gets_only_the_grace():
+    helpers = HelperThreads("t")
+    release = threading.Event()
+    failed = Pending("rank 3: all_reduce on group tp seq 7", 60)
+    failed.fail(RuntimeError("deadline exceeded"))  # as past its deadline, the backend's wait still blocked
+    helpers.start(release.wait, name="prism-test-blocked", pending=failed)
+    t0 = time.monotonic()
+    assert helpers.stop(deadline_s=30, grace_s=0.2) == ["rank 3: all_reduce on group tp seq 7"]
+    assert time.monotonic() - t0 < 5
+    release.set()
+
+
 def test_many_helpers_are_pruned_as_they_end():
     helpers = HelperThreads("t")
     for _ in range(300):
