@@ -210,8 +210,8 @@ class ReplayTransport:
             raise ValueError("pruned rings need their channels (rings=RingChannels(...))")
         self._ring_workers: dict[int, SerialWorker] = {}
         self._helpers = HelperThreads(f"rank{rank}")
-        self._workers_closed = 0
         """The threads completing this rank's ops; joined by ``close()`` (see ``nccl_ext/helpers.py``)."""
+        self._workers_closed = 0
         self.unit = 0
         self.stats = ReplayStats()
         self._warned: set[tuple[str, int]] = set()
@@ -677,7 +677,7 @@ class ReplayTransport:
         stuck += self._helpers.stop(max(0.0, deadline - time.monotonic()))
         self._workers_closed += len(workers)
         self.stats.helper_threads = self._helpers.started + self._workers_closed
-        self.stats.in_flight_at_close = stuck
+        self.stats.in_flight_at_close += stuck
         if stuck:
             print(f"prism: rank {self.rank}: {len(stuck)} op thread(s) still running when the rank ended (ops never "
                   f"waited for, or failed): {'; '.join(stuck[:4])}", file=sys.stderr, flush=True)
