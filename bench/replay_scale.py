@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from prism_launch.simulate import COLL, MARK, RECV, SEND, WAIT, Graph, replay
+from prism_launch.predict.simulate import COLL, MARK, RECV, SEND, WAIT, Graph, replay
 
 
 class _Flat:
@@ -95,7 +95,7 @@ def main() -> None:
     gc.enable()
     built = time.perf_counter() - t0
     try:
-        from nccl_ext.cost_model import load_cluster, make_cost_model
+        from prism_launch.predict.cost_model import load_cluster, make_cost_model
 
         model = make_cost_model("nccl", load_cluster(a.cluster))
         model_name = f"nccl on {a.cluster}"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prism_launch.args import LaunchArgs
+    from prism_launch.cli.args import LaunchArgs
     from prism_launch.config import PrismConfig
 
 COLUMNS = ("point", "overrides", "status", "iteration_time_s", "peak_memory_bytes", "oom", "oom_ranks",
@@ -124,7 +124,7 @@ def run_point(cfg_node: Any, args: LaunchArgs, out: Path, num: int | None, overr
             tr = copy.copy(point_args.torchrun)
             tr.log_dir = str(out / "logs")
             point_args = dataclasses.replace(point_args, torchrun=tr)
-        from prism_launch.launcher import Launcher
+        from prism_launch.modes.launcher import Launcher
 
         outcome = Launcher(cfg, point_args).run()
         if outcome.report_dir is not None and (Path(outcome.report_dir) / "report.json").exists():

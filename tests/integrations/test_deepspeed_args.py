@@ -4,7 +4,7 @@ with --deepspeed_config gets, and the flags that are accepted and ignored."""
 
 import pytest
 
-from prism_launch.args import parse
+from prism_launch.cli.args import parse
 
 SCRIPT = ["examples/deepspeed_gpt.py", "--deepspeed", "--deepspeed_config", "examples/ds_configs/zero3.json"]
 

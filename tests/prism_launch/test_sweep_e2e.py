@@ -66,7 +66,7 @@ def test_in_process_sweeps_leave_no_state(tmp_path, monkeypatch):
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     def threads():
         # the capture coordinator's accept thread stays blocked in accept() after close
-        # (prism_launch/coordinator.py); everything the sweep itself starts must be gone
+        # (prism_launch/capture/coordinator.py); everything the sweep itself starts must be gone
         return sorted(t.name for t in threading.enumerate())
 
     before = threads()

@@ -1,0 +1,543 @@
+"""The capture coordinator: computes every collective of the logical world from all
+members' real contributions and records what replay needs.
+
+It runs in the launcher process, pumped between polls of the rank processes. Ranks
+connect over a Unix socket (:mod:`nccl_ext.capture_transport`); results are computed
+with :func:`nccl_ext.ops.compute` — the same function emulation uses — so replayed
+results are bit-identical to captured ones.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+
+import torch
+
+from nccl_ext import wire
+from nccl_ext.ops import Collective, ReduceKind, compute, fold
+
+
+class CaptureError(RuntimeError):
+    """The captured program did something the coordinator cannot complete."""
+
+
+class CaptureDeadlineError(CaptureError):
+    """A rank waited on a peer that never arrived."""
+
+
+@dataclass(slots=True)
+class _Group:
+    id: int
+    key: str
+    ranks: tuple[int, ...]
+    occurrence: int
+    desc: str
+    sources: tuple[int, ...] | None = None
+    """Folded capture: the captured stand-in of every member (None: all members captured)."""
+    present: int = 0
+    """Members that run in this capture."""
+
+
+@dataclass(slots=True)
+class _Arrival:
+    rank: int
+    op_id: int
+    conn: Connection
+    row: dict
+
+
+@dataclass(slots=True)
+class _PendingCollective:
+    group: _Group
+    seq: int
+    api: str
+    kind: Collective
+    reduce: ReduceKind | None
+    root: int | None
+    first_t: float
+    contributions: list[list[torch.Tensor] | None]
+    arrivals: dict[int, _Arrival] = field(default_factory=dict)
+    standins: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Folded capture: members' own buffers offered for an uncaptured broadcast root."""
+
+
+EXACT_FOLD_MAX = 64
+"""Folded groups up to this size reduce member by member, exactly as a full capture would (so
+a folded capture equals the full one when replicas contribute equal tensors); larger ones add
+each stand-in's contribution once, scaled by how many members it stands in for — O(captured)
+work instead of O(data-parallel size), at the cost of rounding differently."""
+
+
+def _weighted_reduction(pc: _PendingCollective, group: _Group) -> list | None:
+    """SUM/AVG reductions of a large folded group: captured members' contributions in group order,
+    then each stand-in's contribution times the number of uncaptured members it stands for."""
+    if pc.kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) \
+            or pc.reduce not in (ReduceKind.SUM, ReduceKind.AVG):
+        return None
+    n = len(group.ranks)
+    index = {r: i for i, r in enumerate(group.ranks)}
+    counts: dict[int, int] = {}
+    for i, c in enumerate(pc.contributions):
+        if c is None:
+            s = index[group.sources[i]]
+            counts[s] = counts.get(s, 0) + 1
+    terms = [c for c in pc.contributions if c is not None]
+    terms += [[t * k for t in pc.contributions[s]] for s, k in counts.items()]
+
+    def reduce(pieces: list[torch.Tensor]) -> torch.Tensor:
+        out = fold(ReduceKind.SUM, pieces)
+        if pc.reduce is ReduceKind.AVG:
+            out.div_(n) if out.is_floating_point() or out.is_complex() else out.div_(n, rounding_mode="floor")
+        return out
+
+    if pc.kind is Collective.REDUCE_SCATTER:
+        k = len(terms[0]) // n
+        return [[reduce([c[i * n + j] for c in terms]) for i in range(k)] if j in pc.arrivals else None
+                for j in range(n)]
+    out = [reduce([c[i] for c in terms]) for i in range(len(terms[0]))]
+    if pc.kind is Collective.REDUCE:
+        return [out if m == pc.root else [] for m in range(n)]
+    return [out if m in pc.arrivals else None for m in range(n)]
+
+
+def _describe(ranks: tuple[int, ...]) -> str:
+    return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+class Coordinator:
+    """Serves ``world_size`` capture ranks; collects events and tensors for the trace."""
+
+    def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
+                 slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None):
+        self.world_size = world_size
+        self.fold = fold
+        """A :class:`prism_launch.capture.fold.FoldPlan` when only representative ranks run."""
+        self.timeout_s = timeout_s
+        self.scheduler = SlotScheduler(slots, parker=parker, stall_s=stall_s)
+        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self.address = address
+        self._new_conns: list[Connection] = []
+        self._conn_lock = threading.Lock()
+        self._conns: list[Connection] = []
+        self._rank_of: dict[Connection, int] = {}
+        self._groups: dict[str, _Group] = {}
+        self._collectives: dict[tuple[str, int], _PendingCollective] = {}
+        self._sends: dict[tuple[str, int, int, int], deque] = {}
+        self._recvs: dict[tuple[str, int, int, int], deque] = {}
+        self._next_idx = [0] * world_size
+        self.events: list[dict] = []
+        self.tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
+        self.finished: set[int] = set()
+        self.approximated_groups: list[dict] = []
+        """Folded capture: model-parallel groups (by description) created after group discovery
+        with uncaptured members — their results are approximations, not exact."""
+        self.memory: dict[int, dict] = {}
+        """Each rank's memory accounting summary (peak bytes, per-unit samples, method)."""
+        self.t0 = time.monotonic()
+        self.ops_completed = 0
+        self._accepting = True
+        self._acceptor = threading.Thread(target=self._accept_loop, name="prism-coordinator-accept", daemon=True)
+
+    def start(self) -> None:
+        """Start accepting ranks (call after the ranks are forked: no thread before fork)."""
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while self._accepting:
+            try:
+                conn = self._listener.accept()
+            except (OSError, EOFError):
+                return
+            except Exception:  # noqa: BLE001 - bad authkey or a stray client: ignore it
+                continue
+            with self._conn_lock:
+                self._new_conns.append(conn)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self._accepting = False
+        sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
+        if sock is not None:  # wake the acceptor blocked in accept(); close() alone does not
+            import socket
+
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        if self._acceptor.is_alive():
+            self._acceptor.join(timeout=2.0)
+        for c in self._conns:
+            c.close()
+
+    # -- the pump ---------------------------------------------------------------------
+    def pump(self, timeout_s: float = 0.05) -> None:
+        with self._conn_lock:
+            self._conns.extend(self._new_conns)
+            self._new_conns.clear()
+        ready = wait(self._conns, timeout=timeout_s) if self._conns else time.sleep(timeout_s)
+        for conn in ready or ():
+            try:
+                while conn.poll(0):
+                    header, tensors = wire.recv(conn)
+                    self._handle(conn, header, tensors)
+            except (EOFError, OSError):
+                self._conns.remove(conn)
+                rank = self._rank_of.get(conn)
+                if rank is not None:
+                    self.scheduler.gone(rank)
+        self.scheduler.schedule()
+        self._check_deadlines()
+
+    def _handle(self, conn: Connection, header: tuple, tensors: list[torch.Tensor]) -> None:
+        kind = header[0]
+        if kind == "hello":
+            _, rank, pid = header
+            self._rank_of[conn] = rank
+            self.scheduler.arrive(rank, pid, conn)
+        elif kind == "park":
+            self.scheduler.park(self._rank_of[conn], header[1])
+        elif kind == "group":
+            _, key, ranks, occurrence, desc = header
+            if key not in self._groups:
+                ranks = tuple(ranks)
+                g = _Group(len(self._groups), key, ranks, occurrence, desc, present=len(ranks))
+                if self.fold is not None and self.fold.folded:
+                    sources = self.fold.sources(ranks)
+                    if sources is not None and sources != ranks:
+                        g.sources = sources
+                        g.present = sum(1 for r in ranks if self.fold.is_captured(r))
+                        from prism_launch.capture.fold import is_replicated
+
+                        if not is_replicated(desc, ranks, self.world_size, self.fold.replicated):
+                            self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
+                self._groups[key] = g
+        elif kind == "coll":
+            self._on_collective(conn, header, tensors)
+        elif kind == "send":
+            self._on_send(conn, header, tensors[0])
+        elif kind == "recv":
+            self._on_recv(conn, header)
+        elif kind == "marker":
+            _, name, unit, t, wall, cpu = header
+            rank = self._rank_of[conn]
+            self._row(rank, unit, "marker", name, None, -1, -1, None, t, t, wall, cpu, None, None)
+        elif kind == "wait":
+            _, ref, unit, t, wall, cpu, t0, t1 = header
+            rank = self._rank_of[conn]
+            group = self._group(ref[1])
+            seq, peer, extra = ref[-1], -1, {"ref": ref[0], "blocked_s": None if t0 is None else t1 - t0}
+            if ref[0] in ("s", "r"):
+                peer, extra["tag"] = ref[2], ref[3]
+            self._row(rank, unit, "wait", "wait", group, seq, peer, None, t, t if t1 is None else t1, wall, cpu,
+                      None, extra)
+        elif kind == "memory":
+            self.memory[header[1]] = header[2]
+        elif kind == "bye":
+            self.finished.add(header[1])
+            self.scheduler.gone(header[1])
+
+    def _row(self, rank, unit, kind, op, group, seq, peer, tensors, t_start, t_end, wall, cpu, key, extra) -> dict:
+        idx = self._next_idx[rank]
+        self._next_idx[rank] = idx + 1
+        first = tensors[0] if tensors else None
+        row = {
+            "rank": rank, "idx": idx, "unit": unit, "kind": kind, "op": op,
+            "group": -1 if group is None else group.id, "seq": seq, "peer": peer,
+            "dtype": wire.dtype_name(first.dtype) if first is not None else "",
+            "shape": list(first.shape) if first is not None else [],
+            "nbytes": sum(t.numel() * t.element_size() for t in tensors or ()),
+            "t_start": t_start - self.t0, "t_end": t_end - self.t0,
+            "compute_wall_s": wall, "compute_cpu_s": cpu, "tensor_key": key,
+            "extra": None if extra is None else json.dumps(extra),
+        }
+        self.events.append(row)
+        return row
+
+    def _group(self, key: str) -> _Group:
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise CaptureError(f"op on unregistered group {key}") from None
+
+    # -- collectives --------------------------------------------------------------------
+    def _on_collective(self, conn, header, tensors) -> None:
+        _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        kind = Collective(kind)
+        reduce = None if reduce is None else ReduceKind(reduce)
+        pc = self._collectives.get((key, seq))
+        if pc is None:
+            pc = _PendingCollective(group, seq, api, kind, reduce, root, time.monotonic(), [None] * len(group.ranks))
+            self._collectives[(key, seq)] = pc
+        elif (pc.kind, pc.reduce, pc.root) != (kind, reduce, root):
+            first = next(iter(pc.arrivals.values()))
+            raise CaptureError(
+                f"collective mismatch on group {_describe(group.ranks)} ({group.desc or key}) seq {seq}: "
+                f"rank {first.rank} called {pc.api}(reduce={pc.reduce}, root={pc.root}) but rank {rank} "
+                f"called {api}(reduce={reduce}, root={root})"
+            )
+        grank = group.ranks.index(rank)
+        if contributes == "standin":
+            pc.standins[grank] = list(tensors)
+            contributes = False
+        contribution = list(tensors) if contributes else None
+        pc.contributions[grank] = contribution
+        tkey = f"c/{group.id}/{seq}"
+        extra = {"kind": str(kind), "reduce": None if reduce is None else str(reduce), "root": root,
+                 "n": len(contribution) if contribution is not None else 0,
+                 "shapes": [list(t.shape) for t in contribution or ()],
+                 "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()],
+                 "digests": [wire.digest(t) for t in contribution or ()]}
+        row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
+                        f"{tkey}/0" if contribution else None, extra)
+        if contribution is not None:
+            store = self.tensors[rank]
+            for i, tensor in enumerate(contribution):
+                store[f"{tkey}/{i}"] = tensor
+        self.scheduler.issued(rank, op_id)
+        pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
+        if len(pc.arrivals) == group.present:
+            self._complete(pc)
+
+    def _complete(self, pc: _PendingCollective) -> None:
+        del self._collectives[(pc.group.key, pc.seq)]
+        group = pc.group
+        if group.sources is not None:  # folded: uncaptured members contribute their stand-ins' data
+            index = {r: i for i, r in enumerate(group.ranks)}
+            contributions = [c if c is not None else pc.contributions[index[group.sources[i]]]
+                             for i, c in enumerate(pc.contributions)]
+            if pc.root is not None and contributions[pc.root] is None:
+                # an uncaptured root: its stand-in's own buffer is what that rank would hold
+                contributions[pc.root] = pc.standins.get(index[group.sources[pc.root]])
+                if contributions[pc.root] is None:
+                    raise CaptureError(
+                        f"folded capture: {pc.api} (seq {pc.seq}) on group {_describe(group.ranks)} "
+                        f"({group.desc or group.key}) has root rank {group.ranks[pc.root]}, which is not captured, "
+                        "and no stand-in data for it; capture with that rank among sandbox.ranks")
+        else:
+            contributions = pc.contributions
+        results = None
+        if group.sources is not None and len(group.ranks) > EXACT_FOLD_MAX:
+            results = _weighted_reduction(pc, group)
+        if results is None:
+            results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)
+        now = time.monotonic() - self.t0
+        for grank, arrival in pc.arrivals.items():
+            if group.sources is not None and results[grank] is not None:
+                # replay cannot recompute a folded result without O(replicas) work: keep it
+                store = self.tensors[arrival.rank]
+                for i, t in enumerate(results[grank]):
+                    store[f"r/{group.id}/{pc.seq}/{i}"] = t
+            arrival.row["t_end"] = now
+            wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
+            self.scheduler.answered(arrival.rank, arrival.op_id)
+        self.ops_completed += 1
+
+    # -- point to point -----------------------------------------------------------------
+    def _on_send(self, conn, header, tensor) -> None:
+        _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header
+        src = self._rank_of[conn]
+        group = self._group(key)
+        self._check_p2p_peer(src, dst, group, "send to")
+        tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
+        self.tensors[src][tkey] = tensor
+        self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey,
+                  {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
+                   "dtypes": [wire.dtype_name(tensor.dtype)], "digests": [wire.digest(tensor)]})
+        chan = (key, src, dst, tag)
+        waiting = self._recvs.get(chan)
+        if waiting:
+            self._deliver(waiting.popleft(), seq, tensor, src)
+        else:
+            self._sends.setdefault(chan, deque()).append((seq, tensor))
+
+    def _on_recv(self, conn, header) -> None:
+        _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
+        dst = self._rank_of[conn]
+        group = self._group(key)
+        self._check_p2p_peer(dst, src, group, "receive from")
+        row = self._row(dst, unit, "p2p", "recv", group, seq, src, None, t, t, wall, cpu, None,
+                        {"tag": tag, "kind": "recv"})
+        self.scheduler.issued(dst, op_id)
+        waiter = (op_id, conn, row, seq, dst, time.monotonic())
+        chan = (key, src, dst, tag)
+        queued = self._sends.get(chan)
+        if queued:
+            send_seq, tensor = queued.popleft()
+            self._deliver(waiter, send_seq, tensor, src)
+        else:
+            self._recvs.setdefault(chan, deque()).append(waiter)
+
+    def _check_p2p_peer(self, rank: int, peer: int, group: _Group, verb: str) -> None:
+        if self.fold is not None and not self.fold.is_captured(peer):
+            raise CaptureError(
+                f"folded capture: rank {rank} wants to {verb} rank {peer} on group {_describe(group.ranks)} "
+                f"({group.desc or group.key}), but rank {peer} is not in the captured set "
+                f"{_describe(tuple(self.fold.captured))}: point-to-point traffic crosses data-parallel replicas. "
+                "Capture without folding (capture.fold=false) or name the group's pattern differently in "
+                "capture.replicated_groups"
+            )
+
+    def _deliver(self, waiter, send_seq: int, tensor: torch.Tensor, src: int) -> None:
+        op_id, conn, row, seq, dst, _ = waiter
+        if seq != send_seq:
+            raise CaptureError(f"p2p order mismatch: rank {dst} recv #{seq} from rank {src} matched send #{send_seq}")
+        row["t_end"] = time.monotonic() - self.t0
+        row["dtype"], row["shape"] = wire.dtype_name(tensor.dtype), list(tensor.shape)
+        row["nbytes"] = tensor.numel() * tensor.element_size()
+        wire.send(conn, ("ok", op_id), [tensor])
+        self.scheduler.answered(dst, op_id)
+        self.ops_completed += 1
+
+    # -- deadlines ------------------------------------------------------------------------
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for pc in self._collectives.values():
+            if now - pc.first_t > self.timeout_s:
+                arrived = sorted(a.rank for a in pc.arrivals.values())
+                missing = [r for r in pc.group.ranks if r not in arrived
+                           and (self.fold is None or self.fold.is_captured(r))]
+                raise CaptureDeadlineError(
+                    f"{pc.api} (seq {pc.seq}) on group {_describe(pc.group.ranks)} "
+                    f"({pc.group.desc or pc.group.key}): ranks {_describe(tuple(arrived))} waited "
+                    f"{now - pc.first_t:.1f}s for ranks {_describe(tuple(missing))}, which never arrived "
+                    f"(deadline {self.timeout_s:g}s; raise it with comm.timeout_s=)"
+                )
+        for (key, src, dst, tag), waiters in self._recvs.items():
+            for _op, _conn, _row, seq, _dst, t in waiters:
+                if now - t > self.timeout_s:
+                    g = self._groups[key]
+                    raise CaptureDeadlineError(
+                        f"recv (seq {seq}, tag {tag}) on group {_describe(g.ranks)} ({g.desc or key}): "
+                        f"rank {dst} waited {now - t:.1f}s for a send from rank {src} that never came "
+                        f"(deadline {self.timeout_s:g}s)"
+                    )
+
+    # -- results --------------------------------------------------------------------------
+    def groups(self) -> list[dict]:
+        return [
+            {"id": g.id, "key": g.key, "ranks": list(g.ranks), "occurrence": g.occurrence, "desc": g.desc}
+            for g in sorted(self._groups.values(), key=lambda g: g.id)
+        ]
+
+    def unfinished(self) -> str | None:
+        """Describe ops still waiting (a clean exit should leave none)."""
+        if self._collectives:
+            pc = next(iter(self._collectives.values()))
+            return f"{len(self._collectives)} collective(s) never completed, e.g. {pc.api} seq {pc.seq} on {_describe(pc.group.ranks)}"
+        if any(self._recvs.values()):
+            return "a recv never completed"
+        return None
+
+
+class SlotScheduler:
+    """Context switching of capture ranks: at most ``slots`` ranks run at once.
+
+    A rank gets a slot when it connects; it hands the slot back when it blocks on an op
+    that is not complete yet (``park``), and joins the ready queue (FIFO) once the op it
+    blocked on is answered. A ``parker`` (e.g. the CUDA checkpoint parker) may move a
+    parked rank's device state to host memory and bring it back before the rank resumes.
+
+    A rank that blocks somewhere the prism group cannot see (not in a ``Work.wait``) keeps
+    its slot; if nothing at all happens for ``stall_s`` while ranks are ready, one more slot
+    is opened (with a warning) rather than letting the capture deadlock.
+    """
+
+    def __init__(self, slots: int | None, *, parker=None, stall_s: float = 30.0):
+        self.slots = slots if slots and slots > 0 else None
+        self.parker = parker
+        self.stall_s = stall_s
+        self.extra = 0
+        self._conn: dict[int, Connection] = {}
+        self._pid: dict[int, int] = {}
+        self.running: set[int] = set()
+        self.ready: deque[int] = deque()
+        self._parked_on: dict[int, int] = {}
+        self._outstanding: dict[int, set[int]] = {}
+        self._last_progress = time.monotonic()
+        self.max_running = 0
+        self.switches = 0
+        """How many times a parked rank was resumed."""
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self.slots is None else self.slots + self.extra
+
+    def arrive(self, rank: int, pid: int, conn: Connection) -> None:
+        self._conn[rank], self._pid[rank] = conn, pid
+        self._outstanding[rank] = set()
+        self.ready.append(rank)
+        self._progress()
+
+    def issued(self, rank: int, op_id: int) -> None:
+        if op_id >= 0:
+            self._outstanding.setdefault(rank, set()).add(op_id)
+        self._progress()
+
+    def answered(self, rank: int, op_id: int) -> None:
+        self._outstanding.get(rank, set()).discard(op_id)
+        if self._parked_on.get(rank) == op_id:
+            del self._parked_on[rank]
+            self.ready.append(rank)
+        self._progress()
+
+    def park(self, rank: int, op_id: int) -> None:
+        self.running.discard(rank)
+        if op_id in self._outstanding.get(rank, ()):
+            self._parked_on[rank] = op_id
+            if self.parker is not None:
+                self.parker.parked(rank, self._pid[rank])
+        else:  # answered while the park message was in flight
+            self.ready.append(rank)
+        self._progress()
+
+    def gone(self, rank: int) -> None:
+        self.running.discard(rank)
+        self._parked_on.pop(rank, None)
+        self._conn.pop(rank, None)
+        if self.parker is not None:
+            self.parker.gone(rank)
+        self._progress()
+
+    def _progress(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def schedule(self) -> None:
+        cap = self.capacity
+        while self.ready and (cap is None or len(self.running) < cap):
+            rank = self.ready.popleft()
+            conn = self._conn.get(rank)
+            if conn is None:
+                continue
+            if self.parker is not None:
+                self.parker.resume(rank, self._pid[rank], running=self.running)
+            self.running.add(rank)
+            self.switches += 1
+            self.max_running = max(self.max_running, len(self.running))
+            try:
+                wire.send(conn, ("go",))
+            except OSError:
+                self.gone(rank)
+        if self.ready and cap is not None and time.monotonic() - self._last_progress > self.stall_s:
+            import warnings
+
+            self.extra += 1
+            self._progress()
+            warnings.warn(
+                f"capture: ranks {sorted(self.running)} hold every slot and none communicated for "
+                f"{self.stall_s:g}s while ranks {list(self.ready)[:8]} are ready; opening slot #{self.capacity} "
+                "(a rank may be blocked outside a prism wait)", stacklevel=2)
+
+    def close(self) -> None:
+        if self.parker is not None:
+            self.parker.close()

@@ -1,0 +1,120 @@
+"""The target cluster as a config: link classes and the machine room's shape (the Hydra
+``cluster`` group, presets in ``configs/cluster``). The cost model
+(:mod:`prism_launch.predict.cost_model`) turns it into times."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ClusterSpec", "LinkSpec", "cluster_from_config", "load_cluster", "preset_dir"]
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(kw_only=True, slots=True)
+class LinkSpec:
+    """One class of link (inside a node, or between nodes) as NCCL sees it."""
+
+    bandwidth_gbps: float
+    """Achievable unidirectional bus bandwidth in GB/s (1e9 B/s). For ``intra_node`` it is
+    per GPU (what nccl-tests reports as all_reduce busbw inside one node); for
+    ``inter_node`` it is per NIC, and a GPU's share of the network is
+    ``nics_per_node × bandwidth_gbps / gpus_per_node``."""
+    latency_us: float
+    """Latency of one algorithm step (one hop of a ring or tree) over this link, in µs."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "link") -> None:
+        bw = self.bandwidth_gbps
+        if not (isinstance(bw, (int, float)) and bw > 0 and math.isfinite(bw)):
+            raise ValueError(f"{where}.bandwidth_gbps must be a finite number > 0 (got {self.bandwidth_gbps!r})")
+        if not (isinstance(self.latency_us, (int, float)) and self.latency_us >= 0 and math.isfinite(self.latency_us)):
+            raise ValueError(f"{where}.latency_us must be a finite number >= 0 (got {self.latency_us!r})")
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterSpec:
+    """The target cluster's shape and interconnect (a Hydra ``cluster`` preset)."""
+
+    name: str
+    """Preset name, used in reports."""
+    gpus_per_node: int
+    """GPUs sharing the fast intra-node fabric (NVLink domain); node of a rank = rank // gpus_per_node."""
+    gpu_memory_gib: float
+    """Memory of one GPU in GiB (nominal capacity)."""
+    intra_node: LinkSpec
+    """Link between GPUs of one node (NVLink/NVSwitch, or loopback for a local preset)."""
+    inter_node: LinkSpec
+    """Link between nodes; ``bandwidth_gbps`` is per NIC."""
+    nics_per_node: int
+    """Network adapters per node; the node's network bandwidth is ``nics_per_node × inter_node.bandwidth_gbps``."""
+    protocol_latency_us: float = 7.0
+    """Fixed cost of launching one NCCL operation in µs, paid once per collective or transfer."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"cluster.gpus_per_node must be an integer >= 1 (got {self.gpus_per_node!r})")
+        if not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
+            raise ValueError(f"cluster.nics_per_node must be an integer >= 1 (got {self.nics_per_node!r})")
+        if not (isinstance(self.gpu_memory_gib, (int, float)) and self.gpu_memory_gib > 0):
+            raise ValueError(f"cluster.gpu_memory_gib must be > 0 (got {self.gpu_memory_gib!r})")
+        if not (isinstance(self.protocol_latency_us, (int, float)) and self.protocol_latency_us >= 0):
+            raise ValueError(f"cluster.protocol_latency_us must be >= 0 (got {self.protocol_latency_us!r})")
+        for field_name in ("intra_node", "inter_node"):
+            link = getattr(self, field_name)
+            if not isinstance(link, LinkSpec):
+                raise ValueError(f"cluster.{field_name} must be a LinkSpec (got {type(link).__name__})")
+            link.validate(f"cluster.{field_name}")
+
+    @property
+    def network_share_gbps(self) -> float:
+        """One GPU's share of its node's network bandwidth, in GB/s."""
+        return self.nics_per_node * self.inter_node.bandwidth_gbps / self.gpus_per_node
+
+
+def preset_dir() -> Path:
+    """Directory of the bundled ``cluster`` presets (``configs/cluster``)."""
+    import configs
+
+    return Path(configs.__file__).resolve().parent / "cluster"
+
+
+def cluster_from_config(cfg: Any) -> ClusterSpec:
+    """A validated :class:`ClusterSpec` from a ClusterSpec, a mapping or an OmegaConf node."""
+    if isinstance(cfg, ClusterSpec):
+        cfg.validate()
+        return cfg
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(ClusterSpec), cfg)
+    spec = OmegaConf.to_object(merged)
+    assert isinstance(spec, ClusterSpec)
+    return spec
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """Load a cluster YAML: a path, or the name of a bundled preset (``h100_ib``)."""
+    from omegaconf import OmegaConf
+
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = preset_dir() / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in preset_dir().glob("*.yaml"))
+        raise FileNotFoundError(
+            f"no cluster config {str(name_or_path)!r} (a YAML path or one of the presets: {', '.join(names)})"
+        )
+    try:
+        return cluster_from_config(OmegaConf.load(path))
+    except Exception as e:  # OmegaConf errors carry the offending key
+        raise ValueError(f"invalid cluster config {path}: {e}") from None

@@ -1,0 +1,467 @@
+"""Network cost model: how long a collective or a point-to-point transfer takes on a
+*target* cluster that is not physically present.
+
+The emulation replay asks a :class:`CostModel` for the duration of every communication
+op whose members are not all real. :class:`NcclCostModel` follows the shape of NCCL's
+own tuner: every algorithm costs ``latency + bytes / bandwidth``; the latency is a
+per-launch base (``ClusterSpec.protocol_latency_us``) plus one hop latency per
+algorithm step (NVLink-class hops inside a node, network hops between nodes); the
+bandwidth is the *bus bandwidth* of the group's bottleneck link, turned into time with
+the same per-collective factors nccl-tests uses, so that a model bus bandwidth of ``B``
+reads back as ``B`` in an nccl-tests style report.
+
+Units: sizes in bytes, times in seconds (``*_us`` fields in microseconds), bandwidths
+in GB/s with 1 GB = 1e9 bytes (the nccl-tests convention).
+
+What ``nbytes`` means, per collective kind: the bytes of the tensors one member puts
+into the op (for broadcast and scatter, the root's), which is what a PrismTrace records
+for it; nccl-tests' reported ``size`` is given alongside (:func:`nccl_tests_bytes`):
+
+=================  ====================================================  ===============
+kind               ``nbytes`` is                                         nccl-tests size
+=================  ====================================================  ===============
+all_reduce         one member's buffer (input = output)                  nbytes
+broadcast          the root's buffer (= every member's output)           nbytes
+reduce             one member's input buffer (= the root's output)       nbytes
+reduce_scatter     one member's *input* (all ``p`` chunks)               nbytes
+all_to_all         one member's *input* (all ``p`` per-peer chunks)      nbytes
+all_gather         one member's *contribution* (output is ``p`` × it)    p × nbytes
+gather             one member's contribution (the root receives ``p``×)  p × nbytes
+scatter            the root's input (all ``p`` chunks; one member gets   nbytes
+                   ``nbytes / p``)
+barrier            ignored (costed as a 4-byte all_reduce, as torch
+                   implements a barrier over NCCL)                       --
+=================  ====================================================  ===============
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "COST_MODELS",
+    "ClusterSpec",
+    "CostModel",
+    "Estimate",
+    "LinkSpec",
+    "NcclCostModel",
+    "busbw_factor",
+    "bus_bandwidth_gbps",
+    "cluster_from_config",
+    "fit_alpha_beta",
+    "fit_link",
+    "load_cluster",
+    "make_cost_model",
+    "nccl_tests_bytes",
+    "preset_dir",
+]
+
+GB = 1e9
+"""Bytes per GB in every bandwidth figure (nccl-tests convention)."""
+
+US = 1e-6
+"""Seconds per microsecond."""
+
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "barrier",
+)
+"""Collective kinds :meth:`CostModel.collective_time` accepts (``nccl_ext.ops.Collective`` values)."""
+
+P2P = "p2p"
+"""Pseudo-kind for a point-to-point transfer, accepted by :func:`fit_alpha_beta`."""
+
+BARRIER_BYTES = 4
+"""A barrier is costed as an all_reduce of this many bytes."""
+
+TREE_BW_EFFICIENCY = 0.9
+"""Share of the ring bus bandwidth a tree all_reduce reaches (NCCL's tuner uses the same derating)."""
+
+
+from prism_launch.config.cluster import ClusterSpec, LinkSpec, cluster_from_config, load_cluster, preset_dir  # noqa: F401 - re-exported
+
+
+# --------------------------------------------------------------------------- nccl-tests conventions
+
+
+def _check_kind(kind: str, *, allow_p2p: bool = False) -> str:
+    kind = str(kind)
+    if kind in COLLECTIVE_KINDS or (allow_p2p and kind == P2P):
+        return kind
+    valid = ", ".join(COLLECTIVE_KINDS + ((P2P,) if allow_p2p else ()))
+    raise ValueError(f"unknown collective kind {kind!r} (valid: {valid})")
+
+
+def busbw_factor(kind: str, p: int) -> float:
+    """nccl-tests' bus-bandwidth factor: ``busbw = algbw × factor`` for a group of ``p``.
+
+    all_reduce 2(p−1)/p; reduce_scatter, all_gather, all_to_all, gather, scatter (p−1)/p;
+    broadcast, reduce and p2p 1; barrier 0 (moves no payload).
+    """
+    kind = _check_kind(kind, allow_p2p=True)
+    if p < 1:
+        raise ValueError(f"group size must be >= 1 (got {p})")
+    if kind == "all_reduce":
+        return 2 * (p - 1) / p
+    if kind in ("reduce_scatter", "all_gather", "all_to_all", "gather", "scatter"):
+        return (p - 1) / p
+    if kind == "barrier":
+        return 0.0
+    return 1.0
+
+
+def nccl_tests_bytes(kind: str, nbytes: int, p: int) -> int:
+    """The ``size`` nccl-tests would report for this op (the module table): ``p × nbytes``
+    for all_gather/gather, ``nbytes`` otherwise."""
+    kind = _check_kind(kind, allow_p2p=True)
+    return p * nbytes if kind in ("all_gather", "gather") else nbytes
+
+
+def bus_bandwidth_gbps(kind: str, nbytes: int, p: int, seconds: float) -> float:
+    """Bus bandwidth in GB/s of an op that took ``seconds`` (nccl-tests' busbw column)."""
+    if seconds <= 0:
+        return math.inf
+    return nccl_tests_bytes(kind, nbytes, p) / seconds * busbw_factor(kind, p) / GB
+
+
+def _link_coefficients(kind: str, p: int) -> tuple[int, float]:
+    """(hop latencies, multiple of ``nbytes / B``) of ``kind`` over ``p`` members on one link class.
+
+    ``time = protocol + steps × α + coef × nbytes / B``; at large sizes this gives a bus
+    bandwidth of exactly ``B`` in nccl-tests terms.
+    """
+    if kind == "all_reduce":
+        return 2 * (p - 1), 2 * (p - 1) / p
+    if kind in ("reduce_scatter", "all_to_all", "scatter"):
+        return p - 1, (p - 1) / p
+    if kind in ("all_gather", "gather"):
+        return p - 1, float(p - 1)
+    if kind in ("broadcast", "reduce"):
+        return p - 1, 1.0
+    if kind == P2P:
+        return 1, 1.0
+    raise ValueError(f"collective kind {kind!r} moves no payload; its α/β cannot be fitted")
+
+
+# --------------------------------------------------------------------------- model
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Predicts communication times on the target cluster (seconds)."""
+
+    def collective_time(self, kind: str, nbytes: int, ranks: Sequence[int]) -> float:
+        """Duration of collective ``kind`` among global ``ranks``; ``nbytes`` per the module table."""
+        ...
+
+    def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
+        """Duration of sending ``nbytes`` from global rank ``src`` to ``dst``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """One priced operation, split into its parts (for reports and tests)."""
+
+    seconds: float
+    """Total predicted time."""
+    algorithm: str
+    """``ring``, ``tree``, ``pipeline`` (broadcast/reduce), ``direct`` (all_to_all/gather/scatter/p2p) or ``none``."""
+    latency_s: float
+    """Fixed part: launch + hop latencies."""
+    transfer_s: float
+    """Size-dependent part."""
+    bus_bandwidth_gbps: float
+    """Bus bandwidth the transfer part was priced at (GB/s), 0 if none."""
+
+
+_NONE = Estimate(seconds=0.0, algorithm="none", latency_s=0.0, transfer_s=0.0, bus_bandwidth_gbps=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    p: int
+    n_nodes: int
+    k_min: int
+    """Fewest group members on one node."""
+    k_max: int
+    """Most group members on one node."""
+    k_root: int
+    """Group members on the node of ``ranks[0]`` (the root of rooted collectives)."""
+
+
+class NcclCostModel:
+    """NCCL-like α–β model of a :class:`ClusterSpec`.
+
+    * A group lying on one node uses ``intra_node``; a group spanning nodes pays network
+      hop latency on the steps that cross nodes and runs at the bottleneck bandwidth:
+      ``min(intra-node busbw, k × per-GPU network share)`` where ``k`` is the fewest
+      group members on a node (a ring leaves each node once per channel, and the
+      group's ``k`` GPUs can drive their own share of the node's NICs).
+    * all_reduce: ring (``2(p−1)`` hops, ``2(p−1)/p · n / B``) or, across nodes, NCCL's
+      tree (an intra-node chain plus a ``log2(nodes)``-deep inter-node tree, both ways;
+      ``2n / (0.9 B)``); the faster one is used, as NCCL's tuner would.
+    * all_gather / reduce_scatter: ring, ``(p−1)`` hops and ``(p−1)/p`` of the full buffer.
+    * broadcast / reduce: pipelined ring, ``(p−1)`` hops and ``n / B``.
+    * all_to_all / gather / scatter: direct transfers; peers on the same node are reached
+      over ``intra_node`` and the rest through the member's network share, concurrently
+      (the slower of the two bounds the transfer).
+    * Every op pays ``protocol_latency_us`` once; groups of one member and empty
+      payloads cost nothing (NCCL returns at once).
+    """
+
+    name = "nccl"
+
+    def __init__(self, cluster: ClusterSpec | Any):
+        self.cluster = cluster_from_config(cluster)
+        self._geometry_cache: dict[tuple[int, ...], _Geometry] = {}
+
+    def __repr__(self) -> str:
+        return f"NcclCostModel(cluster={self.cluster.name!r})"
+
+    # ---------------------------------------------------------------- public API
+
+    def collective_time(self, kind: str, nbytes: int, ranks: Sequence[int]) -> float:
+        return self.estimate(kind, nbytes, ranks).seconds
+
+    def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
+        return self.estimate_p2p(nbytes, src, dst).seconds
+
+    def estimate(self, kind: str, nbytes: int, ranks: Sequence[int]) -> Estimate:
+        """:meth:`collective_time` with its breakdown."""
+        kind = _check_kind(kind)
+        nbytes = _check_nbytes(nbytes)
+        g = self._geometry(ranks)
+        if g.p == 1:
+            return _NONE
+        if kind == "barrier":
+            kind, nbytes = "all_reduce", BARRIER_BYTES
+        if nbytes == 0:
+            return _NONE
+        if kind == "all_reduce":
+            ring = self._ring(kind, nbytes, g)
+            if g.n_nodes == 1:
+                return ring
+            tree = self._tree_all_reduce(nbytes, g)
+            return tree if tree.seconds < ring.seconds else ring
+        if kind in ("all_gather", "reduce_scatter"):
+            return self._ring(kind, nbytes, g)
+        if kind in ("broadcast", "reduce"):
+            return self._ring(kind, nbytes, g, algorithm="pipeline")
+        return self._direct(kind, nbytes, g)
+
+    def estimate_p2p(self, nbytes: int, src: int, dst: int) -> Estimate:
+        """:meth:`p2p_time` with its breakdown."""
+        nbytes = _check_nbytes(nbytes)
+        src, dst = _check_rank(src), _check_rank(dst)
+        if src == dst or nbytes == 0:
+            return _NONE
+        c = self.cluster
+        same_node = src // c.gpus_per_node == dst // c.gpus_per_node
+        link_lat = c.intra_node.latency_us if same_node else c.inter_node.latency_us
+        bw = c.intra_node.bandwidth_gbps if same_node else c.network_share_gbps
+        return self._make("direct", 1 * link_lat, nbytes / (bw * GB), bw)
+
+    def algorithm(self, kind: str, nbytes: int, ranks: Sequence[int]) -> str:
+        """The algorithm the model picks (``ring``, ``tree``, ...)."""
+        return self.estimate(kind, nbytes, ranks).algorithm
+
+    # ---------------------------------------------------------------- internals
+
+    def _geometry(self, ranks: Sequence[int]) -> _Geometry:
+        key = tuple(ranks)
+        g = self._geometry_cache.get(key)
+        if g is not None:
+            return g
+        if not key:
+            raise ValueError("a collective needs at least one rank (got an empty group)")
+        per_node: dict[int, int] = {}
+        gpn = self.cluster.gpus_per_node
+        for r in map(_check_rank, key):
+            per_node[r // gpn] = per_node.get(r // gpn, 0) + 1
+        if sum(per_node.values()) != len(set(key)):
+            raise ValueError(f"a group's ranks must be distinct (got {len(key)} ranks, {len(set(key))} distinct)")
+        counts = per_node.values()
+        g = _Geometry(
+            p=len(key),
+            n_nodes=len(per_node),
+            k_min=min(counts),
+            k_max=max(counts),
+            k_root=per_node[_check_rank(key[0]) // gpn],
+        )
+        if len(self._geometry_cache) >= 4096:
+            self._geometry_cache.clear()
+        self._geometry_cache[key] = g
+        return g
+
+    def _ring_bandwidth(self, g: _Geometry) -> float:
+        """Bus bandwidth (GB/s) of a ring/tree over the group: its bottleneck link."""
+        c = self.cluster
+        if g.n_nodes == 1:
+            return c.intra_node.bandwidth_gbps
+        net = g.k_min * c.network_share_gbps
+        return min(c.intra_node.bandwidth_gbps, net) if g.k_max > 1 else net
+
+    def _make(self, algorithm: str, hop_latency_us: float, transfer_s: float, bw_gbps: float) -> Estimate:
+        latency_s = (self.cluster.protocol_latency_us + hop_latency_us) * US
+        return Estimate(
+            seconds=latency_s + transfer_s,
+            algorithm=algorithm,
+            latency_s=latency_s,
+            transfer_s=transfer_s,
+            bus_bandwidth_gbps=bw_gbps,
+        )
+
+    def _ring(self, kind: str, nbytes: int, g: _Geometry, algorithm: str = "ring") -> Estimate:
+        c = self.cluster
+        steps, coef = _link_coefficients(kind, g.p)
+        # Of the ring's hops, those leaving a node cross the network: once per node per pass.
+        passes = 2 if kind == "all_reduce" else 1
+        inter_steps = passes * (g.n_nodes - 1)
+        hop_us = (steps - inter_steps) * c.intra_node.latency_us + inter_steps * c.inter_node.latency_us
+        bw = self._ring_bandwidth(g)
+        return self._make(algorithm, hop_us, coef * nbytes / (bw * GB), bw)
+
+    def _tree_all_reduce(self, nbytes: int, g: _Geometry) -> Estimate:
+        c = self.cluster
+        depth = math.ceil(math.log2(g.n_nodes)) if g.n_nodes > 1 else 0
+        hop_us = 2 * ((g.k_max - 1) * c.intra_node.latency_us + depth * c.inter_node.latency_us)
+        bw = TREE_BW_EFFICIENCY * self._ring_bandwidth(g)
+        return self._make("tree", hop_us, 2 * nbytes / (bw * GB), bw)
+
+    def _direct(self, kind: str, nbytes: int, g: _Geometry) -> Estimate:
+        """all_to_all / gather / scatter: concurrent transfers to every peer."""
+        c = self.cluster
+        intra_bw, net_bw = c.intra_node.bandwidth_gbps, c.network_share_gbps
+        p = g.p
+        if kind == "all_to_all":
+            # Each member sends one p-th of its input to every peer; check the member
+            # with the most on-node peers and the one with the most off-node peers.
+            def member(k: int) -> float:
+                return max((k - 1) / p * nbytes / (intra_bw * GB), (p - k) / p * nbytes / (net_bw * GB))
+
+            transfer = max(member(g.k_min), member(g.k_max))
+            k_lat = g.k_min
+        else:
+            # The root receives (gather) or sends (scatter) one chunk per peer.
+            chunk = nbytes if kind == "gather" else nbytes / p
+            k = g.k_root
+            transfer = max((k - 1) * chunk / (intra_bw * GB), (p - k) * chunk / (net_bw * GB))
+            k_lat = k
+        hop_us = (k_lat - 1) * c.intra_node.latency_us + (p - k_lat) * c.inter_node.latency_us
+        bw = intra_bw if g.n_nodes == 1 else min(intra_bw, net_bw) if g.k_max > 1 else net_bw
+        return self._make("direct", hop_us, transfer, bw)
+
+
+def _check_nbytes(nbytes: int) -> int:
+    try:
+        value = operator.index(nbytes)
+    except TypeError:
+        value = int(nbytes) if isinstance(nbytes, float) and math.isfinite(nbytes) else -1
+    if isinstance(nbytes, bool) or value < 0:
+        raise ValueError(f"nbytes must be a non-negative number of bytes (got {nbytes!r})")
+    return value
+
+
+def _check_rank(r: int) -> int:
+    try:
+        value = operator.index(r)
+    except TypeError:
+        raise ValueError(f"ranks must be non-negative integers (got {r!r})") from None
+    if value < 0 or isinstance(r, bool):
+        raise ValueError(f"ranks must be non-negative integers (got {r!r})")
+    return value
+
+# --------------------------------------------------------------------------- registry
+
+COST_MODELS: dict[str, type] = {"nccl": NcclCostModel}
+"""Cost models by name; each class is constructed from a :class:`ClusterSpec`."""
+
+
+def make_cost_model(name: str, cluster: ClusterSpec | Any) -> CostModel:
+    """Construct the cost model called ``name`` for ``cluster``."""
+    try:
+        cls = COST_MODELS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown cost model {name!r} (valid: {', '.join(sorted(COST_MODELS))})") from None
+    return cls(cluster)
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def fit_link(
+    samples: Iterable[tuple[str, int, int, float]],
+    *,
+    protocol_latency_us: float = 0.0,
+) -> LinkSpec:
+    """Fit one link's α (µs per hop) and bandwidth from ``(kind, p, nbytes, seconds)`` samples
+    of ops whose members all share that link (e.g. several kinds measured on one node).
+
+    Model: ``seconds = protocol + steps(kind, p) × α + coef(kind, p) × nbytes / B`` (the
+    single-link formulas of :class:`NcclCostModel`). The fit is linear least squares on
+    relative error (each sample weighted by ``1 / seconds``), so small, latency-bound
+    sizes count as much as large ones; α is kept >= 0.
+    """
+    rows: list[tuple[float, float, float]] = []
+    for kind, p, nbytes, seconds in samples:
+        kind = _check_kind(kind, allow_p2p=True)
+        if p < 2:
+            raise ValueError(f"cannot fit from a group of {p} rank(s); need p >= 2")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"sample time must be a finite number > 0 s (got {seconds!r})")
+        steps, coef = _link_coefficients(kind, p)
+        y = seconds - protocol_latency_us * US
+        w = 1.0 / seconds
+        rows.append((steps * w, coef * nbytes * w, y * w))
+    if len({r[1] / r[0] for r in rows if r[0]}) < 2:
+        raise ValueError("fitting α and bandwidth needs samples at two or more distinct sizes")
+    # Normal equations of  y ≈ a·x_a + b·x_b   with a = α (s), b = 1/B (s/byte).
+    saa = sum(r[0] * r[0] for r in rows)
+    sab = sum(r[0] * r[1] for r in rows)
+    sbb = sum(r[1] * r[1] for r in rows)
+    say = sum(r[0] * r[2] for r in rows)
+    sby = sum(r[1] * r[2] for r in rows)
+    det = saa * sbb - sab * sab
+    if det <= 0:
+        raise ValueError("fitting α and bandwidth needs samples at two or more distinct sizes")
+    a = (say * sbb - sby * sab) / det
+    b = (saa * sby - sab * say) / det
+    if a < 0:  # latency below resolution: constrain α = 0 and refit the slope alone
+        a, b = 0.0, sby / sbb
+    if b <= 0:
+        raise ValueError(
+            "the measured times do not grow with the size, so no bandwidth can be fitted; "
+            "measure larger sizes"
+        )
+    return LinkSpec(bandwidth_gbps=1.0 / b / GB, latency_us=a / US)
+
+
+def fit_alpha_beta(
+    samples: list[tuple[int, float]],
+    kind: str,
+    p: int,
+    *,
+    protocol_latency_us: float = 0.0,
+) -> LinkSpec:
+    """Least-squares α/β of a link from ``(nbytes, seconds)`` measurements of collective
+    ``kind`` (or ``"p2p"``) over ``p`` ranks sharing that link.
+
+    ``nbytes`` has the meaning of the module table. The fixed ``protocol_latency_us`` is
+    subtracted first; with the default 0 the whole fixed cost is attributed to the hops
+    (``latency_us`` is then the per-hop share of it).
+    """
+    return fit_link(((kind, p, n, t) for n, t in samples), protocol_latency_us=protocol_latency_us)

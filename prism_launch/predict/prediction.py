@@ -1,0 +1,184 @@
+"""Predictions at target scale from the (calibrated) graph: the global replay with the
+target cluster's network model, per-rank iteration times and memory, the OOM verdict,
+a Perfetto timeline and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prism_launch.config import PrismConfig
+    from prism_launch.trace import TraceReader
+
+
+def _pipeline_of(rows: list[dict], rank: int) -> list[int]:
+    """Ranks connected to ``rank`` by point-to-point messages (its pipeline), in order."""
+    peers: dict[int, set[int]] = {}
+    for row in rows:
+        if row["kind"] == "p2p":
+            peers.setdefault(row["rank"], set()).add(row["peer"])
+            peers.setdefault(row["peer"], set()).add(row["rank"])
+    seen, todo = {rank}, deque([rank])
+    while todo:
+        for q in peers.get(todo.popleft(), ()):
+            if q not in seen:
+                seen.add(q)
+                todo.append(q)
+    return sorted(seen)
+
+
+def _timeline_ranks(cfg: PrismConfig, world: int, sandbox: list[int], pipeline: list[int]) -> list[int]:
+    if cfg.replay.timeline_ranks is not None:
+        return sorted(set(cfg.replay.timeline_ranks))
+    cap = cfg.replay.timeline_max_ranks
+    chosen = list(dict.fromkeys([*sandbox, *pipeline]))[:cap]
+    step = max(1, world // max(1, cap - len(chosen)))
+    chosen += [r for r in range(0, world, step) if r not in chosen][: max(0, cap - len(chosen))]
+    return sorted(chosen)
+
+
+def _graph_source(cfg: PrismConfig, bare: TraceReader, trace_dir: Path):
+    """The trace whose compute spans the replay uses, its label, and which clock."""
+    from prism_launch.predict.calibrate import calibrated_dir
+    from prism_launch.config import ComputeSource
+    from prism_launch.trace import TraceReader
+
+    source, reader = "bare (cpu)", bare
+    want = cfg.replay.compute
+    if want is ComputeSource.auto:
+        want = ComputeSource.calibrated if str(cfg.device) == "cuda" else ComputeSource.cpu
+    compute = "wall" if want is ComputeSource.wall else "cpu"
+    if want is ComputeSource.calibrated and (calibrated_dir(trace_dir) / "manifest.json").exists():
+        reader, source = TraceReader(calibrated_dir(trace_dir)), "calibrated"
+    elif want is ComputeSource.wall:
+        source = "bare (wall)"
+    return reader, source, compute
+
+
+def schedule(cfg: PrismConfig, bare: TraceReader, trace_dir: Path) -> dict[int, list[float]]:
+    """Each captured rank's predicted issue time of every event (trace order) on the target
+    cluster: the arrival times emulation gives virtual peers (``emulate.timing=predicted``)."""
+    from prism_launch.predict.cost_model import make_cost_model
+    from prism_launch.predict.simulate import graph_from_events, replay
+
+    reader, _source, compute = _graph_source(cfg, bare, trace_dir)
+    rows = reader.events().to_pylist()
+    groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+    graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
+    return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True).issue_times
+
+
+def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[int], out: Path,
+            memory: dict[int, int]) -> dict:
+    from prism_launch.predict.cost_model import make_cost_model
+    from prism_launch.predict.simulate import graph_from_events, replay
+
+    reader, source, compute = _graph_source(cfg, bare, trace_dir)
+    rows = reader.events().to_pylist()
+    groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+    world = reader.manifest.world_size
+    graph = graph_from_events(rows, groups, world, compute=compute)
+    model = make_cost_model(cfg.replay.cost_model, cfg.cluster)
+    pipeline = _pipeline_of(rows, sandbox[0])
+    tl_ranks = _timeline_ranks(cfg, world, sandbox, pipeline)
+    rep = replay(graph, model, timeline_ranks=tl_ranks)
+
+    limit = int(cfg.cluster.gpu_memory_gib * 2**30)
+    ranks = {}
+    for r in sorted(rep.ranks):
+        res = rep.ranks[r]
+        peak = memory.get(r)
+        ranks[str(r)] = {
+            "sandbox": r in sandbox,
+            "iteration_time_s": rep.rank_iteration_time(r),
+            "compute_s": res.compute_s, "exposed_comm_s": res.blocked_s - res.bubble_s,
+            "bubble_s": res.bubble_s, "peak_memory_bytes": peak,
+            "oom": None if peak is None else peak > limit,
+        }
+    fold = bare.read_json("fold.json") if "fold.json" in bare.json_files() else None
+    if fold is not None:  # expand to the whole world: an uncaptured rank mirrors its stand-in
+        for u, src in enumerate(fold["rep"]):
+            if str(u) not in ranks and str(src) in ranks:
+                ranks[str(u)] = {**ranks[str(src)], "sandbox": False, "mirrors": src}
+    predicted = {
+        "iteration_time_s": rep.iteration_time_s,
+        "iteration_times_s": rep.iteration_times,
+        "oom_ranks": [int(r) for r, v in ranks.items() if v["oom"]],
+        "memory_limit_bytes": limit,
+        "compute_source": source,
+        "cluster": cfg.cluster.name,
+        "critical_path": _summarize_path(rep.critical_path),
+        "stragglers": rep.stragglers,
+        "ranks_replayed": len(rep.ranks),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    _write_timeline(out / "timeline.json", rep.timelines, cfg.cluster.gpus_per_node)
+    _plot(out, ranks, rep.timelines, pipeline, rep.ranks)
+    return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline}
+
+
+def _summarize_path(path: list[dict]) -> dict:
+    compute = sum(s["s"] for s in path if s["kind"] == "compute")
+    comm = sum(s["s"] for s in path if s["kind"] == "comm")
+    hops = [s for s in path if s["kind"] == "comm"]
+    return {"compute_s": compute, "comm_s": comm, "segments": len(path),
+            "ranks": sorted({s["rank"] for s in path}), "longest_comm": sorted(hops, key=lambda s: -s["s"])[:5]}
+
+
+def _write_timeline(path: Path, timelines: dict, gpus_per_node: int) -> None:
+    """Chrome/Perfetto trace-event JSON: one process per target node, one thread per rank."""
+    events = []
+    for r, spans in sorted(timelines.items()):
+        node = r // max(1, gpus_per_node)
+        events.append({"ph": "M", "name": "process_name", "pid": node, "args": {"name": f"node {node}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": node, "tid": r, "args": {"name": f"rank {r}"}})
+        for name, t0, t1 in spans:
+            events.append({"ph": "X", "name": name, "pid": node, "tid": r, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
+    from nccl_ext.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = sorted(int(r) for r in ranks)
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    ys = [ranks[str(r)]["iteration_time_s"] * 1e3 for r in xs]
+    if len(xs) <= 512:
+        ax.bar(xs, ys, color=["tab:red" if ranks[str(r)]["sandbox"] else "tab:blue" for r in xs], width=1.0)
+    else:  # thousands of ranks: one line instead of one patch per rank
+        ax.fill_between(xs, ys, step="mid", color="tab:blue", lw=0)
+        sb = [r for r in xs if ranks[str(r)]["sandbox"]]
+        ax.scatter(sb, [ranks[str(r)]["iteration_time_s"] * 1e3 for r in sb], color="tab:red", zorder=3, s=12)
+    ax.set_xlabel("logical rank (red: sandbox)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title("Predicted per-rank iteration time")
+    fig.tight_layout()
+    fig.savefig(out / "step_time_per_rank.png", dpi=110)
+    plt.close(fig)
+
+    shown = [r for r in pipeline if r in timelines]
+    if shown:
+        fig, ax = plt.subplots(figsize=(11, 0.5 + 0.45 * len(shown)))
+        palette = {"compute": "tab:green", "wait": "tab:orange", "p2p-wait": "tab:gray"}
+        for y, r in enumerate(shown):
+            bars: dict[str, list] = {}
+            for name, t0, t1 in timelines[r]:
+                bars.setdefault(name, []).append((t0 * 1e3, (t1 - t0) * 1e3))
+            for name, xs in bars.items():  # one collection per kind: thousands of spans stay fast
+                ax.broken_barh(xs, (y - 0.4, 0.8), color=palette.get(name, "tab:purple"))
+            for t in results[r].step_ends:
+                ax.axvline(t * 1e3, color="k", lw=0.3)
+        ax.set_yticks(range(len(shown)), [f"rank {r}" for r in shown])
+        ax.set_xlabel("time (ms)  green: compute, orange: collective wait, gray: pipeline (p2p) wait")
+        ax.set_title("Pipeline of the sandbox rank (predicted)")
+        fig.tight_layout()
+        fig.savefig(out / "pipeline_timeline.png", dpi=110)
+        plt.close(fig)

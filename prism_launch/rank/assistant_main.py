@@ -1,0 +1,79 @@
+"""Entry point of the assistant process of an emulation run (``PRISM_ROLE=assistant``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from nccl_ext.atomic import atomic_write_text
+
+
+def main() -> int:
+    from nccl_ext.assistant import serve
+    from prism_launch.rank.bootstrap import outlive_interpreter, physical_group, ring_channels
+    from prism_launch.rank.replay_source import TraceRecording
+    from prism_launch.trace import TraceReader
+
+    env = os.environ
+    sandbox = tuple(int(r) for r in env["PRISM_SANDBOX"].split(","))
+    timeout_s = float(env.get("PRISM_TIMEOUT_S", "300"))
+    recording = TraceRecording(TraceReader(env["PRISM_TRACE_DIR"], verify=False))
+    pruned = env.get("PRISM_PRUNED") == "1"
+    if pruned and env.get("PRISM_RING_BACKEND") == "nccl":
+        _take_gpu(int(env.get("PRISM_DEVICE_SLOT", "0")))
+    physical, store = physical_group(len(sandbox), len(sandbox) + 1, timeout_s)
+    rings = ring_channels(len(sandbox), store, timeout_s) if pruned else None
+    outlive_interpreter(physical, store, rings)
+    t0 = time.monotonic()
+    stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")),
+                  device_path=env.get("PRISM_DATA_PATH") == "device", pruned=pruned, rings=rings)
+    summary = {
+        "wall_s": time.monotonic() - t0,
+        "ring_ops": stats.ring_ops,
+        "ring_groups": rings.created if rings is not None else 0,
+        "streams": {str(r): {"messages": s.messages, "bytes": s.bytes, "stalled_s": s.stalled_s}
+                    for r, s in stats.streams.items()},
+    }
+    if env.get("PRISM_SUMMARY"):
+        atomic_write_text(env["PRISM_SUMMARY"], json.dumps(summary, indent=1))
+    return 0
+
+
+def _take_gpu(slot: int) -> None:
+    """The assistant's own GPU for NCCL rings: the one after the sandbox ranks' on this node."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if slot >= n:
+        raise RuntimeError(
+            f"emulate.ring_backend=nccl: the assistant needs a GPU of its own (GPU {slot}), but this node has "
+            f"{n} and its sandbox ranks take {min(slot, n)}; use emulate.ring_backend=gloo or fewer sandbox ranks "
+            "on this node")
+    torch.cuda.set_device(slot)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    code = 1
+    try:
+        code = record(main)()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported here: os._exit below would swallow it
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        # End like a forked rank does (os._exit, no interpreter teardown): the sandbox ranks
+        # close their connections as they exit, and gloo's and the store's C++ threads torn
+        # down in static destruction under a closing connection can abort a process whose
+        # work is done ("terminate called without an active exception", SIGABRT).
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)

@@ -1,0 +1,193 @@
+"""The emulation report: what the sandbox ranks did, how long their steps took, and
+whether their losses match the capture's, as ``report.json`` plus a terminal table."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nccl_ext.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from prism_launch.config import ReportConfig
+    from prism_launch.modes.launcher import Launcher
+    from prism_launch.trace import TraceReader
+
+
+def parse_rank_log(path: Path, cfg: ReportConfig) -> list[dict]:
+    """Per-step ``{step, loss, line}`` found in a rank's stdout log (empty if none)."""
+    if not path.exists():
+        return []
+    loss_re, step_re = re.compile(cfg.loss_pattern), re.compile(cfg.step_pattern)
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = loss_re.search(line)
+        if not m:
+            continue
+        s = step_re.search(line)
+        try:
+            loss = float(m.group(1))
+        except ValueError:
+            continue
+        out.append({"step": int(s.group(1)) if s else len(out), "loss": loss, "line": line.strip()})
+    return out
+
+
+def _step_times(steps: list[dict]) -> list[float]:
+    """Seconds per scheduling unit (the first one counts from the rank's first op)."""
+    return [s["duration_s"] for s in steps]
+
+
+def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], log_dir: Path,
+                 summaries: Path, wall_s: float, sandbox_oom: dict | None = None) -> dict:
+    captured = reader.read_json("steps.json") if "steps.json" in reader.json_files() else {}
+    ranks = {}
+    for r in sandbox:
+        summary_path = summaries / f"rank{r}.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        steps = parse_rank_log(log_dir / str(r) / "stdout.log", launcher.cfg.report)
+        recorded = captured.get(str(r), [])
+        match = None
+        if steps and recorded:
+            match = [s["loss"] for s in steps] == [s["loss"] for s in recorded]
+        ranks[str(r)] = {
+            "sandbox": True,
+            "steps": [s["step"] for s in steps],
+            "losses": [s["loss"] for s in steps],
+            "captured_losses": [s["loss"] for s in recorded],
+            "losses_match_capture": match,
+            "step_times_s": _step_times(summary.get("steps", [])),
+            "ops": summary.get("ops"),
+            "p2p": summary.get("p2p"),
+            "physical_exchanges": summary.get("physical_exchanges"),
+            "replay_wait_s": summary.get("waited_s"),
+            "divergences": summary.get("divergences", []),
+            "peak_memory_bytes": (summary.get("memory") or {}).get("peak_bytes"),
+            "memory_method": ((summary.get("memory") or {}).get("method") or {}).get("name"),
+        }
+    report = {
+        "world_size": reader.manifest.world_size,
+        "topology": reader.manifest.topology,
+        "sandbox_ranks": sandbox,
+        "virtual_ranks": reader.manifest.world_size - len(sandbox),
+        "groups_in_trace": len(reader.manifest.groups),
+        "trace_dir": str(launcher.trace_dir),
+        "log_dir": str(log_dir),
+        "emulation_wall_s": wall_s,
+        "virtual_host": str(launcher.cfg.emulate.virtual_host),
+        "assistant": json.loads((summaries / "assistant.json").read_text())
+        if (summaries / "assistant.json").exists() else None,
+        "ranks": ranks,
+    }
+    if "fold.json" in reader.json_files():
+        fold = reader.read_json("fold.json")
+        report["fold"] = {
+            "captured_ranks": len(fold["captured"]),
+            "world_size": fold["world_size"],
+            "exact": "sandbox ranks inside the captured set: everything they compute from their own data and "
+                     "their model-parallel peers, bit-identical to the folded capture",
+            "approximated": "contributions of uncaptured data-parallel replicas (copies of their captured "
+                            "stand-ins' data; exact only when replicas see the same data), MoE routing of "
+                            "uncaptured replicas (that of the stand-in), and uncaptured ranks' timelines "
+                            "(their stand-ins')",
+            "approximated_model_parallel_groups": fold.get("approximated_groups", []),
+        }
+    out = launcher.report_dir
+    out.mkdir(parents=True, exist_ok=True)
+    from prism_launch.predict.prediction import predict
+
+    captured_memory = reader.read_json("memory.json") if "memory.json" in reader.json_files() else {}
+    memory = {int(r): m["peak_bytes"] for r, m in captured_memory.items() if m.get("peak_bytes") is not None}
+    memory.update({int(r): v["peak_memory_bytes"] for r, v in ranks.items() if v.get("peak_memory_bytes") is not None})
+    pred = predict(launcher.cfg, reader, launcher.trace_dir, sandbox, out, memory)
+    report["predicted"] = pred["predicted"]
+    try:
+        from prism_launch.report.moe_stats import moe_stats
+
+        moe = moe_stats(launcher.cfg, reader, launcher.trace_dir)
+    except Exception as e:  # noqa: BLE001 - the MoE section never breaks a report
+        moe = {"error": f"{type(e).__name__}: {e}"}
+    if moe:
+        report["moe"] = moe
+    report["pipeline_ranks"] = pred["pipeline_ranks"]
+    for r, entry in pred["ranks"].items():
+        merged = {**entry, **ranks.get(r, {})}
+        if entry.get("peak_memory_bytes") is not None:
+            merged["peak_memory_bytes"] = entry["peak_memory_bytes"]
+        report["ranks"][r] = merged
+    if sandbox_oom is not None:
+        report["sandbox_oom"] = sandbox_oom
+        r = str(sandbox_oom.get("rank"))
+        if r in report["ranks"]:  # it stopped at the limit: its measured peak is a lower bound
+            report["ranks"][r]["oom"] = True
+        oom_ranks = report["predicted"]["oom_ranks"]
+        if sandbox_oom.get("rank") is not None and sandbox_oom["rank"] not in oom_ranks:
+            oom_ranks.append(sandbox_oom["rank"])
+            oom_ranks.sort()
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1))
+    print_report(report, out / "report.json")
+    return report
+
+
+def print_report(report: dict, path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stderr, highlight=False)
+    topo = report["topology"]
+    console.print(
+        f"[bold]PrismLLM emulation[/bold]: logical world {report['world_size']} "
+        f"({topo.get('nnodes')} nodes x {topo.get('nproc_per_node')}), sandbox ranks {report['sandbox_ranks']}, "
+        f"{report['virtual_ranks']} virtual ranks replayed, wall {report['emulation_wall_s']:.1f}s"
+    )
+    for rank, r in report["ranks"].items():
+        if "losses" not in r:
+            continue  # virtual rank: predicted figures only
+        table = Table(title=f"sandbox rank {rank}", title_justify="left")
+        table.add_column("step", justify="right")
+        table.add_column("loss", justify="right")
+        table.add_column("captured loss", justify="right")
+        table.add_column("step time (s)", justify="right")
+        n = max(len(r["losses"]), len(r["step_times_s"]))
+        steps = r.get("steps") or list(range(1, n + 1))
+        for i in range(n):
+            loss = r["losses"][i] if i < len(r["losses"]) else None
+            cap = r["captured_losses"][i] if i < len(r["captured_losses"]) else None
+            st = r["step_times_s"][i] if i < len(r["step_times_s"]) else None
+            table.add_row(str(steps[i]) if i < len(steps) else str(i + 1), "" if loss is None else repr(loss), "" if cap is None else repr(cap),
+                          "" if st is None else f"{st:.3f}")
+        console.print(table)
+        verdict = {True: "[green]bit-identical to the capture[/green]", False: "[red]DIFFER from the capture[/red]",
+                   None: "no loss lines to compare"}[r["losses_match_capture"]]
+        if r.get("peak_memory_bytes") is not None:
+            console.print(f"  peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r.get('memory_method')})")
+        console.print(f"  losses: {verdict}; ops replayed {r['ops']} (+{r['p2p']} p2p), "
+                      f"divergences {len(r['divergences'])}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
+    pred = report.get("predicted")
+    if pred:
+        console.print(
+            f"[bold]predicted on {pred['cluster']}[/bold] ({pred['compute_source']} compute spans): "
+            f"iteration time {pred['iteration_time_s'] * 1e3:.2f} ms; critical path "
+            f"{pred['critical_path']['compute_s'] * 1e3:.1f} ms compute + {pred['critical_path']['comm_s'] * 1e3:.1f} ms "
+            f"communication over ranks {pred['critical_path']['ranks'][:8]}"
+        )
+        if pred["stragglers"]:
+            s0 = pred["stragglers"][0]
+            console.print(f"  top straggler: rank {s0['rank']} (made peers wait {s0['delay_caused_s'] * 1e3:.2f} ms)")
+        console.print(f"  OOM at {pred['memory_limit_bytes'] / 2**30:.0f} GiB: "
+                      f"{pred['oom_ranks'] or 'none'}")
+    if report.get("moe"):
+        if "error" in report["moe"]:
+            console.print(f"  MoE statistics unavailable: {report['moe']['error']}")
+        else:
+            from prism_launch.report.moe_stats import print_moe
+
+            print_moe(report["moe"], console)
+    if report.get("assistant"):
+        streams = report["assistant"]["streams"].values()
+        console.print(f"  assistant streamed {sum(s['messages'] for s in streams)} messages, "
+                      f"{sum(s['bytes'] for s in streams) / 2**20:.1f} MiB of recorded virtual-rank data")
+    console.print(f"report: {path}")

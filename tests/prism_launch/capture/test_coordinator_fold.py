@@ -1,0 +1,49 @@
+"""Large folded groups reduce with stand-in counts: the same sums as member-by-member folding
+(exact on integer-valued data), for all-reduce (sum, avg), reduce and reduce-scatter."""
+
+import torch
+
+from nccl_ext.ops import Collective, ReduceKind, compute
+from prism_launch.capture.coordinator import _Group, _PendingCollective, _weighted_reduction
+
+
+def _case(kind, reduce, n=100, captured=(3, 40), pieces=1, root=None):
+    ranks = tuple(range(n))
+    sources = tuple(r if r in captured else captured[r % len(captured)] for r in ranks)
+    group = _Group(0, "k", ranks, 0, "DATA_PARALLEL_GROUP", sources=sources, present=len(captured))
+    pc = _PendingCollective(group, 0, "x", kind, reduce, root, 0.0, [None] * n)
+    g = torch.Generator().manual_seed(0)
+    mine = {r: [torch.randint(-50, 50, (6,), generator=g).float() for _ in range(pieces)] for r in captured}
+    for r in captured:
+        pc.contributions[r] = mine[r]
+        pc.arrivals[r] = object()
+    full = [mine[sources[r]] for r in ranks]
+    return pc, group, full
+
+
+def test_weighted_all_reduce_and_reduce_match_the_member_fold():
+    for reduce in (ReduceKind.SUM, ReduceKind.AVG):
+        pc, group, full = _case(Collective.ALL_REDUCE, reduce, pieces=2)
+        got = _weighted_reduction(pc, group)
+        want = compute(Collective.ALL_REDUCE, full, reduce=reduce)
+        for r in (3, 40):
+            assert all(torch.equal(a, b) for a, b in zip(got[r], want[r]))
+    pc, group, full = _case(Collective.REDUCE, ReduceKind.SUM, root=3)
+    got, want = _weighted_reduction(pc, group), compute(Collective.REDUCE, full, reduce=ReduceKind.SUM, root=3)
+    assert torch.equal(got[3][0], want[3][0]) and got[40] == []
+
+
+def test_weighted_reduce_scatter_matches_the_member_fold():
+    n = 100
+    pc, group, full = _case(Collective.REDUCE_SCATTER, ReduceKind.SUM, n=n, pieces=2 * n)
+    got = _weighted_reduction(pc, group)
+    want = compute(Collective.REDUCE_SCATTER, full, reduce=ReduceKind.SUM)
+    for r in (3, 40):
+        assert len(got[r]) == 2 and all(torch.equal(a, b) for a, b in zip(got[r], want[r]))
+
+
+def test_other_kinds_fall_back():
+    pc, group, _ = _case(Collective.ALL_GATHER, None)
+    assert _weighted_reduction(pc, group) is None
+    pc, group, _ = _case(Collective.ALL_REDUCE, ReduceKind.MAX)
+    assert _weighted_reduction(pc, group) is None

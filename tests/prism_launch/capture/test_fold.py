@@ -1,0 +1,127 @@
+"""Folded capture's choice of ranks, on megatron-core's real group layouts (discovered the way
+the launcher does: one rank run up to its first collective) and on synthetic ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+
+import pytest
+
+from prism_launch.capture.fold import FoldError, FoldPlan, plan
+from tests.conftest import ROOT, WORKERS, _env
+
+PATTERNS = ["DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg"]
+
+
+@cache
+def megatron_groups(world: int, rank: int, delegation: bool = True, **sizes) -> tuple:
+    out = (f"/tmp/prism-layout-{os.getpid()}-{world}-{rank}-{int(delegation)}-"
+           f"{'-'.join(f'{k}{v}' for k, v in sorted(sizes.items()))}.json")
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "PRISM_MODE": "capture",
+           "PRISM_DISCOVER": out, "PRISM_MEMORY": "0", **{k.upper(): str(v) for k, v in sizes.items()}}
+    if not delegation:
+        env["PRISM_NO_NEW_GROUP_DELEGATION"] = "1"
+    r = subprocess.run([sys.executable, "-m", "prism_launch.rank.bootstrap", str(WORKERS / "layout.py")], cwd=ROOT,
+                       env=_env(env), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(out) as f:
+        groups = json.load(f)["groups"]
+    os.unlink(out)
+    return tuple((tuple(g), d) for g, d in groups)
+
+
+def by_desc(groups, desc: str, rank: int) -> set[int]:
+    [g] = [set(r) for r, d in groups if d == desc and rank in r]
+    return g
+
+
+def check_plan(p: FoldPlan, groups, world: int) -> None:
+    """Invariants: closed under model-parallel groups; every uncaptured rank mirrors a captured
+    rank holding the same model shard (same data-parallel groups)."""
+    captured = set(p.captured)
+    for ranks, desc in groups:
+        if len(ranks) < world and not any(x in desc for x in PATTERNS) and captured & set(ranks):
+            assert set(ranks) <= captured, (desc, ranks)
+    for u in range(world):
+        if u in captured:
+            assert p.rep[u] == u
+            continue
+        assert p.rep[u] in captured
+        for ranks, desc in groups:
+            if desc in ("DATA_PARALLEL_GROUP", "EXPERT_DATA_PARALLEL_GROUP") and u in ranks:
+                assert p.rep[u] in ranks, (u, p.rep[u], desc)
+
+
+def test_dense_tp_pp_folds_to_one_replica():
+    groups = megatron_groups(16, 10, tp=2, pp=2)
+    p = plan(groups, [10], 16, PATTERNS)
+    assert p.captured == [2, 3, 10, 11]  # TP pair {10, 11} and its pipeline peers {2, 3}
+    assert p.folded
+    check_plan(p, groups, 16)
+    assert p.rep[14] == 10 and p.rep[15] == 11 and p.rep[0] == 2
+    dp = sorted(by_desc(groups, "DATA_PARALLEL_GROUP", 10))
+    assert p.sources(dp) == tuple(10 for _ in dp)
+
+
+def test_context_parallel_is_followed():
+    groups = megatron_groups(32, 5, tp=2, pp=2, cp=2)
+    p = plan(groups, [5], 32, PATTERNS)
+    assert len(p.captured) == 8  # tp·cp·pp
+    assert by_desc(groups, "CONTEXT_PARALLEL_GROUP", 5) <= set(p.captured)
+    check_plan(p, groups, 32)
+
+
+def test_expert_parallel_spans_data_parallel_replicas():
+    groups = megatron_groups(16, 3, pp=2, ep=4)
+    p = plan(groups, [3], 16, PATTERNS)
+    ep = by_desc(groups, "EXPERT_MODEL_PARALLEL_GROUP", 3)
+    assert ep <= set(p.captured) and len(ep) == 4
+    assert len(p.captured) == 8  # ep·pp
+    check_plan(p, groups, 16)
+
+
+def test_tensor_and_expert_parallel():
+    groups = megatron_groups(16, 6, tp=2, ep=2, etp=1)
+    p = plan(groups, [6], 16, PATTERNS)
+    check_plan(p, groups, 16)
+    assert 6 in p.captured and len(p.captured) < 16
+
+
+def test_two_sandboxes_in_different_replicas():
+    groups = megatron_groups(16, 0, tp=2, pp=2)
+    p = plan(groups, [0, 13], 16, PATTERNS)
+    assert p.captured == [0, 1, 4, 5, 8, 9, 12, 13]
+    check_plan(p, groups, 16)
+    dp = sorted(by_desc(groups, "DATA_PARALLEL_GROUP", 0))  # [0, 2, 4, 6]: 0 and 4 captured
+    src = p.sources(dp)
+    assert set(src) <= {0, 4} and src[0] == 0 and src[2] == 4
+
+
+def test_synthetic_layouts():
+    world = 8
+    groups = [(tuple(range(8)), "default_pg"), ((0, 1), "TP"), ((2, 3), "TP"), ((4, 5), "TP"), ((6, 7), "TP"),
+              ((0, 2, 4, 6), "DATA_PARALLEL_GROUP"), ((1, 3, 5, 7), "DATA_PARALLEL_GROUP")]
+    p = plan(groups, [2], world, PATTERNS)
+    assert p.captured == [2, 3] and p.rep == [2, 3, 2, 3, 2, 3, 2, 3]
+    # an undescribed group is followed: folding only gets more conservative
+    p = plan([*groups, ((3, 5), "")], [2], world, PATTERNS)
+    assert p.captured == [2, 3, 4, 5]
+    assert plan(groups, range(8), world, PATTERNS).folded is False
+    assert FoldPlan.from_dict(p.to_dict()).rep == p.rep
+    with pytest.raises(FoldError, match="outside the world"):
+        plan(groups, [9], world, PATTERNS)
+    assert p.sources((0, 1)) is None  # no captured member: never used by the capture
+
+
+def test_subgroups_without_new_group_delegation():
+    """torch < 2.13 does not hand new_group to the default group: the interception below the
+    public API must see (and make prism groups of) exactly the same groups, gloo ones included."""
+    with_delegation = megatron_groups(16, 10, tp=2, pp=2)
+    without = megatron_groups(16, 10, delegation=False, tp=2, pp=2)
+    assert len(with_delegation) > 20
+    assert [sorted(r) for r, _ in without] == [sorted(r) for r, _ in with_delegation]
+    assert [d for _, d in without] == [d for _, d in with_delegation]
