@@ -47,3 +47,7 @@ __all__ = [
     "is_staging_name",
     "tensor_file_name",
 ]
+
+from .layout import ReportLayout, TraceLayout  # noqa: E402
+
+__all__ += ["ReportLayout", "TraceLayout"]

@@ -1,0 +1,118 @@
+"""Where everything of a run lives on disk: one object for a PrismTrace directory, one for
+its report directory. No other module spells a file name of either.
+
+A trace directory holds the bare trace (``manifest.json`` written last, ``events.parquet``,
+``tensors/rankNNNNNN.safetensors``, the JSON side files below), a calibrated version under
+``calibrated/`` (events and manifest only) and, by default, the report directory
+``report/``. The report directory holds ``report.json``, ``timeline.json``, the PNG plots,
+``sandbox/`` (one summary per sandbox rank, the assistant's, the predicted schedule) and
+``calibration/sliceN/`` (each calibration slice's own emulation report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+EVENTS_NAME = "events.parquet"
+TENSORS_DIR = "tensors"
+VERIFIED_NAME = ".verified.json"
+
+
+def tensor_file_name(rank: int) -> str:
+    """Relative path (POSIX) of the tensor file of ``rank`` inside a trace."""
+    return f"{TENSORS_DIR}/rank{int(rank):06d}.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceLayout:
+    """The paths of one trace directory (bare or calibrated)."""
+
+    root: Path
+
+    # JSON side files of a trace (names as ``TraceReader.read_json`` takes them)
+    STEPS = "steps.json"
+    """Per-rank losses parsed from the capture's logs."""
+    MEMORY = "memory.json"
+    """Per-rank allocator summaries of the capture (peaks)."""
+    CAPTURE = "capture.json"
+    """The capture's own statistics (wall time, slots, resumes, parking)."""
+    FOLD = "fold.json"
+    """The fold plan of a folded capture."""
+
+    @classmethod
+    def at(cls, path: str | Path) -> TraceLayout:
+        return cls(Path(path))
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST_NAME
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS_NAME
+
+    @property
+    def tensors_dir(self) -> Path:
+        return self.root / TENSORS_DIR
+
+    def tensor_file(self, rank: int) -> Path:
+        return self.root / tensor_file_name(rank)
+
+    @property
+    def verified(self) -> Path:
+        return self.root / VERIFIED_NAME
+
+    def exists(self) -> bool:
+        """A committed trace is here (its manifest is written last)."""
+        return self.manifest.exists()
+
+    @property
+    def calibrated(self) -> TraceLayout:
+        """The calibrated version beside this bare trace."""
+        return TraceLayout(self.root / "calibrated")
+
+    @property
+    def default_report(self) -> ReportLayout:
+        return ReportLayout(self.root / "report")
+
+
+@dataclass(frozen=True, slots=True)
+class ReportLayout:
+    """The paths of one report directory."""
+
+    root: Path
+
+    @property
+    def report_json(self) -> Path:
+        return self.root / "report.json"
+
+    @property
+    def timeline(self) -> Path:
+        return self.root / "timeline.json"
+
+    @property
+    def step_time_png(self) -> Path:
+        return self.root / "step_time_per_rank.png"
+
+    @property
+    def pipeline_png(self) -> Path:
+        return self.root / "pipeline_timeline.png"
+
+    def summaries(self, node_rank: int = 0) -> Path:
+        """Where this node's sandbox ranks write their summaries (node 0: the report's own)."""
+        return self.root / "sandbox" if node_rank == 0 else self.root / f"node{node_rank}" / "sandbox"
+
+    def summary(self, rank: int, node_rank: int = 0) -> Path:
+        return self.summaries(node_rank) / f"rank{rank}.json"
+
+    def assistant_summary(self, node_rank: int = 0) -> Path:
+        return self.summaries(node_rank) / "assistant.json"
+
+    def schedule(self, node_rank: int = 0) -> Path:
+        """The predicted issue times given to the sandbox ranks (``emulate.timing=predicted``)."""
+        return self.summaries(node_rank) / "schedule.json"
+
+    def calibration_slice(self, index: int) -> ReportLayout:
+        return ReportLayout(self.root / "calibration" / f"slice{index}")
