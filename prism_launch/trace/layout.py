@@ -31,6 +31,9 @@ class TraceLayout:
 
     root: Path
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
     # JSON side files of a trace (names as ``TraceReader.read_json`` takes them)
     STEPS = "steps.json"
     """Per-rank losses parsed from the capture's logs."""
@@ -83,6 +86,9 @@ class ReportLayout:
     """The paths of one report directory."""
 
     root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
 
     @property
     def report_json(self) -> Path:
