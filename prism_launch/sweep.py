@@ -20,7 +20,6 @@ import copy
 import csv
 import dataclasses
 import gc
-import importlib
 import json
 import shlex
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prism_launch.cli.args import LaunchArgs
+    from prism_launch.launch.args import LaunchArgs
     from prism_launch.config import PrismConfig
 
 COLUMNS = ("point", "overrides", "status", "iteration_time_s", "peak_memory_bytes", "oom", "oom_ranks",
@@ -42,8 +41,9 @@ COLUMNS = ("point", "overrides", "status", "iteration_time_s", "peak_memory_byte
 
 def render_args(cfg: PrismConfig, args: LaunchArgs, out_dir: Path | None = None) -> LaunchArgs:
     """``args`` with ``target.parallel`` and ``script.args`` rendered into the script's arguments
-    by the integration module of ``integration.kind`` (imported by name). Unchanged when
-    nothing is set. Raises ConfigError for an invalid combination."""
+    by the renderer of the integration ``integration.kind`` (:mod:`prism_launch.config.registry`).
+    Unchanged when nothing is set. Raises ConfigError for an invalid combination."""
+    from prism_launch.config import registry
     from prism_launch.config import ConfigError
 
     p = cfg.target.parallel
@@ -53,13 +53,7 @@ def render_args(cfg: PrismConfig, args: LaunchArgs, out_dir: Path | None = None)
     kind = cfg.integration.kind
     if kind == "none":
         raise ConfigError("target.parallel / script.args are set but integration.kind=none renders nothing")
-    name = cfg.integration.modules.get(kind)
-    if name is None:
-        raise ConfigError(f"integration.kind={kind!r}: no module in integration.modules")
-    try:
-        module = importlib.import_module(name)
-    except ImportError as e:
-        raise ConfigError(f"integration.modules.{kind}={name!r} cannot be imported: {e}") from None
+    module = registry.load(kind, "renderer", where="integration.kind")
     script_args = module.render(cfg, list(args.script_args), out_dir)
     return dataclasses.replace(args, script_args=list(script_args))
 
@@ -99,7 +93,7 @@ def run_point(cfg_node: Any, args: LaunchArgs, out: Path, num: int | None, overr
     """Run one sweep point; never raises (except on interruption): errors become the row's status."""
     from omegaconf import OmegaConf
 
-    from prism_launch.config import ConfigError, resolve_defaults, validate
+    from prism_launch.config import ConfigError, resolve, validate
 
     out = Path(out)
     shown = [o.lstrip("+") for o in overrides]
@@ -113,7 +107,7 @@ def run_point(cfg_node: Any, args: LaunchArgs, out: Path, num: int | None, overr
             cfg.target.nnodes = args.nnodes
         if "target.nproc_per_node" not in joined:
             cfg.target.nproc_per_node = args.nproc_per_node
-        resolve_defaults(cfg)
+        cfg = resolve(cfg)
         row["world_size"] = cfg.target.world_size
         if cfg.report.dir is None:
             cfg.report.dir = str(out / "report")
@@ -124,11 +118,12 @@ def run_point(cfg_node: Any, args: LaunchArgs, out: Path, num: int | None, overr
             tr = copy.copy(point_args.torchrun)
             tr.log_dir = str(out / "logs")
             point_args = dataclasses.replace(point_args, torchrun=tr)
-        from prism_launch.modes.launcher import Launcher
+        from prism_launch import modes
+        from prism_launch.trace import ReportLayout
 
-        outcome = Launcher(cfg, point_args).run()
-        if outcome.report_dir is not None and (Path(outcome.report_dir) / "report.json").exists():
-            report_path = Path(outcome.report_dir) / "report.json"
+        outcome = modes.run(cfg, point_args)
+        report_path = ReportLayout(outcome.report_dir).report_json if outcome.report_dir is not None else None
+        if report_path is not None and report_path.exists():
             row.update(summarize_report(json.loads(report_path.read_text())))
             row["report"] = str(report_path)
     except ConfigError as e:

@@ -1,4 +1,5 @@
-"""``prism-launch``: torchrun's command line, a PrismLLM config, one Launcher run."""
+"""``prism-launch``: torchrun's command line, a PrismLLM config, one mode runner
+(:func:`prism_launch.modes.run`), or a sweep of them."""
 
 from __future__ import annotations
 
@@ -6,16 +7,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prism_launch.cli.args import parse
-    from prism_launch.config import ConfigError, compose, resolve_defaults, validate
+    from prism_launch.launch.args import parse
+    from prism_launch.config import ConfigError, compose, resolve, validate
     from prism_launch.errors import PrismError
     from prism_launch.trace import TraceError
 
     args = parse(list(sys.argv[1:] if argv is None else argv))
-    if args.local_rank_arg:  # deepspeed launcher flags: every rank's script gets --local_rank=N
-        import os
-
-        os.environ["PRISM_LOCAL_RANK_ARG"] = "1"
     if args.multirun and not args.print_config:
         from prism_launch.sweep import run_sweep
 
@@ -30,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.target.nnodes = args.nnodes
         if "target.nproc_per_node" not in " ".join(args.overrides):
             cfg.target.nproc_per_node = args.nproc_per_node
-        resolve_defaults(cfg)
+        cfg = resolve(cfg)
         if args.print_config:
             from omegaconf import OmegaConf
 
@@ -40,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         from prism_launch.sweep import render_args
 
         args = render_args(cfg, args)  # target.parallel / script.args -> script args, before fingerprinting
-        from prism_launch.modes.launcher import Launcher
+        from prism_launch import modes
 
-        Launcher(cfg, args).run()
+        modes.run(cfg, args)
         return 0
     except ConfigError as e:
         print(f"prism-launch: error: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The environment each logical rank sees: exactly what torchrun's elastic agent sets
-(checked against torch 2.13's ``SimpleElasticAgent._start_workers``), plus the
-``PRISM_*`` variables the bootstrap reads.
+(checked against torch 2.13's ``SimpleElasticAgent._start_workers``). The project's own
+contract with a rank is one more variable, the rank plan (:mod:`prism_launch.config.plan`).
 """
 
 from __future__ import annotations

@@ -7,27 +7,21 @@ replay stitches them together through the graph's dependency edges (collectives 
 messages), which is where the calibrated timeline gets its cross-rank alignment.
 
 The calibrated trace is written as a new trace version beside the bare one:
-``<trace.dir>/calibrated`` (events and manifest only; tensors stay in the bare trace).
+``<trace.dir>/calibrated`` (events and manifest only; tensors stay in the bare trace). This
+module owns the graph side (which spans replace which); running the slices is the
+calibrate mode's (:mod:`prism_launch.modes.calibrate`).
 """
 
 from __future__ import annotations
 
 import json
-import sys
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from prism_launch.modes.launcher import Launcher
-    from prism_launch.trace import TraceReader
+from prism_launch.config import Measure
+from prism_launch.trace import TraceLayout, TraceReader, TraceWriter
 
 _CODES = {("collective", None): "c", ("p2p", "send"): "s", ("p2p", "recv"): "r", ("wait", None): "w",
           ("marker", None): "m"}
-
-
-def calibrated_dir(trace_dir: Path) -> Path:
-    return trace_dir / "calibrated"
 
 
 def _code(row: dict) -> str:
@@ -36,67 +30,56 @@ def _code(row: dict) -> str:
     return _CODES[(row["kind"], None)]
 
 
-def calibrate(launcher: Launcher, reader: TraceReader) -> Path:
-    """Run the slices, write ``<trace>/calibrated``; returns its path."""
-    from prism_launch.config import Measure, Timing
-    from prism_launch.trace import TraceWriter
+def slices(ranks: list[int], size: int) -> list[list[int]]:
+    """The calibration slices: ``ranks`` sorted, in runs of ``size``."""
+    ranks = sorted(ranks)
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
 
-    cfg = launcher.cfg
-    ranks = sorted(cfg.calibrate.ranks if cfg.calibrate.ranks is not None else reader.manifest.ranks_captured)
-    size = cfg.calibrate.slice_size
-    slices = [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+@dataclass(slots=True)
+class Calibrated:
+    rows: list[dict]
+    """Every event of the bare trace, the measured ranks' compute spans replaced."""
+    replaced: int = 0
+    mismatched: list[int] = field(default_factory=list)
+    """Ranks whose slice run issued a different event sequence (their bare spans are kept)."""
+
+
+def apply_spans(reader: TraceReader, measured: dict[int, list], measure: Measure) -> Calibrated:
+    """Replace each measured rank's compute span before each event by the slice's
+    (``measured[rank]``: the sandbox summary's ``spans``, one ``[code, cpu_s, wall_s]`` per event)."""
     rows = reader.events().to_pylist()
     by_rank: dict[int, list[dict]] = {}
     for row in rows:
         by_rank.setdefault(row["rank"], []).append(row)
     for evs in by_rank.values():
         evs.sort(key=lambda r: r["idx"])
-
-    measured: dict[int, list] = {}
-    t0 = time.monotonic()
-    saved = (list(cfg.sandbox.ranks), cfg.emulate.timing, cfg.report.dir, cfg.emulate.check_divergence)
-    try:
-        for i, sl in enumerate(slices):
-            print(f"prism-launch: calibrating slice {i + 1}/{len(slices)}: ranks {sl}", file=sys.stderr)
-            cfg.sandbox.ranks = sl
-            cfg.emulate.timing = Timing.none  # the slice measures its own compute; waits are the replay's job
-            cfg.emulate.check_divergence = False  # hashing every contribution would inflate the spans
-            cfg.report.dir = str(launcher.trace_dir / "report" / "calibration" / f"slice{i}")
-            launcher.emulate(reader, quiet=True)
-            for r in sl:
-                summary = json.loads((Path(cfg.report.dir) / "sandbox" / f"rank{r}.json").read_text())
-                measured[r] = summary["spans"]
-    finally:
-        cfg.sandbox.ranks, cfg.emulate.timing, cfg.report.dir, cfg.emulate.check_divergence = saved
-
-    use = 1 if cfg.calibrate.measure is Measure.cpu else 2
-    replaced, mismatched = 0, []
+    use = 1 if measure is Measure.cpu else 2
+    out = Calibrated(rows=rows)
     for r, spans in measured.items():
         evs = by_rank.get(r, [])
-        codes = [_code(e) for e in evs]
-        if [s[0] for s in spans] != codes:
-            mismatched.append(r)
+        if [s[0] for s in spans] != [_code(e) for e in evs]:
+            out.mismatched.append(r)
             continue
         for e, s in zip(evs, spans):
             e["extra"] = json.dumps({**(json.loads(e["extra"]) if e["extra"] else {}),
                                      "bare_cpu_s": e["compute_cpu_s"], "bare_wall_s": e["compute_wall_s"]})
             e["compute_cpu_s"] = e["compute_wall_s"] = float(s[use])
-            replaced += 1
-    if mismatched:
-        print(f"prism-launch: warning: ranks {mismatched} issued a different event sequence than captured; "
-              "their bare spans are kept", file=sys.stderr)
-    out = calibrated_dir(launcher.trace_dir)
-    with TraceWriter(out) as writer:
-        writer.add_events(rows)
+            out.replaced += 1
+    return out
+
+
+def write_calibrated(reader: TraceReader, trace: TraceLayout, calibrated: Calibrated, extra: dict) -> TraceLayout:
+    """Commit the calibrated version beside the bare trace; returns its layout."""
+    out = trace.calibrated
+    with TraceWriter(out.root) as writer:
+        writer.add_events(calibrated.rows)
         m = reader.manifest
         writer.commit(
             fingerprint=m.fingerprint, versions=m.versions, world_size=m.world_size, topology=m.topology,
             groups=m.groups, ranks_captured=m.ranks_captured,
-            extra={**m.extra, "calibrated_from": str(launcher.trace_dir), "slices": slices,
-                   "slice_size": size, "measure": str(cfg.calibrate.measure), "events_calibrated": replaced,
-                   "ranks_mismatched": mismatched, "calibration_wall_s": time.monotonic() - t0},
+            extra={**m.extra, "calibrated_from": str(trace.root), "events_calibrated": calibrated.replaced,
+                   "ranks_mismatched": calibrated.mismatched, **extra},
             allow_missing_tensors=True,
         )
-    print(f"prism-launch: calibrated {len(measured) - len(mismatched)} ranks in {len(slices)} slices "
-          f"({replaced} spans) in {time.monotonic() - t0:.1f}s -> {out}", file=sys.stderr)
     return out

@@ -9,6 +9,8 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prism_launch.trace import ReportLayout, TraceLayout
+
 if TYPE_CHECKING:
     from prism_launch.config import PrismConfig
     from prism_launch.trace import TraceReader
@@ -40,43 +42,41 @@ def _timeline_ranks(cfg: PrismConfig, world: int, sandbox: list[int], pipeline: 
     return sorted(chosen)
 
 
-def _graph_source(cfg: PrismConfig, bare: TraceReader, trace_dir: Path):
-    """The trace whose compute spans the replay uses, its label, and which clock."""
-    from prism_launch.predict.calibrate import calibrated_dir
+def graph_source(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout):
+    """The trace whose compute spans the replay uses, its label, and which clock
+    (``replay.compute``, resolved)."""
     from prism_launch.config import ComputeSource
     from prism_launch.trace import TraceReader
 
     source, reader = "bare (cpu)", bare
     want = cfg.replay.compute
-    if want is ComputeSource.auto:
-        want = ComputeSource.calibrated if str(cfg.device) == "cuda" else ComputeSource.cpu
     compute = "wall" if want is ComputeSource.wall else "cpu"
-    if want is ComputeSource.calibrated and (calibrated_dir(trace_dir) / "manifest.json").exists():
-        reader, source = TraceReader(calibrated_dir(trace_dir)), "calibrated"
+    if want is ComputeSource.calibrated and trace.calibrated.exists():
+        reader, source = TraceReader(trace.calibrated.root), "calibrated"
     elif want is ComputeSource.wall:
         source = "bare (wall)"
     return reader, source, compute
 
 
-def schedule(cfg: PrismConfig, bare: TraceReader, trace_dir: Path) -> dict[int, list[float]]:
+def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[int, list[float]]:
     """Each captured rank's predicted issue time of every event (trace order) on the target
     cluster: the arrival times emulation gives virtual peers (``emulate.timing=predicted``)."""
     from prism_launch.predict.cost_model import make_cost_model
     from prism_launch.predict.simulate import graph_from_events, replay
 
-    reader, _source, compute = _graph_source(cfg, bare, trace_dir)
+    reader, _source, compute = graph_source(cfg, bare, trace)
     rows = reader.events().to_pylist()
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
     return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True).issue_times
 
 
-def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[int], out: Path,
+def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: list[int], out: ReportLayout,
             memory: dict[int, int]) -> dict:
     from prism_launch.predict.cost_model import make_cost_model
     from prism_launch.predict.simulate import graph_from_events, replay
 
-    reader, source, compute = _graph_source(cfg, bare, trace_dir)
+    reader, source, compute = graph_source(cfg, bare, trace)
     rows = reader.events().to_pylist()
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     world = reader.manifest.world_size
@@ -98,7 +98,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[
             "bubble_s": res.bubble_s, "peak_memory_bytes": peak,
             "oom": None if peak is None else peak > limit,
         }
-    fold = bare.read_json("fold.json") if "fold.json" in bare.json_files() else None
+    fold = bare.read_json(TraceLayout.FOLD) if TraceLayout.FOLD in bare.json_files() else None
     if fold is not None:  # expand to the whole world: an uncaptured rank mirrors its stand-in
         for u, src in enumerate(fold["rep"]):
             if str(u) not in ranks and str(src) in ranks:
@@ -114,8 +114,8 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace_dir: Path, sandbox: list[
         "stragglers": rep.stragglers,
         "ranks_replayed": len(rep.ranks),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    _write_timeline(out / "timeline.json", rep.timelines, cfg.cluster.gpus_per_node)
+    out.root.mkdir(parents=True, exist_ok=True)
+    _write_timeline(out.timeline, rep.timelines, cfg.cluster.gpus_per_node)
     _plot(out, ranks, rep.timelines, pipeline, rep.ranks)
     return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline}
 
@@ -142,7 +142,7 @@ def _write_timeline(path: Path, timelines: dict, gpus_per_node: int) -> None:
     atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results: dict) -> None:
+def _plot(out: ReportLayout, ranks: dict, timelines: dict, pipeline: list[int], results: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,7 +161,7 @@ def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results:
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title("Predicted per-rank iteration time")
     fig.tight_layout()
-    fig.savefig(out / "step_time_per_rank.png", dpi=110)
+    fig.savefig(out.step_time_png, dpi=110)
     plt.close(fig)
 
     shown = [r for r in pipeline if r in timelines]
@@ -180,5 +180,5 @@ def _plot(out: Path, ranks: dict, timelines: dict, pipeline: list[int], results:
         ax.set_xlabel("time (ms)  green: compute, orange: collective wait, gray: pipeline (p2p) wait")
         ax.set_title("Pipeline of the sandbox rank (predicted)")
         fig.tight_layout()
-        fig.savefig(out / "pipeline_timeline.png", dpi=110)
+        fig.savefig(out.pipeline_png, dpi=110)
         plt.close(fig)

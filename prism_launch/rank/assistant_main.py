@@ -1,4 +1,6 @@
-"""Entry point of the assistant process of an emulation run (``PRISM_ROLE=assistant``)."""
+"""Entry point of the assistant process of an emulation run: ``python -m prism_launch.rank.assistant_main``
+(started by the launcher, or called by a forked child), the physical process that hosts the
+virtual ranks and serves their recorded data to the sandbox ranks."""
 
 from __future__ import annotations
 
@@ -8,27 +10,27 @@ import sys
 import time
 
 from nccl_ext.atomic import atomic_write_text
+from prism_launch.config.plan import RankPlan
 
 
 def main() -> int:
     from nccl_ext.assistant import serve
-    from prism_launch.rank.bootstrap import outlive_interpreter, physical_group, ring_channels
     from prism_launch.rank.replay_source import TraceRecording
+    from prism_launch.rank.transports import outlive_interpreter, physical_group, ring_channels
     from prism_launch.trace import TraceReader
 
-    env = os.environ
-    sandbox = tuple(int(r) for r in env["PRISM_SANDBOX"].split(","))
-    timeout_s = float(env.get("PRISM_TIMEOUT_S", "300"))
-    recording = TraceRecording(TraceReader(env["PRISM_TRACE_DIR"], verify=False))
-    pruned = env.get("PRISM_PRUNED") == "1"
-    if pruned and env.get("PRISM_RING_BACKEND") == "nccl":
-        _take_gpu(int(env.get("PRISM_DEVICE_SLOT", "0")))
-    physical, store = physical_group(len(sandbox), len(sandbox) + 1, timeout_s)
-    rings = ring_channels(len(sandbox), store, timeout_s) if pruned else None
+    plan = RankPlan.from_env()
+    e = plan.emulate
+    sandbox = e.sandbox
+    recording = TraceRecording(TraceReader(e.trace_dir, verify=False))
+    if e.pruned and e.ring_backend == "nccl":
+        _take_gpu(plan.device_slot(None))
+    physical, store = physical_group(plan, len(sandbox), len(sandbox) + 1, plan.timeout_s)
+    rings = ring_channels(plan, len(sandbox), store, plan.timeout_s) if e.pruned else None
     outlive_interpreter(physical, store, rings)
     t0 = time.monotonic()
-    stats = serve(recording, sandbox, physical, store, window=int(env.get("PRISM_WINDOW", "32")),
-                  device_path=env.get("PRISM_DATA_PATH") == "device", pruned=pruned, rings=rings)
+    stats = serve(recording, sandbox, physical, store, window=e.window, device_path=e.data_path == "device",
+                  pruned=e.pruned, rings=rings)
     summary = {
         "wall_s": time.monotonic() - t0,
         "ring_ops": stats.ring_ops,
@@ -36,8 +38,8 @@ def main() -> int:
         "streams": {str(r): {"messages": s.messages, "bytes": s.bytes, "stalled_s": s.stalled_s}
                     for r, s in stats.streams.items()},
     }
-    if env.get("PRISM_SUMMARY"):
-        atomic_write_text(env["PRISM_SUMMARY"], json.dumps(summary, indent=1))
+    if e.assistant_summary:
+        atomic_write_text(e.assistant_summary, json.dumps(summary, indent=1))
     return 0
 
 

@@ -22,7 +22,7 @@ class TraceRecording:
     def __init__(self, reader: TraceReader, schedule: dict[int, list[float]] | None = None):
         """``schedule``: per rank, the predicted time of each event (by trace index); it
         replaces the capture's wall-clock ``t_start`` of the ops."""
-        from prism_launch.capture.fold import FoldPlan
+        from prism_launch.trace.fold import FoldPlan
 
         self.reader = reader
         self.fold = FoldPlan.from_dict(reader.read_json("fold.json")) if "fold.json" in reader.json_files() else None

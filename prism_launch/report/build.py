@@ -4,36 +4,17 @@ whether their losses match the capture's, as ``report.json`` plus a terminal tab
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nccl_ext.atomic import atomic_write_text
+from prism_launch.launch.logs import RankLogs, parse_rank_log
+from prism_launch.trace import ReportLayout, TraceLayout
 
 if TYPE_CHECKING:
-    from prism_launch.config import ReportConfig
-    from prism_launch.modes.launcher import Launcher
+    from prism_launch.config import PrismConfig
     from prism_launch.trace import TraceReader
-
-
-def parse_rank_log(path: Path, cfg: ReportConfig) -> list[dict]:
-    """Per-step ``{step, loss, line}`` found in a rank's stdout log (empty if none)."""
-    if not path.exists():
-        return []
-    loss_re, step_re = re.compile(cfg.loss_pattern), re.compile(cfg.step_pattern)
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        m = loss_re.search(line)
-        if not m:
-            continue
-        s = step_re.search(line)
-        try:
-            loss = float(m.group(1))
-        except ValueError:
-            continue
-        out.append({"step": int(s.group(1)) if s else len(out), "loss": loss, "line": line.strip()})
-    return out
 
 
 def _step_times(steps: list[dict]) -> list[float]:
@@ -41,14 +22,16 @@ def _step_times(steps: list[dict]) -> list[float]:
     return [s["duration_s"] for s in steps]
 
 
-def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], log_dir: Path,
-                 summaries: Path, wall_s: float, sandbox_oom: dict | None = None) -> dict:
-    captured = reader.read_json("steps.json") if "steps.json" in reader.json_files() else {}
+def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out: ReportLayout, sandbox: list[int],
+                 log_dir: Path, wall_s: float, sandbox_oom: dict | None = None) -> dict:
+    """Write ``report.json`` (and the prediction's timeline and plots) into ``out`` from the
+    sandbox ranks' summaries and logs; print the terminal table; return the report."""
+    captured = reader.read_json(TraceLayout.STEPS) if TraceLayout.STEPS in reader.json_files() else {}
     ranks = {}
     for r in sandbox:
-        summary_path = summaries / f"rank{r}.json"
+        summary_path = out.summary(r)
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        steps = parse_rank_log(log_dir / str(r) / "stdout.log", launcher.cfg.report)
+        steps = parse_rank_log(RankLogs(log_dir).stdout(r), cfg.report)
         recorded = captured.get(str(r), [])
         match = None
         if steps and recorded:
@@ -74,16 +57,15 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
         "sandbox_ranks": sandbox,
         "virtual_ranks": reader.manifest.world_size - len(sandbox),
         "groups_in_trace": len(reader.manifest.groups),
-        "trace_dir": str(launcher.trace_dir),
+        "trace_dir": str(trace.root),
         "log_dir": str(log_dir),
         "emulation_wall_s": wall_s,
-        "virtual_host": str(launcher.cfg.emulate.virtual_host),
-        "assistant": json.loads((summaries / "assistant.json").read_text())
-        if (summaries / "assistant.json").exists() else None,
+        "virtual_host": str(cfg.emulate.virtual_host),
+        "assistant": json.loads(out.assistant_summary().read_text()) if out.assistant_summary().exists() else None,
         "ranks": ranks,
     }
-    if "fold.json" in reader.json_files():
-        fold = reader.read_json("fold.json")
+    if TraceLayout.FOLD in reader.json_files():
+        fold = reader.read_json(TraceLayout.FOLD)
         report["fold"] = {
             "captured_ranks": len(fold["captured"]),
             "world_size": fold["world_size"],
@@ -95,19 +77,18 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
                             "(their stand-ins')",
             "approximated_model_parallel_groups": fold.get("approximated_groups", []),
         }
-    out = launcher.report_dir
-    out.mkdir(parents=True, exist_ok=True)
+    out.root.mkdir(parents=True, exist_ok=True)
     from prism_launch.predict.prediction import predict
 
-    captured_memory = reader.read_json("memory.json") if "memory.json" in reader.json_files() else {}
+    captured_memory = reader.read_json(TraceLayout.MEMORY) if TraceLayout.MEMORY in reader.json_files() else {}
     memory = {int(r): m["peak_bytes"] for r, m in captured_memory.items() if m.get("peak_bytes") is not None}
     memory.update({int(r): v["peak_memory_bytes"] for r, v in ranks.items() if v.get("peak_memory_bytes") is not None})
-    pred = predict(launcher.cfg, reader, launcher.trace_dir, sandbox, out, memory)
+    pred = predict(cfg, reader, trace, sandbox, out, memory)
     report["predicted"] = pred["predicted"]
     try:
         from prism_launch.report.moe_stats import moe_stats
 
-        moe = moe_stats(launcher.cfg, reader, launcher.trace_dir)
+        moe = moe_stats(cfg, reader, trace)
     except Exception as e:  # noqa: BLE001 - the MoE section never breaks a report
         moe = {"error": f"{type(e).__name__}: {e}"}
     if moe:
@@ -127,8 +108,8 @@ def build_report(launcher: Launcher, reader: TraceReader, sandbox: list[int], lo
         if sandbox_oom.get("rank") is not None and sandbox_oom["rank"] not in oom_ranks:
             oom_ranks.append(sandbox_oom["rank"])
             oom_ranks.sort()
-    atomic_write_text(out / "report.json", json.dumps(report, indent=1))
-    print_report(report, out / "report.json")
+    atomic_write_text(out.report_json, json.dumps(report, indent=1))
+    print_report(report, out.report_json)
     return report
 
 

@@ -2,7 +2,7 @@
 overall, all-to-all bytes, dropped tokens, and what the imbalance costs in the global replay.
 
 Reads the trace only. Which collectives are token dispatches is framework knowledge: the
-module named by ``integration.moe`` (default ``integrations.megatron_moe``) exposes
+module of the integration named by ``integration.moe`` (default ``megatron``; see :mod:`prism_launch.config.registry`) exposes
 ``find_dispatches(rows, groups, read_tensor, script_args)``; this module aggregates what it
 finds. The report's ``moe`` section:
 
@@ -20,7 +20,6 @@ finds. The report's ``moe`` section:
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import statistics
@@ -28,6 +27,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from prism_launch.config import registry
+from prism_launch.trace import TraceLayout
 
 if TYPE_CHECKING:
     from prism_launch.config import PrismConfig
@@ -156,23 +158,15 @@ def _steady(segs: list[tuple[float, float]]) -> tuple[float, float]:
     return (statistics.fmean(s[0] for s in body), statistics.fmean(s[1] for s in body))
 
 
-def effect(cfg: PrismConfig, reader: TraceReader, trace_dir: Path, tokens: dict[int, int]) -> dict:
+def effect(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None, tokens: dict[int, int]) -> dict:
     from prism_launch.predict.cost_model import make_cost_model
-    from prism_launch.predict.calibrate import calibrated_dir
-    from prism_launch.config import ComputeSource
+    from prism_launch.predict.prediction import graph_source
     from prism_launch.predict.simulate import graph_from_events, replay
-    from prism_launch.trace import TraceReader
 
-    want = cfg.replay.compute
-    if want is ComputeSource.auto:
-        want = ComputeSource.calibrated if str(cfg.device) == "cuda" else ComputeSource.cpu
-    rd = reader
-    if want is ComputeSource.calibrated and (calibrated_dir(trace_dir) / "manifest.json").exists():
-        rd = TraceReader(calibrated_dir(trace_dir))
+    rd, _source, compute = graph_source(cfg, reader, trace) if trace is not None else (reader, "", "cpu")
     rows = rd.events().to_pylist()
     groups = {int(g["id"]): tuple(g["ranks"]) for g in rd.manifest.groups}
-    graph = graph_from_events(rows, groups, rd.manifest.world_size,
-                              compute="wall" if want is ComputeSource.wall else "cpu")
+    graph = graph_from_events(rows, groups, rd.manifest.world_size, compute=compute)
     ranks = sorted(r for r in tokens if r in graph.ranks)
     rep = replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), timeline_ranks=ranks)
     keys = {("c", row["group"], row["seq"]) for row in rows
@@ -202,12 +196,12 @@ def effect(cfg: PrismConfig, reader: TraceReader, trace_dir: Path, tokens: dict[
     }
 
 
-def moe_stats(cfg: PrismConfig, reader: TraceReader, trace_dir: Path | None = None) -> dict | None:
+def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None = None) -> dict | None:
     """The report's ``moe`` section, or None when the trace has no MoE token dispatch."""
     name = cfg.integration.moe
     if not name:
         return None
-    detector = importlib.import_module(name)
+    detector = registry.load(name, "moe", where="integration.moe")
     rows = reader.events().to_pylist()
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     found = detector.find_dispatches(rows, groups, reader.tensor,
@@ -216,9 +210,9 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace_dir: Path | None = No
     if stats is None:
         return None
     stats["detector"] = name
-    if trace_dir is not None:
+    if trace is not None:
         tokens = {int(r): n for r, n in stats["overall"]["tokens_per_ep_rank"].items()}
-        stats["effect"] = effect(cfg, reader, Path(trace_dir), tokens)
+        stats["effect"] = effect(cfg, reader, trace, tokens)
     return stats
 
 
@@ -266,15 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m prism_launch.report.moe_stats TRACE_DIR [key=value ...]``: the MoE section of a trace."""
     import argparse
 
-    from prism_launch.config import compose, resolve_defaults
+    from prism_launch.config import compose, resolve
     from prism_launch.trace import TraceReader
 
     p = argparse.ArgumentParser(prog="python -m prism_launch.report.moe_stats")
     p.add_argument("trace_dir")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    cfg = resolve_defaults(compose(a.overrides))
-    stats = moe_stats(cfg, TraceReader(Path(a.trace_dir)), Path(a.trace_dir))
+    cfg = resolve(compose(a.overrides))
+    stats = moe_stats(cfg, TraceReader(Path(a.trace_dir)), TraceLayout(Path(a.trace_dir)))
     if stats is None:
         print("no MoE token dispatch in this trace", file=sys.stderr)
         return 1

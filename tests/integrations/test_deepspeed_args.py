@@ -4,7 +4,7 @@ with --deepspeed_config gets, and the flags that are accepted and ignored."""
 
 import pytest
 
-from prism_launch.cli.args import parse
+from prism_launch.launch.args import parse
 
 SCRIPT = ["examples/deepspeed_gpt.py", "--deepspeed", "--deepspeed_config", "examples/ds_configs/zero3.json"]
 
@@ -57,10 +57,10 @@ def test_ignored_launcher_flags_are_accepted():
 
 def test_deepspeed_script_gets_deepspeed_defaults():
     a = parse(["--nproc-per-node", "4", *SCRIPT])
-    assert any(o.startswith("compat.modules=") and "integrations.deepspeed_compat" in o for o in a.overrides)
+    assert any(o.startswith("compat.integrations=") and "deepspeed" in o for o in a.overrides)
     assert any(o.startswith("capture.warm_imports=") and "deepspeed" in o for o in a.overrides)
-    own = parse(["--nproc-per-node", "4", "compat.modules=[integrations.deepspeed_compat]", *SCRIPT])
-    assert [o for o in own.overrides if o.startswith("compat.modules=")] == ["compat.modules=[integrations.deepspeed_compat]"]
+    own = parse(["--nproc-per-node", "4", "compat.integrations=[deepspeed]", *SCRIPT])
+    assert [o for o in own.overrides if o.startswith("compat.integrations=")] == ["compat.integrations=[deepspeed]"]
     plain = parse(["--nproc-per-node", "4", "examples/megatron_gpt.py", "--tensor-model-parallel-size", "2"])
     assert plain.overrides == []
 
@@ -69,6 +69,6 @@ def test_deepspeed_defaults_compose():
     from prism_launch.config import compose
 
     cfg = compose(parse(["--num_gpus", "4", *SCRIPT]).overrides)
-    assert cfg.compat.modules[-1] == "integrations.deepspeed_compat"
-    assert "integrations.cpu_compat" in cfg.compat.modules
+    assert cfg.compat.integrations[-1] == "deepspeed"
+    assert "cpu" in cfg.compat.integrations
     assert "deepspeed" in cfg.capture.warm_imports

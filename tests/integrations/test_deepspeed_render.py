@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from integrations.deepspeed_config import render as ds_render
-from prism_launch.config import ConfigError, compose, resolve_defaults, validate
+from prism_launch.config import ConfigError, compose, resolve, validate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "ds_configs"
 
@@ -15,7 +15,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "ds_configs"
 def _cfg(*overrides, world=16):
     cfg = compose(["integration.kind=deepspeed", *overrides])
     cfg.target.nproc_per_node = world
-    return resolve_defaults(cfg)
+    return resolve(cfg)
 
 
 def _rendered(cfg, config: str, tmp_path) -> dict:
@@ -48,6 +48,6 @@ def test_deepspeed_rules_name_the_field(tmp_path):
         _rendered(_cfg("target.parallel.ep=3"), "moe.json", tmp_path)
     with pytest.raises(ConfigError, match="zero_stage must be 0, 1, 2 or 3"):
         validate(_cfg("target.parallel.zero_stage=4"))
-    cfg = resolve_defaults(compose(["target.parallel.zero_stage=1"]))
+    cfg = resolve(compose(["target.parallel.zero_stage=1"]))
     with pytest.raises(ConfigError, match="integration.kind=deepspeed"):
         validate(cfg)

@@ -8,12 +8,12 @@ import pytest
 from integrations.deepspeed_config import render as ds_render
 from integrations.deepspeed_config import render_config
 from integrations.megatron_flags import get_flag, render, set_flag
-from prism_launch.config import ConfigError, ParallelConfig, compose, resolve_defaults
+from prism_launch.config import ConfigError, ParallelConfig, compose, resolve
 
 
 def _cfg(*overrides, world=16):
     cfg = compose([f"target.world_size={world}", "device=cpu", *overrides])
-    return resolve_defaults(cfg)
+    return resolve(cfg)
 
 
 def test_megatron_default_names_replace_and_append():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from prism_launch.cli.args import parse
-from prism_launch.config import compose, resolve_defaults
+from prism_launch.launch.args import parse
+from prism_launch.config import compose, resolve
 from prism_launch.sweep import (collect_rows, print_table, ranked, run_point, summarize_report, varying,
                                 write_summary)
 from tests.conftest import EXAMPLES

@@ -2,14 +2,21 @@
 
 import os
 
-if os.environ.get("PRISM_HOOK") == "1" and "RANK" in os.environ:
-    os.environ["PRISM_HOOK"] = "0"  # only the first interpreter of the command becomes the rank
-    from prism_launch.rank.bootstrap import RankContext, activate
+from prism_launch.config.plan import PLAN_VAR
 
-    activate(RankContext.from_env())
-    if os.environ.get("PRISM_MODE") in ("capture", "emulate"):
-        import atexit
+# Only the first interpreter of the command becomes the rank: the plan is taken out of the
+# environment its children inherit.
+_plan = os.environ.pop(PLAN_VAR, None) if "RANK" in os.environ else None
+if _plan:
+    from prism_launch.config.plan import RankPlan
+    from prism_launch.rank.bootstrap import activate
 
-        from prism_launch.rank.bootstrap import finish
+    plan = RankPlan.from_env({PLAN_VAR: _plan})
+    if plan.hook:
+        activate(plan)
+        if plan.mode in ("capture", "emulate"):
+            import atexit
 
-        atexit.register(finish)  # registered first, so it runs after the program's own handlers
+            from prism_launch.rank.bootstrap import finish
+
+            atexit.register(finish)  # registered first, so it runs after the program's own handlers

@@ -12,6 +12,7 @@ from functools import cache
 import pytest
 
 from prism_launch.capture.fold import FoldError, FoldPlan, plan
+from prism_launch.config.plan import CapturePlan, RankPlan
 from tests.conftest import ROOT, WORKERS, _env
 
 PATTERNS = ["DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg"]
@@ -21,10 +22,10 @@ PATTERNS = ["DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "def
 def megatron_groups(world: int, rank: int, delegation: bool = True, **sizes) -> tuple:
     out = (f"/tmp/prism-layout-{os.getpid()}-{world}-{rank}-{int(delegation)}-"
            f"{'-'.join(f'{k}{v}' for k, v in sorted(sizes.items()))}.json")
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "PRISM_MODE": "capture",
-           "PRISM_DISCOVER": out, "PRISM_MEMORY": "0", **{k.upper(): str(v) for k, v in sizes.items()}}
-    if not delegation:
-        env["PRISM_NO_NEW_GROUP_DELEGATION"] = "1"
+    rank_plan = RankPlan(mode="capture", device="cpu", timeout_s=120, local_ranks=(rank,), memory_track=False,
+                         subgroups="auto" if delegation else "intercept", capture=CapturePlan(discover_file=out))
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", **rank_plan.to_env(),
+           **{k.upper(): str(v) for k, v in sizes.items()}}
     r = subprocess.run([sys.executable, "-m", "prism_launch.rank.bootstrap", str(WORKERS / "layout.py")], cwd=ROOT,
                        env=_env(env), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from prism_launch.rank.bootstrap import _captured_peak
-from prism_launch.trace.store import TraceReader, TraceWriter
+from prism_launch.config.plan import RankPlan
+from prism_launch.rank.transports import captured_peak, gpu_sharers
+from prism_launch.trace import TraceReader, TraceWriter
 
 
 def _trace(tmp_path, memory: dict | None) -> TraceReader:
@@ -14,30 +15,31 @@ def _trace(tmp_path, memory: dict | None) -> TraceReader:
     return TraceReader(tmp_path / "t")
 
 
+def _plan(ranks: int) -> RankPlan:
+    """A plan whose launcher starts logical ranks 10, 11, ... in device-slot order."""
+    return RankPlan(mode="emulate", device="cuda", timeout_s=30, local_ranks=tuple(range(10, 10 + ranks)))
+
+
 def test_captured_peak_of_the_rank_or_of_the_largest_captured_rank(tmp_path):
     reader = _trace(tmp_path, {"0": {"peak_bytes": 1000}, "4": {"peak_bytes": 3000}, "5": {"peak_bytes": None}})
-    assert _captured_peak(reader, 0) == 1000
-    assert _captured_peak(reader, 4) == 3000
-    assert _captured_peak(reader, 6) == 3000  # folded into a captured rank: the largest is the safe bound
+    assert captured_peak(reader, 0) == 1000
+    assert captured_peak(reader, 4) == 3000
+    assert captured_peak(reader, 6) == 3000  # folded into a captured rank: the largest is the safe bound
 
 
-def test_no_memory_record_no_captured_peak(tmp_path):
-    assert _captured_peak(_trace(tmp_path, None), 0) is None
+def test_no_memory_record_nocaptured_peak(tmp_path):
+    assert captured_peak(_trace(tmp_path, None), 0) is None
 
 
 def test_gpu_sharers_without_cuda_is_one():
-    from prism_launch.rank.bootstrap import _gpu_sharers
-
-    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "1", "PRISM_DEVICE_SLOTS": "4"}) == 1  # this machine has no GPU
+    assert gpu_sharers(_plan(4), 1) == 1  # this machine has no GPU
 
 
 def test_gpu_sharers_counts_the_slots_dealt_to_the_same_gpu(monkeypatch):
     import torch
 
-    from prism_launch.rank.bootstrap import _gpu_sharers
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "1", "PRISM_DEVICE_SLOTS": "4"}) == 2  # slots 1 and 3 on GPU 1
-    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "0", "PRISM_DEVICE_SLOTS": "3"}) == 2  # slots 0 and 2 on GPU 0
-    assert _gpu_sharers({"PRISM_DEVICE_SLOT": "1", "PRISM_DEVICE_SLOTS": "2"}) == 1
+    assert gpu_sharers(_plan(4), 11) == 2  # slots 1 and 3 on GPU 1
+    assert gpu_sharers(_plan(3), 10) == 2  # slots 0 and 2 on GPU 0
+    assert gpu_sharers(_plan(2), 11) == 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from integrations.megatron_moe import find_dispatches
-from prism_launch.config import compose, resolve_defaults
+from prism_launch.config import compose, resolve
 from prism_launch.report.moe_stats import aggregate, moe_stats
 from prism_launch.trace import TraceReader, TraceWriter
 
@@ -104,7 +104,7 @@ def test_moe_stats_from_trace_with_replayed_effect(tmp_path):
         w.commit(fingerprint={}, versions={}, world_size=4, topology={},
                  groups=[{"id": g, "ranks": list(rs), "key": str(g), "desc": ""} for g, rs in GROUPS.items()],
                  ranks_captured=[0, 1, 2, 3], extra={"script_args": []})
-    cfg = resolve_defaults(compose(["device=cpu", "target.world_size=4"]))
+    cfg = resolve(compose(["device=cpu", "target.world_size=4"]))
     stats = moe_stats(cfg, TraceReader(tmp_path / "trace"), tmp_path / "trace")
     assert stats["dispatches"] == 4 and stats["overall"]["dropped_tokens"] == 3
     eff = stats["effect"]

@@ -206,26 +206,25 @@ def _deepspeed_style(ns: argparse.Namespace) -> bool:
     return any(v not in (None, False) for k, v in vars(ns).items() if k.startswith("ds_"))
 
 
-def _script_is_deepspeed(script_args: list[str]) -> bool:
-    return any(a.split("=", 1)[0] in ("--deepspeed_config", "--deepspeed-config", "--deepspeed")
-               for a in script_args)
+def recipe_overrides(overrides: list[str], script_args: list[str]) -> list[str]:
+    """Defaults for a recipe the registry recognises by its script flags (DeepSpeed's
+    ``--deepspeed_config``/``--deepspeed``) that the user did not override: the integration
+    joins ``compat.integrations`` and its framework (``deepspeed``) is imported once before
+    ranks are forked."""
+    from prism_launch.config import registry
 
-
-def deepspeed_overrides(overrides: list[str], script_args: list[str]) -> list[str]:
-    """Defaults for a DeepSpeed script (``--deepspeed_config``/``--deepspeed`` among its args)
-    that the user did not override: ``integrations.deepspeed_compat`` joins the CPU
-    compatibility modules, and ``deepspeed`` is imported once before ranks are forked."""
-    if not _script_is_deepspeed(script_args):
+    kinds = registry.recognised(script_args)
+    if not kinds:
         return overrides
     from prism_launch.config import CaptureConfig, CompatConfig
 
     keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
     extra = []
-    if "compat.modules" not in keys:
-        mods = [*CompatConfig().modules, "integrations.deepspeed_compat"]
-        extra.append(f"compat.modules=[{','.join(dict.fromkeys(mods))}]")
+    if "compat.integrations" not in keys:
+        names = [*CompatConfig().integrations, *kinds]
+        extra.append(f"compat.integrations=[{','.join(dict.fromkeys(names))}]")
     if "capture.warm_imports" not in keys:
-        warm = [*CaptureConfig().warm_imports, "deepspeed"]
+        warm = [*CaptureConfig().warm_imports, *(m for k in kinds for m in registry.get(k, where='script args').warm_imports)]
         extra.append(f"capture.warm_imports=[{','.join(dict.fromkeys(warm))}]")
     return [*extra, *overrides]
 
@@ -302,7 +301,7 @@ def parse(argv: list[str]) -> LaunchArgs:
         ns.nnodes, ns.nproc_per_node = str(resources[0]), str(resources[1])
     return LaunchArgs(
         torchrun=ns,
-        overrides=deepspeed_overrides(overrides, rest[1:]),
+        overrides=recipe_overrides(overrides, rest[1:]),
         script=rest[0] if rest else "",
         script_args=rest[1:],
         print_config=ns.print_config,

@@ -1,0 +1,55 @@
+"""Capture: where the trace goes, how logical ranks share the devices while it is recorded, folding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from prism_launch.config.errors import ConfigError
+
+@dataclass(kw_only=True, slots=True)
+class TraceConfig:
+    dir: str | None = None
+    """Trace directory. Default: ``prism_traces/<script>-<fingerprint>`` under the working directory."""
+
+
+class Park(StrEnum):
+    auto = "auto"
+    """``cuda_checkpoint`` on CUDA when ``capture.resident`` is set, else ``none``."""
+    none = "none"
+    """Parked ranks keep their state where it is (host memory on CPU)."""
+    cuda_checkpoint = "cuda_checkpoint"
+    """Parked ranks' GPU memory moves to host memory through the CUDA driver's checkpoint API
+    (``cuCheckpointProcess*``) and back before they resume."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CaptureConfig:
+    warm_imports: list[str] = field(default_factory=lambda: ["torch", "megatron.core"])
+    """Modules imported once in the launcher before ranks are forked (missing ones are skipped)."""
+    slots: int | None = None
+    """Logical ranks that run at once; the others are parked (blocked on communication) or
+    waiting for a slot. Default: the number of GPUs on CUDA, of CPU cores on CPU. 0: no limit."""
+    park: Park = Park.auto
+    """What parking does with a blocked rank's device state."""
+    resident: int | None = None
+    """With ``park=cuda_checkpoint``: ranks whose GPU state may stay on the device at once
+    (running + parked); more parked ranks are checkpointed to host memory. Default: ``slots``."""
+    fold: bool | None = None
+    """Symmetry-folded capture: capture only the ranks closed under the sandbox ranks'
+    model-parallel groups and derive data-parallel replicas from them. Default (None):
+    fold when the world has more than ``fold_threshold`` ranks."""
+    fold_threshold: int = 64
+    """World size above which ``fold`` (when unset) turns on."""
+    replicated_groups: list[str] = field(default_factory=lambda: [
+        "DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg"])
+    """Substrings of group descriptions (``group_desc``) that mark groups spanning
+    data-parallel replicas; folding never follows them. Groups without a description are
+    treated as model-parallel (followed), which only makes the captured set larger."""
+
+    def validate(self) -> None:
+        if self.slots is not None and self.slots < 0:
+            raise ConfigError(f"capture.slots must be >= 0 (got {self.slots}; 0 means no limit)")
+        if self.fold_threshold < 1:
+            raise ConfigError(f"capture.fold_threshold must be >= 1 (got {self.fold_threshold})")

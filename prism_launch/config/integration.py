@@ -1,0 +1,59 @@
+"""Framework specifics named by the config (integrations are loaded through the registry), script-argument rendering and sweeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from prism_launch.config.errors import ConfigError
+
+@dataclass(kw_only=True, slots=True)
+class CompatConfig:
+    integrations: list[str] = field(default_factory=lambda: ["cpu", "megatron"])
+    """Integrations (names in the registry, :mod:`prism_launch.config.registry`) whose compatibility
+    layer is activated in every rank when ``device=cpu``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FlagNames:
+    """The recipe's own flag for each ``target.parallel`` field; None: the integration's
+    default (Megatron-LM's names, e.g. ``--tensor-model-parallel-size``)."""
+
+    tp: str | None = None
+    pp: str | None = None
+    ep: str | None = None
+    cp: str | None = None
+    etp: str | None = None
+    micro_batch_size: str | None = None
+    global_batch_size: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class IntegrationConfig:
+    """How ``target.parallel`` and ``script.args`` reach the recipe. Integrations are named,
+    never imported, by core code: :mod:`prism_launch.config.registry` loads them."""
+
+    kind: str = "megatron"
+    """The integration whose renderer writes ``target.parallel`` into the script's arguments:
+    ``megatron`` (flags), ``deepspeed`` (a rendered JSON config), or ``none``."""
+    flags: FlagNames = field(default_factory=FlagNames)
+    render_dir: str | None = None
+    """Where rendered files (DeepSpeed configs) go. Default: the run's output dir (a sweep
+    point's directory; ``prism_rendered/`` for a single run)."""
+    moe: str | None = "megatron"
+    """The integration that finds MoE token dispatches in a trace (the report's ``moe`` section);
+    null turns the section off."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ScriptConfig:
+    args: dict[str, Any] = field(default_factory=dict)
+    """Script flags set from the config (sweepable): ``script.args.moe_router_topk=1,2`` renders
+    ``--moe-router-topk 1``; ``true`` adds a bare flag, ``false`` removes it, null leaves it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SweepConfig:
+    rank_by: str = "iteration_time_s"
+    """Summary column the terminal table is ranked by (ascending)."""

@@ -1,0 +1,169 @@
+"""The rank plan: everything the launcher tells a rank process, as one frozen value.
+
+The launcher builds one :class:`RankPlan` per run from the resolved config and hands it to
+every rank it starts (sandbox, captured or real ranks, and the assistant) in one environment
+variable, :data:`PLAN_VAR`, next to torchrun's own ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` …
+A rank reads nothing else of the project from its environment: every default is the
+config's, resolved once by :func:`prism_launch.config.resolve`. Values that differ per rank
+are looked up by logical rank (``device_slot``, ``summary_file``, ``memory_file``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+PLAN_VAR = "PRISM_PLAN"
+"""The one variable of the rank contract: the plan's JSON, or ``@PATH`` of a file holding it
+when it is too long for one environment string."""
+
+_INLINE_LIMIT = 96 * 1024  # Linux caps one environment string at 128 KiB (MAX_ARG_STRLEN)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CapturePlan:
+    """A captured rank's connection to the coordinator (or the group discovery run)."""
+
+    coordinator: str = ""
+    """Unix socket address of the capture coordinator."""
+    authkey: str = ""
+    """Hex of the coordinator's authentication key."""
+    captured: tuple[int, ...] | None = None
+    """Folded capture: the logical ranks that run (a broadcast from any other root needs a stand-in)."""
+    discover_file: str | None = None
+    """Group discovery: run to the first communication op and write every ``new_group`` call here."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefetchPlan:
+    mode: str
+    pool_bytes: int
+    grow: bool
+    reserve_bytes: int
+    threads: int
+    host_tier_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmulatePlan:
+    """What a sandbox rank (and the assistant) needs to replay the virtual ranks."""
+
+    trace_dir: str
+    sandbox: tuple[int, ...]
+    """Every sandbox rank of the run, in order (all nodes)."""
+    timing: str
+    time_scale: float
+    strict: bool
+    check: bool
+    data_path: str
+    """``device`` or ``host`` (resolved)."""
+    prefetch: PrefetchPlan
+    pruned: bool
+    ring_backend: str
+    ring_tags: bool
+    assistant: bool
+    """An assistant process serves the virtual ranks (it is the last physical rank)."""
+    window: int
+    store: str | None = None
+    """``host:port`` of the TCPStore the physical processes rendezvous through (None: one process)."""
+    schedule_file: str | None = None
+    """Predicted issue times of every captured rank's events (``timing=predicted``)."""
+    summary_files: dict[int, str] = field(default_factory=dict)
+    """Where each sandbox rank of this node writes its summary."""
+    assistant_summary: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankPlan:
+    mode: str
+    """``real``, ``capture`` or ``emulate``."""
+    device: str
+    """``cpu`` or ``cuda`` (resolved)."""
+    compat: tuple[str, ...] = ()
+    """Modules whose ``install()`` runs first in every rank (CPU compatibility layers)."""
+    timeout_s: float
+    """Deadline of every communication wait."""
+    subgroups: str = "auto"
+    """How sub-group creation reaches the prism process group (``comm.subgroups``)."""
+    local_ranks: tuple[int, ...] = ()
+    """The logical ranks this launcher starts, in device-slot order."""
+    memory_track: bool = True
+    memory_limit_bytes: int = 0
+    """The target's memory cap on sandbox allocators (0: none)."""
+    memory_cpu_hook: bool = True
+    memory_cache_dir: str | None = None
+    memory_dir: str | None = None
+    """``mode=real``: each rank writes its allocator summary to ``<memory_dir>/<rank>/memory.json``."""
+    local_rank_arg: bool = False
+    """Prepend ``--local_rank=N`` to the script's arguments, as the deepspeed launcher does."""
+    hook: bool = False
+    """``--no-python``: the first Python interpreter of the command becomes the rank."""
+    capture: CapturePlan | None = None
+    emulate: EmulatePlan | None = None
+
+    # -- per-rank values ------------------------------------------------------------------
+    def device_slot(self, rank: int | None) -> int:
+        """This process's slot among the launcher's processes (GPU ``slot % GPUs``); the
+        assistant (``rank=None``) takes the slot after the sandbox ranks'."""
+        if rank is None or rank not in self.local_ranks:
+            return len(self.local_ranks)
+        return self.local_ranks.index(rank)
+
+    def summary_file(self, rank: int) -> Path | None:
+        e = self.emulate
+        path = e.summary_files.get(rank) if e is not None else None
+        return Path(path) if path else None
+
+    def memory_file(self, rank: int) -> Path | None:
+        return Path(self.memory_dir) / str(rank) / "memory.json" if self.memory_dir else None
+
+    # -- the contract ---------------------------------------------------------------------
+    def to_env(self, spill_dir: Path | None = None) -> dict[str, str]:
+        """``{PLAN_VAR: ...}``; a plan too long for one environment string goes to
+        ``spill_dir/plan.json`` and the variable holds ``@path``."""
+        text = json.dumps(asdict(self), separators=(",", ":"))
+        if len(text) <= _INLINE_LIMIT:
+            return {PLAN_VAR: text}
+        if spill_dir is None:
+            raise ValueError(f"the rank plan is {len(text)} bytes, too long for the environment, and no "
+                             "directory was given to write it to")
+        from nccl_ext.atomic import atomic_write_text
+
+        path = Path(spill_dir) / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+        return {PLAN_VAR: f"@{path}"}
+
+    @classmethod
+    def from_env(cls, environ: typing.Mapping[str, str] | None = None) -> RankPlan:
+        env = os.environ if environ is None else environ
+        raw = env.get(PLAN_VAR)
+        if not raw:
+            raise RuntimeError(f"{PLAN_VAR} is not set: this process was not started by prism-launch (run the "
+                               "script through prism-launch, or use torchrun for a plain run)")
+        text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
+        return _build(cls, json.loads(text))
+
+
+def _build(tp, value):
+    """``value`` (parsed JSON) as type ``tp``: nested plans, tuples, int-keyed dicts, optionals."""
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _build(inner[0], value)
+    if is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: _build(hints[f.name], value[f.name]) for f in fields(tp) if f.name in value})
+    if origin is tuple:
+        (item, *_rest) = typing.get_args(tp)
+        return tuple(_build(item, v) for v in value)
+    if origin is dict:
+        key, val = typing.get_args(tp)
+        return {key(k): _build(val, v) for k, v in value.items()}
+    return value

@@ -1,0 +1,72 @@
+"""Predictions: slice calibration, the global replay, memory accounting and the target's memory cap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from prism_launch.config.errors import ConfigError
+
+class ComputeSource(StrEnum):
+    auto = "auto"
+    """``calibrated`` on CUDA; ``cpu`` on CPU, where a rank's thread CPU time between events is
+    already free of time-slicing and calibration slices would mostly measure the emulation's own
+    work (the sandbox folds collectives on the cores the program computes on)."""
+    calibrated = "calibrated"
+    """Slice-measured compute spans when a calibrated trace exists, else ``cpu``."""
+    cpu = "cpu"
+    """The capture's per-rank CPU time between events (free of time-slicing on CPU)."""
+    wall = "wall"
+    """The capture's wall time between events (distorted when ranks share devices)."""
+
+
+class Measure(StrEnum):
+    wall = "wall"
+    cpu = "cpu"
+
+
+@dataclass(kw_only=True, slots=True)
+class CalibrateConfig:
+    slice_size: int = 2
+    """Ranks run for real at once in each calibration slice (≤ free devices / cores for clean timings)."""
+    ranks: list[int] | None = None
+    """Ranks to calibrate (default: every captured rank)."""
+    measure: Measure = Measure.wall
+    """Which clock of the slice runs becomes the calibrated compute span."""
+    in_auto: bool | None = None
+    """Whether ``mode=auto`` calibrates after capturing. Default: on CUDA only (see replay.compute)."""
+
+    def validate(self, world_size: int) -> None:
+        if self.slice_size < 1:
+            raise ConfigError(f"calibrate.slice_size must be >= 1 (got {self.slice_size})")
+        bad = [r for r in (self.ranks or []) if not 0 <= r < world_size]
+        if bad:
+            raise ConfigError(f"calibrate.ranks: {bad} out of range for a world of {world_size}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplayConfig:
+    compute: ComputeSource = ComputeSource.auto
+    """Where the global replay takes compute spans from."""
+    cost_model: str = "nccl"
+    """Network cost model (prism_launch.predict.cost_model registry)."""
+    timeline_ranks: list[int] | None = None
+    """Ranks in the timeline (default: sandbox ranks plus an even sample)."""
+    timeline_max_ranks: int = 64
+    """Cap on sampled timeline ranks."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryConfig:
+    track: bool = True
+    """Allocator-level accounting of every rank's memory (CUDA caching allocator / c10 CPU allocator)."""
+    enforce_limit: bool | None = None
+    """Cap sandbox ranks' allocators at ``cluster.gpu_memory_gib`` so a real OOM happens where the
+    target's would. Default: on CUDA only."""
+    cpu_hook: bool = True
+    """On CPU, count every allocation exactly with a native hook on c10's CPU allocator (built once
+    with the system C++ compiler); false falls back to sampling tensor storage."""
+    cache_dir: str | None = None
+    """Where the built CPU hook is cached. Default: ``$XDG_CACHE_HOME/prism_launch`` or
+    ``~/.cache/prism_launch``."""

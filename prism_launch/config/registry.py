@@ -1,0 +1,94 @@
+"""The integrations registry: framework specifics (Megatron-core, DeepSpeed, the CPU
+compatibility layer) are named by the config and loaded here, the one place that turns a
+name into a module. Core code never imports ``integrations``.
+
+An :class:`Integration` says which of its modules fill which role:
+- ``compat``: activated in every rank when ``device=cpu`` (the module's ``install()``);
+- ``renderer``: writes ``target.parallel``/``script.args`` into the script's arguments
+  (``render(cfg, script_args, out_dir) -> list[str]``);
+- ``moe``: finds MoE token dispatches in a trace (``dispatches``/``describe``);
+- ``recipe_flags``: script flags by which a recipe of this kind is recognised (DeepSpeed's
+  ``--deepspeed_config``), so its compat layer joins by default and ``warm_imports`` are
+  imported before ranks are forked.
+
+Out-of-tree integrations register an ``Integration`` under the entry-point group
+``prism_launch.integrations`` (``name = "package.module:OBJECT"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+from typing import Literal
+
+from prism_launch.config.errors import ConfigError
+
+Role = Literal["compat", "renderer", "moe"]
+ENTRY_POINT_GROUP = "prism_launch.integrations"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Integration:
+    name: str
+    compat: str | None = None
+    renderer: str | None = None
+    moe: str | None = None
+    recipe_flags: tuple[str, ...] = ()
+    warm_imports: tuple[str, ...] = ()
+    """Modules a recognised recipe needs, imported once in the launcher before ranks are forked."""
+
+
+BUILTIN: tuple[Integration, ...] = (
+    Integration(name="cpu", compat="integrations.cpu_compat"),
+    Integration(name="megatron", compat="integrations.megatron_compat", renderer="integrations.megatron_flags",
+                moe="integrations.megatron_moe"),
+    Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",
+                recipe_flags=("--deepspeed_config", "--deepspeed-config", "--deepspeed"), warm_imports=("deepspeed",)),
+)
+
+
+@cache
+def integrations() -> dict[str, Integration]:
+    """Every known integration by name: the bundled ones, then entry points (which may not
+    replace a bundled name)."""
+    found = {i.name: i for i in BUILTIN}
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found:
+            continue
+        obj = ep.load()
+        if not isinstance(obj, Integration):
+            raise ConfigError(f"entry point {ep.name!r} of {ENTRY_POINT_GROUP} is not a prism_launch.config.registry."
+                              f"Integration (got {type(obj).__name__})")
+        found[ep.name] = obj
+    return found
+
+
+def get(name: str, *, where: str) -> Integration:
+    """The integration called ``name``; ``where`` names the config field for the error."""
+    known = integrations()
+    if name not in known:
+        raise ConfigError(f"{where}: no integration named {name!r} (known: {', '.join(sorted(known))})")
+    return known[name]
+
+
+def load(name: str, role: Role, *, where: str) -> ModuleType:
+    """Import the module that fills ``role`` for integration ``name``."""
+    module = getattr(get(name, where=where), role)
+    if module is None:
+        with_role = sorted(n for n, i in integrations().items() if getattr(i, role))
+        raise ConfigError(f"{where}: integration {name!r} has no {role} (integrations with one: "
+                          f"{', '.join(with_role)})")
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{where}: integration {name!r} cannot load its {role} module {module}: {e}") from None
+
+
+def recognised(script_args: list[str]) -> list[str]:
+    """Integrations whose recipe flags appear among ``script_args`` (``--flag`` or ``--flag=v``)."""
+    flags = {a.split("=", 1)[0] for a in script_args}
+    return [n for n, i in integrations().items() if flags.intersection(i.recipe_flags)]

@@ -1,0 +1,173 @@
+"""The whole config: :class:`PrismConfig` (every section), its registration in Hydra's
+ConfigStore, composition from ``configs/config.yaml`` with ``key=value`` overrides, and
+:func:`resolve`, the one place where every ``auto``/unset default that depends on the machine
+or on other fields becomes a concrete value."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from prism_launch.config.capture import CaptureConfig, Park, TraceConfig
+from prism_launch.config.cluster import ClusterSpec
+from prism_launch.config.emulate import DataPath, EmulateConfig
+from prism_launch.config.errors import ConfigError
+from prism_launch.config.integration import CompatConfig, IntegrationConfig, ScriptConfig, SweepConfig
+from prism_launch.config.predict import CalibrateConfig, ComputeSource, MemoryConfig, ReplayConfig
+from prism_launch.config.run import CommConfig, LaunchConfig, Mode, PhysicalConfig, ReportConfig, StartMethod
+from prism_launch.config.target import Device, SandboxConfig, TargetConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class PrismConfig:
+    mode: Mode = Mode.auto
+    """real | capture | emulate | auto."""
+    device: Device | None = None
+    """cpu | cuda; default cuda when available."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    physical: PhysicalConfig = field(default_factory=PhysicalConfig)
+    integration: IntegrationConfig = field(default_factory=IntegrationConfig)
+    script: ScriptConfig = field(default_factory=ScriptConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    cluster: ClusterSpec = MISSING
+    """The target machine room (Hydra group ``cluster``: h100_ib, h200_ib, a100_ib, gb200_nvl72, cpu_local)."""
+
+    @property
+    def on_cuda(self) -> bool:
+        """The ranks run on GPUs (``device`` resolved to cuda)."""
+        return self.device is Device.cuda
+
+    def validate(self) -> None:
+        """Every section's own checks, then those that span sections; each error names the
+        field and what to do."""
+        self.target.validate()
+        ws = self.target.world_size
+        self.sandbox.validate(ws)
+        self.calibrate.validate(ws)
+        try:
+            self.cluster.validate()
+        except ValueError as e:
+            raise ConfigError(f"cluster: {e}") from None
+        self.comm.validate()
+        self.capture.validate()
+        self.physical.validate(len(self.sandbox.ranks))
+        self.emulate.validate(on_cuda=self.on_cuda)
+        from prism_launch.config import registry
+
+        if self.target.parallel.zero_stage is not None and self.integration.kind != "deepspeed":
+            raise ConfigError("target.parallel.zero_stage renders into a DeepSpeed config: set "
+                              "integration.kind=deepspeed")
+        if self.integration.kind != "none":
+            registry.get(self.integration.kind, where="integration.kind")
+        for name in self.compat.integrations:
+            registry.get(name, where="compat.integrations")
+        if self.integration.moe is not None:
+            registry.get(self.integration.moe, where="integration.moe")
+        if self.on_cuda:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("device=cuda but no CUDA device is available here; use device=cpu")
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="prism_schema", node=PrismConfig)
+
+
+def config_dir() -> Path:
+    import configs
+
+    return Path(configs.__file__).parent
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """``script.args.KEY=V`` adds or replaces a key of an open dict: Hydra spells that ``++``."""
+    return [f"++{o}" if o.startswith("script.args.") else o for o in overrides]
+
+
+def compose(overrides: list[str]) -> PrismConfig:
+    """Compose ``configs/config.yaml`` with ``overrides`` into a validated-type PrismConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=normalize_overrides(list(overrides)))
+        return OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"invalid configuration: {e}: {cause}") from None
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cpu_cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def resolve(cfg: PrismConfig) -> PrismConfig:
+    """A new config with every machine- or field-dependent default made concrete: ``device``,
+    ``target.world_size``, ``launch.start_method``, ``capture.slots``/``park``/``fold``,
+    ``emulate.data_path``, ``memory.enforce_limit``, ``calibrate.in_auto``, ``replay.compute``.
+    Nothing downstream resolves a default of its own. Idempotent."""
+    r = dataclasses.replace
+    device = cfg.device
+    if device is None:
+        device = Device.cuda if _cuda_devices() else Device.cpu
+    cuda = device is Device.cuda
+    target = cfg.target
+    if target.world_size is None:
+        target = r(target, world_size=target.nnodes * target.nproc_per_node)
+    cap = cfg.capture
+    slots = cap.slots if cap.slots is not None else (max(1, _cuda_devices()) if cuda else _cpu_cores())
+    park = cap.park
+    if park is Park.auto:  # checkpointing costs seconds per switch: only when a budget is given
+        park = Park.cuda_checkpoint if cuda and cap.resident else Park.none
+    fold = cap.fold if cap.fold is not None else target.world_size > cap.fold_threshold
+    data_path = cfg.emulate.data_path
+    if data_path is DataPath.auto:
+        data_path = DataPath.device if cuda else DataPath.host
+    compute = cfg.replay.compute
+    if compute is ComputeSource.auto:
+        compute = ComputeSource.calibrated if cuda else ComputeSource.cpu
+    return r(
+        cfg, device=device, target=target,
+        launch=r(cfg.launch, start_method=cfg.launch.start_method or (StartMethod.spawn if cuda else StartMethod.fork)),
+        capture=r(cap, slots=slots, park=park, fold=bool(fold)),
+        emulate=r(cfg.emulate, data_path=data_path),
+        memory=r(cfg.memory, enforce_limit=cuda if cfg.memory.enforce_limit is None else cfg.memory.enforce_limit),
+        calibrate=r(cfg.calibrate, in_auto=cuda if cfg.calibrate.in_auto is None else cfg.calibrate.in_auto),
+        replay=r(cfg.replay, compute=compute),
+    )
+
+
+def validate(cfg: PrismConfig) -> None:
+    """Semantic checks of a resolved config (see :meth:`PrismConfig.validate`)."""
+    cfg.validate()

@@ -1,0 +1,91 @@
+"""The run itself: mode, rank processes, physical machines, communication deadlines, the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from prism_launch.config.errors import ConfigError
+
+class Mode(StrEnum):
+    real = "real"
+    """Every rank physical, like torchrun (the baseline runner)."""
+    capture = "capture"
+    """Every logical rank runs; the coordinator computes collectives and writes a PrismTrace."""
+    emulate = "emulate"
+    """Only sandbox ranks run; virtual ranks are replayed from the trace."""
+    calibrate = "calibrate"
+    """Run slices of ranks for real against the bare trace; write the calibrated trace."""
+    auto = "auto"
+    """Capture when no matching trace exists, then emulate."""
+
+
+class StartMethod(StrEnum):
+    fork = "fork"
+    """Ranks forked from the warmed launcher (fast, light: shared pages)."""
+    spawn = "spawn"
+    """Each rank a fresh ``python -m prism_launch.rank.bootstrap`` (always used with --no-python)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PhysicalConfig:
+    """The machines the sandbox ranks run on (emulation)."""
+
+    nodes: int = 1
+    """Physical machines sharing the sandbox ranks; start one prism-launch per machine with the
+    same command and its ``physical.node_rank``."""
+    node_rank: int = 0
+    """This machine's index; node 0 hosts the rendezvous store, the assistant and the report."""
+    endpoint: str | None = None
+    """``host:port`` of node 0's c10d TCPStore (required when ``nodes > 1``; node 0 listens on
+    the port, like torchrun's ``--rdzv-endpoint``)."""
+
+    def validate(self, sandbox_ranks: int) -> None:
+        if self.nodes < 1 or not 0 <= self.node_rank < self.nodes:
+            raise ConfigError(f"physical.node_rank must be in [0, physical.nodes={self.nodes}) (got {self.node_rank})")
+        if self.nodes > 1:
+            ep = self.endpoint
+            if not ep or ":" not in ep or not ep.rsplit(":", 1)[1].isdigit():
+                raise ConfigError(f"physical.nodes={self.nodes} needs physical.endpoint=HOST:PORT of node 0's store "
+                                  f"(got {ep!r})")
+            if sandbox_ranks < self.nodes:
+                raise ConfigError(f"physical.nodes={self.nodes} but only {sandbox_ranks} sandbox rank(s): "
+                                  "every node needs at least one sandbox rank")
+
+
+@dataclass(kw_only=True, slots=True)
+class CommConfig:
+    timeout_s: float = 300.0
+    """Deadline of every communication wait; a wait past it fails naming rank, group, op and sequence number."""
+    subgroups: str = "auto"
+    """How the script's sub-group creation reaches the prism process group: ``delegate`` (torch
+    >= 2.13 hands ``new_group`` to the default group), ``intercept`` (below the public API, the
+    path older torch needs), ``auto`` (delegate where this torch does)."""
+
+    def validate(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"comm.timeout_s must be > 0 (got {self.timeout_s})")
+        if self.subgroups not in ("auto", "delegate", "intercept"):
+            raise ConfigError(f"comm.subgroups must be auto, delegate or intercept (got {self.subgroups!r})")
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    start_method: StartMethod | None = None
+    """How rank processes start. Default: fork on CPU; spawn on CUDA (a forked child cannot use
+    a CUDA driver its parent touched)."""
+    teardown_timeout_s: float = 10.0
+    """Grace between SIGTERM and SIGKILL when tearing ranks down."""
+    run_timeout_s: float | None = None
+    """Wall-clock limit of the whole run (None: unlimited; comm deadlines still apply)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ReportConfig:
+    dir: str | None = None
+    """Where emulation writes its report. Default: ``<trace.dir>/report``."""
+    loss_pattern: str = r"\bloss[\s=:|]+([-+0-9.eEinfa]+)"
+    """Regex whose first group is the loss in a rank's log line (for the step table)."""
+    step_pattern: str = r"\bstep[\s=:]+(\d+)"
+    """Regex whose first group is the step number in the same line."""

@@ -1,0 +1,117 @@
+"""What every mode runner needs, built once per invocation from the resolved config and the
+command line: the program, the target topology, the trace's fingerprint and layout, the
+report's layout, the run id, and the launch agent."""
+
+from __future__ import annotations
+
+import shlex
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from prism_launch.launch.args import LaunchArgs
+from prism_launch.config import Mode, PrismConfig
+from prism_launch.config.plan import RankPlan
+from prism_launch.launch.agent import Program, RankAgent, TorchrunFlags
+from prism_launch.launch.env import Topology
+from prism_launch.config.registry import get as integration
+from prism_launch.trace import ReportLayout, TraceLayout
+from prism_launch.trace import fingerprint as fp
+
+
+def compat_modules(cfg: PrismConfig) -> tuple[str, ...]:
+    """The compatibility modules every rank installs first: the CPU layers of
+    ``compat.integrations`` when the ranks run on CPU."""
+    if cfg.on_cuda:
+        return ()
+    mods = (integration(n, where="compat.integrations").compat for n in cfg.compat.integrations)
+    return tuple(m for m in mods if m)
+
+
+def program_config(cfg: PrismConfig) -> dict:
+    """The part of the config that changes what the program computes (fingerprinted)."""
+    return {"target": asdict(cfg.target), "device": str(cfg.device), "compat": list(compat_modules(cfg))}
+
+
+def fork_entry(spec, program: Program) -> int:
+    """What a forked child runs: the assistant (the one process without a logical rank), or
+    the rank's bootstrap."""
+    if "RANK" not in spec.env:
+        from prism_launch.rank import assistant_main
+
+        return assistant_main.main()
+    from prism_launch.rank import bootstrap
+
+    return bootstrap.run(program.script, list(program.args), module=program.module)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunContext:
+    cfg: PrismConfig
+    """The resolved config (:func:`prism_launch.config.resolve`)."""
+    program: Program
+    topo: Topology
+    fingerprint: dict
+    run_id: str
+    trace: TraceLayout
+    report: ReportLayout
+    log_root: Path | None
+    """``--log-dir``: every phase's logs under ``<log_root>/<run_id>-<mode>``."""
+    agent: RankAgent
+
+    @classmethod
+    def build(cls, cfg: PrismConfig, args: LaunchArgs) -> RunContext:
+        tr = args.torchrun
+        program = Program(script=args.script, args=tuple(args.script_args), module=bool(tr.module),
+                          no_python=bool(tr.no_python))
+        topo = Topology(world_size=cfg.target.world_size, nproc_per_node=cfg.target.nproc_per_node,
+                        nnodes=cfg.target.nnodes)
+        fingerprint = fp.fingerprint(program_config=program_config(cfg), script=program.script,
+                                     module=program.module, args=list(program.args))
+        run_id = tr.rdzv_id if tr.rdzv_id not in (None, "none") else uuid.uuid4().hex[:12]
+        if cfg.trace.dir:
+            trace = TraceLayout(Path(cfg.trace.dir).expanduser().resolve())
+        else:
+            stem = Path(program.script).stem if not program.module else program.script.replace(".", "_")
+            trace = TraceLayout((Path.cwd() / "prism_traces" / f"{stem}-{fp.combined(fingerprint)}").resolve())
+        report = ReportLayout(Path(cfg.report.dir).resolve()) if cfg.report.dir else trace.default_report
+        flags = TorchrunFlags(master_addr=tr.master_addr, master_port=tr.master_port, rdzv_endpoint=tr.rdzv_endpoint,
+                              max_restarts=tr.max_restarts, role=tr.role, redirects=tr.redirects, tee=tr.tee)
+        agent = RankAgent(program=program, topo=topo, torchrun=flags, launch=cfg.launch, run_id=run_id,
+                          fork_entry=fork_entry, warm_imports=tuple(cfg.capture.warm_imports))
+        return cls(cfg=cfg, program=program, topo=topo, fingerprint=fingerprint, run_id=run_id, trace=trace,
+                   report=report, log_root=Path(tr.log_dir).resolve() if tr.log_dir else None, agent=agent,
+                   local_rank_arg=args.local_rank_arg)
+
+    local_rank_arg: bool = False
+
+    def with_config(self, cfg: PrismConfig, *, report: ReportLayout | None = None) -> RunContext:
+        """The same run under another config value (a calibration slice); the fingerprint and
+        trace stay this run's."""
+        return replace(self, cfg=cfg, report=report or self.report)
+
+    def log_dir(self, mode: Mode) -> Path:
+        if self.log_root is not None:
+            return self.log_root / f"{self.run_id}-{mode}"
+        return Path(tempfile.mkdtemp(prefix=f"prism-{mode}-"))
+
+    def capture_command(self) -> str:
+        """The command line that records this run's trace (named in errors)."""
+        argv = ["prism-launch", f"--nnodes={self.topo.nnodes}", f"--nproc-per-node={self.topo.nproc_per_node}",
+                "mode=capture", f"trace.dir={self.trace.root}"]
+        if self.topo.world_size != self.topo.nnodes * self.topo.nproc_per_node:
+            argv.append(f"target.world_size={self.topo.world_size}")
+        if self.program.module:
+            argv.append("-m")
+        return shlex.join([*argv, self.program.script, *self.program.args])
+
+    def base_plan(self, mode: Mode, ranks: list[int]) -> RankPlan:
+        """The plan fields every mode shares; the mode runner adds its own section."""
+        cfg = self.cfg
+        return RankPlan(
+            mode=str(mode), device=str(cfg.device), compat=compat_modules(cfg), timeout_s=cfg.comm.timeout_s,
+            subgroups=cfg.comm.subgroups, local_ranks=tuple(ranks), memory_track=cfg.memory.track,
+            memory_cpu_hook=cfg.memory.cpu_hook, memory_cache_dir=cfg.memory.cache_dir,
+            local_rank_arg=self.local_rank_arg, hook=self.program.no_python,
+        )

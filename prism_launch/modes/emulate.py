@@ -1,0 +1,179 @@
+"""``mode=emulate``: only the sandbox ranks run; the assistant serves the virtual ranks'
+recorded data; the report and the prediction follow. Also the slice runs of calibration
+(``quiet``: no report)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from prism_launch.config import Mode, Timing, VirtualHost
+from prism_launch.config.plan import EmulatePlan, PrefetchPlan, RankPlan
+from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
+from prism_launch.launch.logs import RankLogs
+from prism_launch.modes.context import RunContext, program_config
+from prism_launch.trace import TraceReader
+from prism_launch.trace import fingerprint as fp
+
+
+def open_trace(ctx: RunContext) -> TraceReader:
+    """The run's trace, refused (naming what differs and how to capture again) when it was
+    recorded for another program, config or library versions."""
+    reader = TraceReader(ctx.trace.root, hint=ctx.capture_command())
+    recorded = reader.manifest.fingerprint
+    differs = [k for k in ("config", "script", "args", "versions") if recorded.get(k) != ctx.fingerprint[k]]
+    if differs:
+        extra = reader.manifest.extra
+        details = []
+        if "args" in differs:
+            details.append(f"script args: recorded {extra.get('script_args')} vs now {list(ctx.program.args)}")
+        if "config" in differs:
+            details.append(f"config: recorded {extra.get('program_config')} vs now {program_config(ctx.cfg)}")
+        if "versions" in differs:
+            details.append(f"versions: recorded {reader.manifest.versions} vs now {fp.versions()}")
+        if "script" in differs:
+            details.append(f"script: {ctx.program.script} changed since the capture")
+        raise TraceMismatchError(f"trace {ctx.trace.root} was captured for a different {', '.join(differs)}; "
+                                 + "; ".join(details) + f". Capture again: {ctx.capture_command()}")
+    return reader
+
+
+def local_sandbox(ctx: RunContext) -> list[int]:
+    """The sandbox ranks this physical node runs: the sandbox list split into
+    ``physical.nodes`` contiguous chunks, in order."""
+    sandbox, ph = list(ctx.cfg.sandbox.ranks), ctx.cfg.physical
+    k, extra = divmod(len(sandbox), ph.nodes)
+    start = ph.node_rank * k + min(ph.node_rank, extra)
+    return sandbox[start : start + k + (ph.node_rank < extra)]
+
+
+def emulate_plan(ctx: RunContext, local: list[int], store: str | None, schedule: Path | None) -> RankPlan:
+    cfg, node = ctx.cfg, ctx.cfg.physical.node_rank
+    em, pf = cfg.emulate, cfg.emulate.prefetch
+    assistant = em.virtual_host is VirtualHost.assistant
+    section = EmulatePlan(
+        trace_dir=str(ctx.trace.root), sandbox=tuple(cfg.sandbox.ranks), timing=str(em.timing),
+        time_scale=em.time_scale, strict=em.strict, check=em.check_divergence, data_path=str(em.data_path),
+        prefetch=PrefetchPlan(mode=str(pf.mode), pool_bytes=pf.pool_mib << 20, grow=pf.grow,
+                              reserve_bytes=int(pf.reserve_gib * 2**30), threads=pf.threads,
+                              host_tier_bytes=int(pf.host_tier_gib * 2**30)),
+        pruned=em.pruned_rings, ring_backend=str(em.ring_backend), ring_tags=em.ring_tags, assistant=assistant,
+        window=em.window, store=store, schedule_file=str(schedule) if schedule else None,
+        summary_files={r: str(ctx.report.summary(r, node)) for r in local},
+        assistant_summary=str(ctx.report.assistant_summary(node)) if assistant else None,
+    )
+    limit = int(cfg.cluster.gpu_memory_gib * 2**30) if cfg.memory.enforce_limit else 0
+    return replace(ctx.base_plan(Mode.emulate, local), memory_limit_bytes=limit, emulate=section)
+
+
+def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Path:
+    """Run the sandbox ranks against the trace; write the report (unless ``quiet``); returns
+    the run's log directory."""
+    import torch.distributed as dist
+
+    from prism_launch.report.build import build_report
+
+    cfg = ctx.cfg
+    sandbox = list(cfg.sandbox.ranks)
+    missing = [r for r in sandbox if r not in reader.manifest.ranks_captured]
+    if missing:
+        raise PrismError(
+            f"sandbox.ranks {missing} are not in the trace {ctx.trace.root} (a folded capture holds only the "
+            f"ranks closed under its sandbox ranks' model-parallel groups); capture around them: "
+            f"{ctx.capture_command()} with sandbox.ranks={sandbox}, or use mode=auto")
+    ph = cfg.physical
+    local = local_sandbox(ctx)
+    summaries = ctx.report.summaries(ph.node_rank)
+    assistant = cfg.emulate.virtual_host is VirtualHost.assistant
+    timeout = datetime.timedelta(seconds=cfg.comm.timeout_s)
+    store, endpoint = None, None
+    if ph.nodes > 1:  # node 0 hosts the store every node's sandbox ranks rendezvous through
+        host, port = ph.endpoint.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=ph.node_rank == 0, wait_for_workers=False, timeout=timeout)
+        endpoint = ph.endpoint
+    elif len(sandbox) + assistant > 1:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        endpoint = f"127.0.0.1:{store.port}"
+    for old in summaries.glob("*.json") if summaries.exists() else ():
+        old.unlink()
+    schedule = None
+    if cfg.emulate.timing is Timing.predicted:
+        from nccl_ext.atomic import atomic_write_text
+        from prism_launch.predict.prediction import schedule as predicted_schedule
+
+        schedule = ctx.report.schedule(ph.node_rank)
+        schedule.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(schedule, json.dumps(predicted_schedule(cfg, reader, ctx.trace)))
+    log_dir = ctx.log_dir(Mode.emulate)
+    plan = emulate_plan(ctx, local, endpoint, schedule)
+    extra = [ctx.agent.assistant_spec(plan, log_dir)] if assistant and ph.node_rank == 0 else []
+    t0 = time.monotonic()
+    oom = None
+    try:
+        ctx.agent.run(plan, log_dir=log_dir, extra_specs=extra)
+    except RunFailedError:
+        # running out of memory at the target's limit is a finding, not a crash: report it
+        oom = None if ph.nodes > 1 else sandbox_oom(log_dir, local)
+        if oom is None:
+            raise
+        oom["limit_bytes"] = plan.memory_limit_bytes or None
+    if ph.nodes > 1:
+        exchange_summaries(ctx, store, sandbox, local)
+    wall = time.monotonic() - t0
+    del store
+    if ph.node_rank != 0:
+        print(f"prism-launch: node {ph.node_rank} ran sandbox ranks {local}; the report is written by node 0",
+              file=sys.stderr)
+    elif not quiet or oom is not None:
+        report = build_report(cfg, reader, ctx.trace, ctx.report, sandbox, log_dir, wall, sandbox_oom=oom)
+        if oom is not None:
+            raise RunFailedError(
+                f"{oom['message']}\nthe sandbox ran out of memory at the target's limit "
+                f"(cluster.gpu_memory_gib={cfg.cluster.gpu_memory_gib:g}); predicted OOM ranks: "
+                f"{report['predicted']['oom_ranks'][:16]}; report: {ctx.report.report_json}")
+    return log_dir
+
+
+def sandbox_oom(log_dir: Path, ranks: list[int]) -> dict | None:
+    """The first sandbox rank whose error file says it ran out of memory, if any (the
+    assistant failing because that rank stopped early is a consequence, not the cause)."""
+    for r in ranks:
+        try:
+            msg = json.loads(RankLogs(log_dir).error_file(r).read_text()).get("message", "")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(msg, dict):  # torchelastic's error file nests {"message": ..., "extraInfo": ...}
+            msg = msg.get("message", "")
+        text = msg if isinstance(msg, str) else json.dumps(msg)
+        if "OutOfMemoryError" in text:
+            return {"rank": r, "message": f"rank {r}: {text.splitlines()[0]}"}
+    return None
+
+
+def exchange_summaries(ctx: RunContext, store, sandbox: list[int], local: list[int]) -> None:
+    """Other nodes hand their sandbox ranks' summaries to node 0 through the store."""
+    node = ctx.cfg.physical.node_rank
+    if node != 0:
+        for r in local:
+            path = ctx.report.summary(r, node)
+            store.set(f"prism/summary/{r}", path.read_text() if path.exists() else "")
+        return
+    from nccl_ext.atomic import atomic_write_text
+
+    remote = [r for r in sandbox if r not in local]
+    keys = [f"prism/summary/{r}" for r in remote]
+    timeout_s = ctx.cfg.comm.timeout_s
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - c10d raises its own error types
+        late = [r for r, k in zip(remote, keys) if not store.check([k])]
+        raise RunFailedError(f"node 0: sandbox ranks {late} on other nodes never reported within "
+                             f"comm.timeout_s={timeout_s:g}s ({e})") from None
+    for r, key in zip(remote, keys):
+        text = store.get(key).decode()
+        if text:
+            atomic_write_text(ctx.report.summary(r), text)

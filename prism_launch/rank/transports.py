@@ -1,0 +1,154 @@
+"""The transport a rank's prism process group talks through, built from its rank plan:
+the capture coordinator's connection, the group-discovery recorder, or the replay of the
+virtual ranks (with its physical group, pruned rings and device data path)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from prism_launch.config.plan import RankPlan
+from prism_launch.trace import TraceLayout, TraceReader
+
+MakeTransport = Callable[[int, int, float], object]
+
+
+def capture(plan: RankPlan) -> MakeTransport:
+    from nccl_ext.capture_transport import CaptureTransport
+
+    cp = plan.capture
+
+    def make(rank: int, world_size: int, timeout_s: float):
+        captured = frozenset(cp.captured) if cp.captured is not None else None
+        return CaptureTransport(cp.coordinator, bytes.fromhex(cp.authkey), rank, timeout_s, captured=captured)
+
+    return make
+
+
+def discover(plan: RankPlan) -> MakeTransport:
+    from nccl_ext.discover import DiscoverTransport
+
+    def make(rank: int, world_size: int, timeout_s: float):
+        return DiscoverTransport(plan.capture.discover_file)
+
+    return make
+
+
+def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
+    """The gloo group of the emulation's physical processes (sandbox ranks, then the assistant)."""
+    if size < 2:
+        return None, None
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = plan.emulate.store.rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore("prism/physical", store), index, size, timeout), store
+
+
+def ring_channels(plan: RankPlan, me: int, store, timeout_s: float):
+    """The pruned rings' communicators of physical rank ``me`` (gloo, or NCCL on this
+    process's current GPU; without ring tags messages match by issue order)."""
+    from nccl_ext.pruning import RingChannels, group_factory
+
+    e = plan.emulate
+    device = None
+    if e.ring_backend == "nccl":
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+    return RingChannels(group_factory(store, me, e.ring_backend, timeout_s), tags=e.ring_tags, device=device)
+
+
+def outlive_interpreter(*objs) -> None:
+    """Keep c10d objects (the physical group, its store, the ring groups) alive past interpreter
+    teardown: the process's exit releases them, so no c10d destructor (which waits on the
+    group's queued work and joins its threads) runs while Python finalizes, as the other
+    physical processes close their connections. (The aborts at exit once blamed on these
+    objects came from the transport's own threads: ``nccl_ext/helpers.py``.)"""
+    import ctypes
+
+    for o in objs:
+        if o is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
+
+
+def load_schedule(plan: RankPlan) -> dict[int, list[float]] | None:
+    path = plan.emulate.schedule_file
+    if not path:
+        return None
+    return {int(r): v for r, v in json.loads(Path(path).read_text()).items()}
+
+
+def replay(plan: RankPlan) -> MakeTransport:
+    from nccl_ext.replay_transport import ReplayTransport
+    from prism_launch.rank.replay_source import TraceRecording
+
+    e = plan.emulate
+
+    def make(rank: int, world_size: int, timeout_s: float):
+        sandbox = e.sandbox
+        physical, store = physical_group(plan, sandbox.index(rank), len(sandbox) + e.assistant, timeout_s)
+
+        def on_close() -> None:
+            if e.assistant:
+                from nccl_ext.assistant import done_key
+
+                store.set(done_key(rank), "1")
+        reader = TraceReader(e.trace_dir, verify=False)  # verified once by the launcher
+        recording = TraceRecording(reader, load_schedule(plan))
+        device_path = None
+        if e.data_path == "device":
+            from nccl_ext.device_path import DevicePath
+
+            pf = e.prefetch
+            device_path = DevicePath(
+                rank=rank, sandbox=sandbox, recording=recording, mode=pf.mode, pool_bytes=pf.pool_bytes,
+                check=e.check, timeout_s=timeout_s, device_kind="cuda" if plan.device == "cuda" else "cpu",
+                workers=pf.threads, host_tier_bytes=pf.host_tier_bytes, grow=pf.grow,
+                expected_peak=captured_peak(reader, rank), reserve_bytes=pf.reserve_bytes,
+                share=gpu_sharers(plan, rank), memory_limit_bytes=plan.memory_limit_bytes)
+            device_path.prepare()  # plan and fill the host tier while the program builds its model
+        rings = None
+        if e.pruned and store is not None:
+            from nccl_ext.pruning import ring_plan
+
+            me = sandbox.index(rank)
+            rings = ring_channels(plan, me, store, timeout_s)
+            rings.open(ring_plan(recording, sandbox, me, len(sandbox) if e.assistant else None))
+        outlive_interpreter(physical, store, rings)
+        return ReplayTransport(
+            rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
+            pruned=e.pruned, rings=rings, physical=physical, assistant=len(sandbox) if e.assistant else None,
+            on_close=on_close, timing=e.timing, time_scale=e.time_scale, strict=e.strict, check=e.check,
+            summary_path=plan.summary_file(rank),
+        )
+
+    return make
+
+
+def gpu_sharers(plan: RankPlan, rank: int) -> int:
+    """How many of this node's processes the launcher put on this process's GPU (slots are
+    dealt round-robin over the GPUs present)."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return 1
+    slot, slots = plan.device_slot(rank), len(plan.local_ranks)
+    return max(1, sum(1 for j in range(slots) if j % n == slot % n))
+
+
+def captured_peak(reader: TraceReader, rank: int) -> int | None:
+    """The capture's peak memory of ``rank`` (the largest captured rank's when the rank was
+    folded into another), or None when the trace has no memory record."""
+    if TraceLayout.MEMORY not in reader.json_files():
+        return None
+    peaks = {int(r): m.get("peak_bytes") for r, m in reader.read_json(TraceLayout.MEMORY).items()}
+    peaks = {r: p for r, p in peaks.items() if p is not None}
+    if not peaks:
+        return None
+    return int(peaks.get(rank, max(peaks.values())))
