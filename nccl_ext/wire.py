@@ -35,6 +35,14 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported tensor dtype {name!r} on the prism wire") from None
 
 
+def numel(shape) -> int:
+    """Elements of a tensor of ``shape`` (a recorded shape: any sequence of ints)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 @dataclass(frozen=True, slots=True)
 class TensorDesc:
     dtype: str

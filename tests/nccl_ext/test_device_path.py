@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from nccl_ext import device_path as dpm
-from nccl_ext.device_path import DevicePath, _Ring, charged_size, needed_pieces, result_of, word_sum
+from nccl_ext.device_path import DevicePath, charged_size, needed_pieces, result_of, split_pool, word_sum
+from nccl_ext.device_path import checks, host_tier, plan, pool
+from nccl_ext.device_path.pool import Ring
 from nccl_ext.ops import Collective, ReduceKind, compute
 from nccl_ext.replay_transport import RecordedOp
 
@@ -64,7 +65,7 @@ def test_only_needed_pieces_are_staged():
 
 
 def test_ring_is_fifo_and_bounded():
-    ring = _Ring(1000)
+    ring = Ring(1000)
     a, b = ring.alloc(400), ring.alloc(400)
     assert a == (0, 400) and b == (400, 800)
     assert ring.alloc(300) is None  # 200 left at the end, the start is taken
@@ -84,7 +85,7 @@ def test_ring_is_fifo_and_bounded():
                                torch.randn(7, dtype=torch.float32), torch.randn(5, dtype=torch.float32).bfloat16(),
                                torch.tensor([True, False, True]), torch.full((9,), -1, dtype=torch.int8)])
 def test_word_sum_matches_the_device_side_sum(t):
-    w = dpm._words(t)
+    w = checks.as_words(t)
     slot = torch.zeros((), dtype=torch.int32)
     if w.dtype == torch.int32:
         torch.sum(w, dim=0, dtype=torch.int32, out=slot)
@@ -202,10 +203,10 @@ def test_a_program_that_stops_early_is_told_and_out_of_order_ops_refused():
 
 def test_chunked_parallel_word_sum_equals_the_plain_one():
     dp = _dp(_Recording(1), workers=3)
-    t = torch.randn(5 * dpm._CHUNK_WORDS + 7)
+    t = torch.randn(5 * checks.CHUNK_WORDS + 7)
     assert dp._word_sum(t) == word_sum(t)
     dst = torch.empty_like(t)
-    dp._parallel(dpm._chunks(dst, t), lambda a, b: a.copy_(b))
+    dp._parallel(host_tier.chunks(dst, t), lambda a, b: a.copy_(b))
     assert torch.equal(dst, t)
     dp.close()
 
@@ -290,7 +291,7 @@ def test_stager_refills_in_batches_once_the_pool_is_full():
 
 
 def test_ring_fits_agrees_with_alloc():
-    ring = _Ring(1000)
+    ring = Ring(1000)
     a = ring.alloc(600)
     assert ring.fits(400) and not ring.fits(401)
     ring.alloc(400)
@@ -300,8 +301,8 @@ def test_ring_fits_agrees_with_alloc():
 
 
 def _plans(n: int, staged: int, scratch: int) -> list:
-    item = dpm._Item((staged // 4,), torch.float32, lambda: None)
-    return [dpm._Plan(i, {1: {0: item}}, [], [((scratch // 4,), torch.float32)], []) for i in range(n)]
+    item = plan.Item((staged // 4,), torch.float32, lambda: None)
+    return [plan.Plan(i, {1: {0: item}}, [], [((scratch // 4,), torch.float32)], []) for i in range(n)]
 
 
 def test_a_device_pool_is_sized_in_whole_allocator_segments():
@@ -329,19 +330,19 @@ def test_a_cuda_pool_is_charged_exactly_what_is_left_out_of_the_programs_memory(
             assert torch.cuda.memory_allocated() - before == pool_bytes(device) >= asked
             del path._pool
     finally:
-        dpm._POOL_BYTES.pop(str(device), None)  # no pool left for later tests' memory figures
+        pool._POOL_BYTES.pop(str(device), None)  # no pool left for later tests' memory figures
 
 
 def test_split_pool_grows_to_the_whole_run_only_when_it_is_spare():
     plans = _plans(100, 1 << 20, 1 << 18)  # 100 MiB staged, 25 MiB scratch
     whole = 100 * (1 << 20) + 100 * (1 << 18)
-    data, work, grown = dpm.split_pool("stream", plans, 16 << 20, None)
+    data, work, grown = split_pool("stream", plans, 16 << 20, None)
     assert not grown and abs(data + work - (16 << 20)) <= 1024 and data >= 2 << 20 and work >= 2 << 18
-    assert dpm.split_pool("stream", plans, 16 << 20, whole - 1) == (data, work, False)  # does not fit
-    assert dpm.split_pool("stream", plans, 16 << 20, whole) == (100 << 20, 25 << 20, True)
-    assert dpm.split_pool("stream", plans, 1 << 30, 1 << 40)[2] is False  # the asked pool holds it all already
-    assert dpm.split_pool("preload", plans, 16 << 20, None) == (100 << 20, 25 << 20, False)
-    assert dpm.split_pool("off", plans, 16 << 20, 1 << 40) == (data, work, False)
+    assert split_pool("stream", plans, 16 << 20, whole - 1) == (data, work, False)  # does not fit
+    assert split_pool("stream", plans, 16 << 20, whole) == (100 << 20, 25 << 20, True)
+    assert split_pool("stream", plans, 1 << 30, 1 << 40)[2] is False  # the asked pool holds it all already
+    assert split_pool("preload", plans, 16 << 20, None) == (100 << 20, 25 << 20, False)
+    assert split_pool("off", plans, 16 << 20, 1 << 40) == (data, work, False)
 
 
 def test_a_grown_pool_is_filled_before_the_first_op_is_handed_over(monkeypatch):
@@ -466,10 +467,11 @@ def test_spare_memory_leaves_room_for_the_program_the_reserve_the_sharers_and_th
     dp = _dp(_Recording(1), grow=True, expected_peak=11 * g, reserve_bytes=4 * g, share=2)
     dp._cuda, dp.device = True, torch.device("cuda", 0)
     # the program will take 11 - 1 allocated - 1 cached = 9 GiB more (x1.25), then the reserve
-    monkeypatch.delenv("PRISM_MEMORY_LIMIT", raising=False)
     assert dp._spare_bytes() == (100 * g - 9 * g * 5 // 4 - 4 * g) // 2
-    monkeypatch.setenv("PRISM_MEMORY_LIMIT", str(130 * g))  # cap + pool must fit the device
-    assert dp._spare_bytes() == 10 * g
+    capped = _dp(_Recording(1), grow=True, expected_peak=11 * g, reserve_bytes=4 * g, share=2,
+                 memory_limit_bytes=130 * g)  # the target's cap: cap + pool must fit the device
+    capped._cuda, capped.device = True, torch.device("cuda", 0)
+    assert capped._spare_bytes() == 10 * g
     dp.expected_peak = 200 * g  # more than the device has: nothing to spare
     assert dp._spare_bytes() == 0
     dp.expected_peak = None

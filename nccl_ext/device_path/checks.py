@@ -1,0 +1,99 @@
+"""Divergence checks without a host copy: each live contribution's 32-bit word sum is taken on
+the device into a slot of the pool (:class:`DeviceChecks`); the slots are read — one
+synchronisation — at the step boundary and compared with the same sum of the recorded
+tensors (:func:`word_sum`), which the host tier's loader or the stager computes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+CHUNK_WORDS = 1 << 21
+"""Host-side copies and sums are split into pieces of this many 32-bit words (8 MiB)."""
+CHECK_SLOTS = 4096
+"""Checks queued on the device before they are read (a flush)."""
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as the widest integer words they divide into (a view when contiguous)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype.itemsize == 0 or flat.numel() == 0:
+        return flat.view(torch.uint8)[:0]
+    raw = flat.view(torch.uint8)
+    offset = raw.data_ptr()
+    for dt in (torch.int32, torch.int16):
+        if raw.numel() % dt.itemsize == 0 and offset % dt.itemsize == 0:
+            return raw.view(dt)
+    return raw
+
+
+def word_sum(t: torch.Tensor) -> int:
+    """The checksum the device path compares: the sum of ``t``'s integer words mod 2**32
+    (detects changed values, not permutations)."""
+    w = as_words(t)
+    if not w.numel():
+        return 0
+    import numpy as np  # sums outside torch's allocator (the hook charges the program for those)
+
+    if w.dtype == torch.int32:  # wrapping 32-bit adds: the same value mod 2**32, no widening pass
+        return int(w.numpy().view(np.uint32).sum(dtype=np.uint32))
+    return int(w.numpy().sum(dtype=np.int64)) & 0xFFFFFFFF
+
+
+def chunked_word_sum(t: torch.Tensor, parallel: Callable[[list, Callable], list]) -> int:
+    """:func:`word_sum` of a large int32-word tensor in :data:`CHUNK_WORDS` parts, summed by
+    ``parallel`` (the path's helper threads)."""
+    w = as_words(t)
+    if w.dtype != torch.int32 or w.numel() < 2 * CHUNK_WORDS:
+        return word_sum(t)
+    parts = [(w[s:s + CHUNK_WORDS],) for s in range(0, w.numel(), CHUNK_WORDS)]
+    return sum(parallel(parts, word_sum)) & 0xFFFFFFFF
+
+
+class DeviceChecks:
+    """The queued checks of one device path: live word sums in ``slots`` (int32 device memory
+    of the pool, set when it is allocated), each with its reference sum and where it was taken."""
+
+    def __init__(self, stats):
+        self.stats = stats
+        """The path's :class:`~nccl_ext.device_path.stats.PrefetchStats` (checks and flushes)."""
+        self.slots: torch.Tensor | None = None
+        self._checks: list[tuple[int, object]] = []
+        self._bad: list[object] = []
+
+    def verify(self, live: list[torch.Tensor], refs: list[int], where: object) -> None:
+        """Queue the word sums of ``live`` for comparison with ``refs`` at the next flush."""
+        for t, ref in zip(live, refs):
+            w = as_words(t)
+            if not w.numel():
+                continue
+            if len(self._checks) == CHECK_SLOTS:
+                self._flush_pending()
+            slot = self.slots[len(self._checks)]
+            if w.device != slot.device:  # an op on host tensors while the pool is on the GPU
+                v = word_sum(t)
+                slot.fill_(v - (1 << 32) if v >= 1 << 31 else v)
+            elif w.dtype == torch.int32:
+                torch.sum(w, dim=0, dtype=torch.int32, out=slot)
+            else:
+                slot.copy_(w.to(torch.int64).sum())
+            self._checks.append((ref, where))
+            self.stats.checks += 1
+
+    def _flush_pending(self) -> None:
+        self._bad += self.flush()
+
+    def flush(self) -> list[object]:
+        """Compare the queued checks (one device synchronisation); the ``where`` of each mismatch."""
+        bad, self._bad = self._bad, []
+        if not self._checks:
+            return bad
+        values = self.slots[: len(self._checks)].cpu().tolist()
+        self.stats.check_flushes += 1
+        for value, (ref, where) in zip(values, self._checks):
+            if value & 0xFFFFFFFF != ref:
+                bad.append(where)
+        self._checks = []
+        return bad
+
