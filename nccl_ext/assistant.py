@@ -22,7 +22,7 @@ from nccl_ext import wire
 from nccl_ext.device_path import eligible
 from nccl_ext.ops import Collective, ReduceKind, contributors
 from nccl_ext.pruning import RING_KINDS, RingChannels, ring_of, ring_plan, ring_processes, run_op, uses_ring
-from nccl_ext.replay_transport import Recording
+from nccl_ext.recording import RecordedOp, Recording
 
 
 @dataclass(slots=True)
@@ -72,6 +72,29 @@ def _payload(recording: Recording, sandbox: tuple[int, ...], rank: int, op, gid:
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     parts = [torch.frombuffer(bytearray(wire.tensor_bytes(t)), dtype=torch.uint8) for t in tensors if t.numel()]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(buf: torch.Tensor, served: list[tuple[int, RecordedOp]], into: list) -> list:
+    """Split a message of :func:`_pack` into the served members' contribution tensors (the
+    sandbox's side: ``into[m]`` for each served member ``m``)."""
+    offset = 0
+    for m, rec in served:
+        tensors = []
+        for shape, dtype in zip(rec.shapes, rec.dtypes):
+            dt = wire.dtype_from_name(dtype)
+            nbytes = wire.numel(shape) * dt.itemsize
+            piece = buf[offset : offset + nbytes]
+            if nbytes == 0:
+                t = torch.empty(tuple(shape), dtype=dt)
+            elif offset % dt.itemsize == 0:
+                t = piece.view(dt).reshape(tuple(shape))
+            else:  # unaligned for this dtype: copy into a fresh (untracked) buffer
+                t = wire.untracked_empty(tuple(shape), dt)
+                t.reshape(-1).view(torch.uint8).copy_(piece)
+            offset += nbytes
+            tensors.append(t)
+        into[m] = tensors
+    return into
 
 
 _FOREVER = __import__("datetime").timedelta(days=365)

@@ -387,7 +387,7 @@ def ring_plan(recording, sandbox: Sequence[int], me: int, assistant: int | None)
     """The ring groups physical rank ``me`` belongs to (group id -> its ring's physical ranks):
     the groups on which the trace has collectives that run over pruned rings (sandbox positions
     are physical ranks 0.., ``assistant`` the edges' host; without one only all-sandbox groups
-    run rings). ``recording``: a :class:`nccl_ext.replay_transport.Recording`."""
+    run rings). ``recording``: a :class:`nccl_ext.recording.Recording`."""
     plan: dict[int, tuple[int, ...]] = {}
     for rank in sandbox:
         for op, gid, _seq, _peer, _tag in recording.ops_of(rank):

@@ -14,153 +14,47 @@ progress: a member recorded as arriving ``d`` seconds after this rank at this op
 delays completion by ``d`` (``timing="recorded"``: the capture's wall clock; ``"predicted"``:
 the global replay's schedule on the target cluster, given to the recording), or not at all
 (``timing="none"``).
+
+What the replay reads is :class:`nccl_ext.recording.Recording`; what it counts and the summary
+it writes are :mod:`nccl_ext.replay_summary`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import sys
 import threading
 import time
 import warnings
 import zlib
-from dataclasses import dataclass, field
-from pathlib import Path
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nccl_ext import wire
-from nccl_ext.atomic import atomic_write_text
+from nccl_ext.assistant import unpack
 from nccl_ext.device_path import DevicePath, eligible, result_of
-from nccl_ext.pruning import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
 from nccl_ext.groups import GroupInfo
 from nccl_ext.helpers import GRACE_S, HelperThreads
-from nccl_ext.ops import Collective, compute, contributors
+from nccl_ext.ops import compute, contributors
 from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
+from nccl_ext.pruning import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
+from nccl_ext.recording import RecordedOp, Recording
+from nccl_ext.replay_summary import ReplayStats, own_time, write_summary
 from nccl_ext.spans import ComputeClock
+
+__all__ = ["DivergenceError", "RecordedOp", "Recording", "ReplayStats", "ReplayTransport"]
 
 
 class DivergenceError(RuntimeError):
     """The live program no longer matches the recorded one."""
 
 
-@dataclass(frozen=True, slots=True)
-class RecordedOp:
-    """What the recording holds about one rank's op."""
-
-    op: str
-    unit: int
-    t_start: float
-    t_end: float
-    n_tensors: int
-    shapes: tuple[tuple[int, ...], ...] = ()
-    dtypes: tuple[str, ...] = ()
-    idx: int = -1
-    """The rank's event index: the tag of the assistant's message for this op."""
-    kind: str = ""
-    """Semantic collective kind (``nccl_ext.ops.Collective``), "send" or "recv"."""
-    root: int | None = None
-    reduce: str | None = None
-    """A reduction's operator (``nccl_ext.ops.ReduceKind`` value)."""
-    digests: tuple[str, ...] = ()
-    """blake2b of each contribution tensor's bytes (divergence checks without reading tensors)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_numel(s) * _dtype(d).itemsize for s, d in zip(self.shapes, self.dtypes))
-
-
-class Recording(Protocol):
-    """Read access to a captured trace, as replay needs it."""
-
-    def group_id(self, key: str) -> int | None: ...
-
-    def collective(self, rank: int, group_id: int, seq: int) -> RecordedOp | None: ...
-
-    def contribution(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]: ...
-
-    def sent(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> tuple[RecordedOp, Callable[[], torch.Tensor]] | None:
-        """The recorded send and a loader of its payload."""
-        ...
-
-    def received(self, rank: int, group_id: int, src: int, tag: int, seq: int) -> RecordedOp | None: ...
-
-    def group_ranks(self, group_id: int) -> tuple[int, ...]: ...
-
-    def ops_of(self, rank: int) -> list[tuple[RecordedOp, int, int, int, int]]:
-        """The rank's communication ops in issue order: (op, group_id, seq, peer, tag)."""
-        ...
-
-    def captured_members(self, group_id: int) -> tuple[int, ...]:
-        """Members of the group that were captured (all of them unless the capture was folded)."""
-        ...
-
-    def folded(self, group_id: int) -> bool:
-        """Folded capture: the group has uncaptured members, whose data captured stand-ins
-        provided; its results were recorded (:meth:`result`)."""
-        ...
-
-    def result(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
-        """A folded collective's recorded result for ``rank``."""
-        ...
-
-    def piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor:
-        """Piece ``i`` of ``rank``'s recorded contribution."""
-        ...
-
-    def result_meta(self, rank: int, group_id: int, seq: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shapes and dtypes of a folded collective's recorded result (nothing read)."""
-        ...
-
-    def result_piece(self, rank: int, group_id: int, seq: int, i: int) -> torch.Tensor: ...
-
-    def payload(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> torch.Tensor:
-        """A recorded send's payload."""
-        ...
-
-
-@dataclass(slots=True)
-class ReplayStats:
-    ops: int = 0
-    folded_ops: int = 0
-    """Collectives answered from the recorded result of a folded capture."""
-    p2p: int = 0
-    physical_exchanges: int = 0
-    waited_s: float = 0.0
-    own_s: float = 0.0
-    """Wall time the program's thread spent in this transport issuing ops (serving virtual
-    members, staging waits and checks included): the virtual side's cost on the sandbox's CPU."""
-    divergences: list[dict] = field(default_factory=list)
-    steps: list[dict] = field(default_factory=list)
-    helper_threads: int = 0
-    """Threads started to complete ops (exchanges, timed finishes, ring workers)."""
-    in_flight_at_close: list[str] = field(default_factory=list)
-    """Ops whose thread was still running when the rank closed (the program never waited for
-    them, or they failed); empty for a program that completes all its communication."""
-
-
 def _tag(*parts: int) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
-
-
-def _own_time(method):
-    """Count the wall time the calling thread spends in ``method`` into ``stats.own_s``."""
-
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.stats.own_s += time.perf_counter() - t0
-
-    return timed
 
 
 class ReplayTransport:
@@ -172,9 +66,9 @@ class ReplayTransport:
         recording: Recording,
         timeout_s: float,
         physical: dist.ProcessGroup | None,
+        timing: str,
         assistant: int | None = None,
         on_close: Callable[[], None] | None = None,
-        timing: str = "recorded",
         time_scale: float = 1.0,
         strict: bool = False,
         check: bool = True,
@@ -193,6 +87,8 @@ class ReplayTransport:
         """Physical rank of the assistant process serving virtual contributions; None: read them here."""
         self._on_close = on_close
         self.timing = timing
+        """How virtual members' recorded lateness delays completion: "recorded", "predicted" or
+        "none" (no default: the caller passes the config's ``emulate.timing``)."""
         self.time_scale = time_scale
         self.strict = strict
         self.check = check
@@ -294,7 +190,7 @@ class ReplayTransport:
     def register_group(self, group: GroupInfo) -> None:
         pass  # group reduction: nothing to set up until an op uses the group
 
-    @_own_time
+    @own_time
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         self._span("c")
         gid = self._gid(group)
@@ -335,7 +231,8 @@ class ReplayTransport:
                 if self.assistant is None:
                     contributions[m] = self.recording.contribution(r, gid, seq)
                 elif rec.nbytes == 0:  # the assistant sends no message for an empty payload
-                    contributions[m] = [torch.empty(tuple(s), dtype=_dtype(d)) for s, d in zip(rec.shapes, rec.dtypes)]
+                    contributions[m] = [torch.empty(tuple(s), dtype=wire.dtype_from_name(d))
+                                        for s, d in zip(rec.shapes, rec.dtypes)]
                 else:
                     served.append((m, rec))
         if call.tensors is not None:
@@ -361,7 +258,7 @@ class ReplayTransport:
             inner = finish
 
             def finish() -> None:
-                _unpack(buf, served, contributions)
+                unpack(buf, served, contributions)
                 inner()
 
         if live_peers:
@@ -534,14 +431,15 @@ class ReplayTransport:
                 continue
             rec = self.recording.collective(group.ranks[m], gid, seq)
             shapes = rec.shapes if rec else ()
-            bufs = [wire.untracked_empty(s, _dtype(d)) for s, d in zip(shapes, rec.dtypes)] if rec else []
+            bufs = [wire.untracked_empty(s, wire.dtype_from_name(d)) for s, d in zip(shapes, rec.dtypes)] \
+                if rec else []
             contributions[m] = bufs
             src = self._phys_rank(group.ranks[m])
             for i, b in enumerate(bufs):
                 works.append(self.physical.recv([b], src, _tag(gid, seq, m, i)))
         return works
 
-    @_own_time
+    @own_time
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
         self._span("s")
         gid = self._gid(group)
@@ -564,7 +462,7 @@ class ReplayTransport:
                 self._diverged("send", group, seq, f"payload to rank {dst} differs from the recorded one")
         return Pending.done("send")
 
-    @_own_time
+    @own_time
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
         self._span("r")
         gid = self._gid(group)
@@ -597,7 +495,7 @@ class ReplayTransport:
         buf = wire.untracked_empty((rec_send.nbytes,), torch.uint8)
         work = self.physical.recv([buf], self.assistant, own.idx)
         out: list = [None]
-        self._when_all([work], lambda: self._finish_after(pending, _unpack(buf, [(0, rec_send)], out)[0], delay), pending)
+        self._when_all([work], lambda: self._finish_after(pending, unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending
 
     def _device_send(self, group, gid, dst, tag, seq, tensor) -> Pending:
@@ -685,16 +583,10 @@ class ReplayTransport:
     def _write_summary(self) -> None:
         if self.summary_path is None:
             return
-        atomic_write_text(self.summary_path, json.dumps({
-            "rank": self.rank, "ops": self.stats.ops, "p2p": self.stats.p2p,
-            "physical_exchanges": self.stats.physical_exchanges, "folded_ops": self.stats.folded_ops, "waited_s": self.stats.waited_s,
-            "own_s": self.stats.own_s,
-            "helper_threads": self.stats.helper_threads, "in_flight_at_close": self.stats.in_flight_at_close,
-            "ring_groups": self.rings.created if self.rings is not None else 0,
-            "divergences": self.stats.divergences, "steps": self.stats.steps,
-            "spans": self.spans, "memory": self.memory,
-            "prefetch": self.device_path.stats.as_dict() if self.device_path is not None else None,
-        }, indent=1))
+        write_summary(self.summary_path, self.rank, self.stats,
+                      ring_groups=self.rings.created if self.rings is not None else 0, spans=self.spans,
+                      memory=self.memory,
+                      prefetch=self.device_path.stats.as_dict() if self.device_path is not None else None)
         self.summary_path = None
 
 
@@ -702,37 +594,3 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     """A live contribution where the recorded ones live (host memory), for folding with them."""
     t = t.detach()
     return t if t.device.type == "cpu" else t.cpu()
-
-
-def _dtype(name: str) -> torch.dtype:
-    return wire.dtype_from_name(name)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _unpack(buf: torch.Tensor, served: list[tuple[int, RecordedOp]], into: list) -> list:
-    """Split an assistant message into the served members' contribution tensors."""
-    offset = 0
-    for m, rec in served:
-        tensors = []
-        for shape, dtype in zip(rec.shapes, rec.dtypes):
-            nbytes = _numel(shape) * _dtype(dtype).itemsize
-            dt = _dtype(dtype)
-            piece = buf[offset : offset + nbytes]
-            if nbytes == 0:
-                t = torch.empty(tuple(shape), dtype=dt)
-            elif offset % dt.itemsize == 0:
-                t = piece.view(dt).reshape(tuple(shape))
-            else:  # unaligned for this dtype: copy into a fresh (untracked) buffer
-                t = wire.untracked_empty(tuple(shape), dt)
-                t.reshape(-1).view(torch.uint8).copy_(piece)
-            offset += nbytes
-            tensors.append(t)
-        into[m] = tensors
-    return into
-
