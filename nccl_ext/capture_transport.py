@@ -29,7 +29,8 @@ from nccl_ext.spans import ComputeClock
 
 
 class CaptureTransport:
-    def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float):
+    def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
+                 captured: frozenset[int] | None = None):
         self.rank = rank
         self.timeout_s = timeout_s
         self._conn = Client(address, family="AF_UNIX", authkey=authkey)
@@ -43,9 +44,9 @@ class CaptureTransport:
         self._go = threading.Semaphore(0)
         self.parked_s = 0.0
         """Time this rank waited for an execution slot."""
-        captured = os.environ.get("PRISM_CAPTURED")
-        self._captured = frozenset(int(r) for r in captured.split(",")) if captured else None
-        """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in)."""
+        self._captured = frozenset(captured) if captured is not None else None
+        """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in);
+        None: every rank runs."""
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()

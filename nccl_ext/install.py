@@ -14,7 +14,10 @@ Checked against torch 2.13, which delegates ``dist.new_group`` to the default gr
 for — would go through ``_new_process_group_helper`` and create real gloo/NCCL groups whose
 other members never come. There :func:`_intercept_subgroups` replaces that helper so that
 subgroups of a prism world become prism groups, registered in torch's world state the way
-the helper registers its own.
+the helper registers its own. ``install(subgroups=...)`` picks the path: ``"auto"`` (delegate
+when this torch delegates), ``"delegate"`` (require it), ``"intercept"`` (the older torch's
+path on any torch: the groups then have no ``new_group`` method, so torch creates subgroups
+through the intercepted helper).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import torch.distributed.distributed_c10d as c10d
 from nccl_ext.process_group import PrismProcessGroup, PrismWorld, Transport
 
 BACKEND = "prism"
+SUBGROUPS = ("auto", "delegate", "intercept")
+"""How subgroups (``dist.new_group``) become prism groups: see the module docstring."""
 
 _state: dict = {}
 
@@ -53,8 +58,11 @@ def install(
     world_size: int,
     make_transport: Callable[[int, int, float], Transport],
     timeout_s: float,
+    subgroups: str = "auto",
 ) -> None:
-    """Patch ``torch.distributed`` for logical rank ``rank`` of ``world_size``."""
+    """Patch ``torch.distributed`` for logical rank ``rank`` of ``world_size``; ``subgroups``
+    (one of :data:`SUBGROUPS`) picks how ``dist.new_group`` reaches the prism world."""
+    delegate = _subgroup_delegation(subgroups)
     if _state.get("installed"):
         return
     real_init = c10d.init_process_group
@@ -80,7 +88,7 @@ def install(
             raise RuntimeError("trying to initialize the default process group twice!")
         world = PrismWorld(rank=rank, world_size=world_size,
                            transport=make_transport(rank, world_size, timeout_s),
-                           backend_name=_physical_backend_name(backend))
+                           backend_name=_physical_backend_name(backend), delegates_new_group=delegate)
         _state["world"] = world
         # device_id is dropped on purpose: it would make NCCL split eagerly for every group.
         real_init(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
@@ -89,7 +97,7 @@ def install(
         _, pg_store = c10d._world.pg_map[pg]
         c10d._world.pg_map[pg] = (world.backend_name, pg_store)
 
-    if not _delegates_new_group():
+    if not delegate:
         _intercept_subgroups()
 
     init_process_group.__doc__ = real_init.__doc__
@@ -99,13 +107,23 @@ def install(
     _state["installed"] = True
 
 
+def _subgroup_delegation(subgroups: str) -> bool:
+    """Whether the default group takes ``dist.new_group`` itself (else torch's helper is intercepted)."""
+    if subgroups not in SUBGROUPS:
+        raise ValueError(f"subgroups must be one of {SUBGROUPS} (got {subgroups!r})")
+    if subgroups == "intercept":
+        return False
+    delegates = _delegates_new_group()
+    if subgroups == "delegate" and not delegates:
+        raise RuntimeError(f"subgroups='delegate', but torch {torch.__version__} does not hand dist.new_group to the "
+                           "default group; use 'auto' or 'intercept'")
+    return delegates
+
+
 def _delegates_new_group() -> bool:
     """Whether this torch hands ``new_group`` to the default group's own ``new_group``."""
     import inspect
-    import os
 
-    if os.environ.get("PRISM_NO_NEW_GROUP_DELEGATION") == "1":  # exercise the fallback on new torch
-        return False
     try:
         return "default_pg.new_group" in inspect.getsource(c10d._new_group_with_tag)
     except (OSError, TypeError, AttributeError):
@@ -162,4 +180,4 @@ def close() -> None:
         world.transport.close()
 
 
-__all__ = ["BACKEND", "PrismProcessGroup", "close", "current_world", "install", "install_step_marker"]
+__all__ = ["BACKEND", "SUBGROUPS", "PrismProcessGroup", "close", "current_world", "install", "install_step_marker"]

@@ -87,6 +87,10 @@ class PrismWorld:
     transport: Transport
     backend_name: str = "gloo"
     """What ``dist.get_backend()`` reports: the physical backend the script asked for."""
+    delegates_new_group: bool = True
+    """Groups take ``dist.new_group`` calls handed to the default group (torch >= 2.13:
+    :class:`DelegatingPrismProcessGroup`); False: plain :class:`PrismProcessGroup`, torch creates
+    subgroups through ``_new_process_group_helper`` (which ``install`` intercepts then)."""
     registry: GroupRegistry = field(init=False)
     ops_issued: int = 0
     """Communication ops this rank has issued (all groups)."""
@@ -113,7 +117,8 @@ class PrismWorld:
         if info is None:
             return None
         self.transport.register_group(info)
-        return PrismProcessGroup(self, info, name=name)
+        cls = DelegatingPrismProcessGroup if self.delegates_new_group else PrismProcessGroup
+        return cls(self, info, name=name)
 
 
 def _no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -165,11 +170,6 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"PrismProcessGroup(rank={self.rank()}, size={self.size()}, key={self.info.key})"
-
-    def new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None, **_):
-        """torch ≥ 2.13 delegates ``dist.new_group`` here when this is the default group."""
-        ranks = tuple(range(self.world.world_size)) if ranks is None else tuple(int(r) for r in ranks)
-        return self.world.make_group(ranks, desc=group_desc or "", name=group_name or "")
 
     # -- plumbing -----------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -387,6 +387,18 @@ class PrismProcessGroup(dist.ProcessGroup):
         )
 
 
+class DelegatingPrismProcessGroup(PrismProcessGroup):
+    """A prism group with the ``new_group`` method torch >= 2.13 hands ``dist.new_group`` to when
+    it is the default group (``hasattr(default_pg, "new_group")``): subgroups become prism groups
+    without torch's own group creation. Without it (:class:`PrismProcessGroup`) torch takes the
+    path older versions take."""
+
+    def new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None, **_):
+        """torch >= 2.13 delegates ``dist.new_group`` here when this is the default group."""
+        ranks = tuple(range(self.world.world_size)) if ranks is None else tuple(int(r) for r in ranks)
+        return self.world.make_group(ranks, desc=group_desc or "", name=group_name or "")
+
+
 class PrismWork(dist.Work):
     """The handle of one op. Results are written into the caller's tensors as soon as they
     arrive (as a real backend's kernels would, whether or not anyone waits); ``wait``
@@ -483,8 +495,3 @@ class PrismWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
-
-
-if __import__("os").environ.get("PRISM_NO_NEW_GROUP_DELEGATION") == "1":
-    # without the method torch takes the path older versions take (tests the fallback on torch 2.13)
-    del PrismProcessGroup.new_group
