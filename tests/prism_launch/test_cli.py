@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prism_launch.cli.args import parse
+from prism_launch.launch.args import parse
 from tests.conftest import ROOT, WORKERS, run_prism, run_torchrun
 
 
