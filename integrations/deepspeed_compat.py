@@ -2,7 +2,8 @@
 
 ``install()`` is cheap and imports nothing from DeepSpeed: it arranges for the patches below
 to be applied when the script imports the DeepSpeed modules concerned (or at once, for
-modules already imported, e.g. warmed by ``capture.warm_imports``). A script that never
+modules already imported, e.g. warmed by ``capture.warm_imports``), through
+:func:`integrations.import_hooks.after_import`. A script that never
 imports DeepSpeed is untouched. Activate it with
 ``compat.modules=[integrations.deepspeed_compat]`` (DeepSpeed's CPU accelerator needs no
 other compatibility module), or append it to the Megatron ones; ``prism-launch`` adds it
@@ -49,17 +50,14 @@ Checked against DeepSpeed 0.19.8 with torch 2.13 (CPU).
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
-import sys
 import threading
+
+from integrations.import_hooks import after_import
 
 __all__ = ["install", "is_installed", "group_label", "LABELS"]
 
 _LOCK = threading.RLock()
 _INSTALLED = False
-_PATCHED: set[str] = set()
 
 LABELS: dict[tuple[int, ...], str] = {}
 """Rank list -> group description, filled as DeepSpeed computes its group layouts."""
@@ -254,47 +252,6 @@ _PATCHES = {
 }
 
 
-def _apply(name: str, module) -> None:
-    with _LOCK:
-        if name in _PATCHED:
-            return
-        _PATCHED.add(name)
-        _PATCHES[name](module)
-
-
-class _Loader(importlib.abc.Loader):
-    """Runs the real loader, then patches the module."""
-
-    def __init__(self, name: str, loader):
-        self.name = name
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        _apply(self.name, module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _PATCHES or fullname in _PATCHED:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(fullname, spec.loader)
-                return spec
-        return None
-
-
-_FINDER = _Finder()
-
-
 def install() -> None:
     """Patch DeepSpeed's modules now (those already imported) or as they are imported."""
     global _INSTALLED
@@ -302,12 +259,8 @@ def install() -> None:
         if _INSTALLED:
             return
         _INSTALLED = True
-        for name in _PATCHES:
-            module = sys.modules.get(name)
-            if module is not None:
-                _apply(name, module)
-        if not all(n in _PATCHED for n in _PATCHES):
-            sys.meta_path.insert(0, _FINDER)
+        for name, patch in _PATCHES.items():
+            after_import(name, patch)
 
 
 def is_installed() -> bool:

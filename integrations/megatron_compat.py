@@ -3,7 +3,8 @@
 Used together with :mod:`integrations.cpu_compat`. ``install()`` is
 idempotent, imports nothing from Megatron itself and works whether or not
 ``megatron.core`` is already imported: each fix is applied when its target
-module is (or becomes) imported. Checked against megatron-core 0.16.1.
+module is (or becomes) imported (:func:`integrations.import_hooks.after_import`).
+Checked against megatron-core 0.16.1.
 
 Fixes:
 
@@ -29,70 +30,16 @@ Fixes:
 from __future__ import annotations
 
 import copy
-import importlib.abc
-import importlib.util
 import logging
 import sys
 import threading
+
+from integrations.import_hooks import after_import
 
 __all__ = ["install", "is_installed"]
 
 _LOCK = threading.RLock()
 _INSTALLED = False
-_PENDING: dict = {}  # module name -> [fix, ...] waiting for import
-_APPLIED: set = set()
-
-
-# --------------------------------------------------------------------------- post-import hooks
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Runs registered fixes right after a watched module finishes executing."""
-
-    def __init__(self):
-        self._busy = threading.local()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _PENDING or getattr(self._busy, fullname, False):
-            return None
-        setattr(self._busy, fullname, True)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            setattr(self._busy, fullname, False)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-        original_exec = loader.exec_module
-
-        def exec_module(module, _orig=original_exec, _name=fullname):
-            _orig(module)
-            _run_fixes(_name, module)
-
-        loader.exec_module = exec_module
-        return spec
-
-
-_FINDER = _PostImportFinder()
-
-
-def _run_fixes(name, module):
-    for fix in _PENDING.pop(name, []):
-        key = (name, fix.__name__)
-        if key not in _APPLIED:
-            _APPLIED.add(key)
-            fix(module)
-
-
-def _when_imported(name, fix):
-    module = sys.modules.get(name)
-    if module is not None:
-        key = (name, fix.__name__)
-        if key not in _APPLIED:
-            _APPLIED.add(key)
-            fix(module)
-        return
-    _PENDING.setdefault(name, []).append(fix)
 
 
 # --------------------------------------------------------------------------- fixes
@@ -183,10 +130,8 @@ def install() -> None:
         if _INSTALLED:
             return
         _INSTALLED = True
-        if _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
-        _when_imported("megatron.core.transformer.moe.moe_utils", _fix_te_general_gemm)
-        _when_imported("megatron.core.transformer.moe.moe_utils", _fix_move_to_cpu)
-        _when_imported("megatron.core.transformer.moe.token_dispatcher", _fix_dispatcher_binding)
-        _when_imported("megatron.core.transformer.torch_norm", _fix_torch_norm)
-        _when_imported("megatron.core.tensor_parallel.random", _fix_rng_warning)
+        after_import("megatron.core.transformer.moe.moe_utils", _fix_te_general_gemm)
+        after_import("megatron.core.transformer.moe.moe_utils", _fix_move_to_cpu)
+        after_import("megatron.core.transformer.moe.token_dispatcher", _fix_dispatcher_binding)
+        after_import("megatron.core.transformer.torch_norm", _fix_torch_norm)
+        after_import("megatron.core.tensor_parallel.random", _fix_rng_warning)

@@ -1,4 +1,4 @@
-"""Tests for integrations.cpu_compat / integrations.megatron_compat."""
+"""Tests for integrations.cpu_compat / integrations.megatron_compat / integrations.import_hooks."""
 
 import math
 import os
@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import uuid
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from integrations import cpu_compat  # noqa: E402
+from integrations.import_hooks import after_import  # noqa: E402
 
 RUNNER = os.path.join(ROOT, "tests", "integrations", "compat_runner.py")
 RECIPE = os.path.join(ROOT, "examples", "megatron_gpt.py")
@@ -248,6 +251,70 @@ def test_late_install_after_megatron_import():
         timeout=180,
     )
     assert "LATE_INSTALL_OK" in out.stdout, out.stdout + out.stderr
+
+
+# --------------------------------------------------------------------------- import hooks
+
+
+@pytest.fixture
+def fresh_module(tmp_path, monkeypatch):
+    """A module name nothing has imported yet, importable from ``tmp_path``."""
+    name = f"prism_hook_probe_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_after_import_patches_once_right_after_the_import(fresh_module):
+    import importlib
+
+    calls = []
+
+    def first(module):
+        calls.append(("first", module.VALUE))
+        module.VALUE = 2
+
+    def second(module):
+        calls.append(("second", module.VALUE))
+
+    after_import(fresh_module, first)
+    after_import(fresh_module, second)
+    after_import(fresh_module, first)  # registered twice: runs once
+    assert calls == []
+    module = importlib.import_module(fresh_module)
+    assert calls == [("first", 1), ("second", 2)] and module.VALUE == 2
+    importlib.import_module(fresh_module)
+    after_import(fresh_module, first)
+    assert len(calls) == 2
+    # the wrapping loader is gone once the module has run
+    assert type(module.__loader__).__name__ == "SourceFileLoader"
+    assert module.__spec__.loader is module.__loader__
+    from integrations import import_hooks
+
+    assert import_hooks._FINDER.find_spec("json.tool", None) is None, "other modules are left alone"
+
+
+def test_after_import_on_an_imported_module_runs_now_once_across_threads(fresh_module):
+    import importlib
+
+    module = importlib.import_module(fresh_module)
+    calls = []
+    barrier = threading.Barrier(8)
+
+    def patch(mod):
+        calls.append(mod)
+
+    def register():
+        barrier.wait()
+        after_import(fresh_module, patch)
+
+    threads = [threading.Thread(target=register) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [module]
 
 
 # --------------------------------------------------------------------------- recipe under torchrun

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from prism_launch.rank import memory
-from prism_launch.rank.memory import MemorySample, MemoryTracker, cpu_hook_status, set_memory_limit
+from prism_launch.rank import cpu_hook, memory
+from prism_launch.rank.memory import MemorySample, MemoryTracker, configure_cpu_hook, cpu_hook_status, set_memory_limit
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[2]
@@ -309,7 +309,8 @@ def test_late_install_under_cpu_compat_layer_in_subprocess():
 def test_without_the_hook_the_summary_says_so():
     code = (
         "import json, torch\n"
-        "from prism_launch.rank.memory import MemoryTracker, set_memory_limit\n"
+        "from prism_launch.rank.memory import MemoryTracker, configure_cpu_hook, set_memory_limit\n"
+        "configure_cpu_hook(enabled=False)\n"
         "t = MemoryTracker('cpu'); t.start(); x = torch.empty(100); t.mark_unit(0)\n"
         "try:\n"
         "    set_memory_limit('cpu', 1 << 20); err = None\n"
@@ -317,7 +318,7 @@ def test_without_the_hook_the_summary_says_so():
         "    err = str(e)\n"
         "print('MEMSUMMARY ' + json.dumps({'summary': t.summary(), 'limit_error': err}))\n"
     )
-    env = dict(os.environ, PRISM_CPU_MEMORY_HOOK="0", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -325,9 +326,32 @@ def test_without_the_hook_the_summary_says_so():
     out = json.loads(line[len("MEMSUMMARY ") :])
     method = out["summary"]["method"]
     assert method["name"] == "unavailable" and method["complete"] is False
-    assert "PRISM_CPU_MEMORY_HOOK=0" in method["detail"]
+    assert "disabled by memory.cpu_hook=false" in method["detail"]
     assert out["summary"]["peak_bytes"] == 0
-    assert "PRISM_CPU_MEMORY_HOOK=0" in out["limit_error"]
+    assert "disabled by memory.cpu_hook=false" in out["limit_error"]
+
+
+def test_configuration_is_fixed_once_the_hook_was_used():
+    cpu_hook_status()  # the hook was tried in this process
+    configure_cpu_hook()  # the configuration in force: nothing to change
+    with pytest.raises(RuntimeError, match="after the CPU allocator hook was first used"):
+        configure_cpu_hook(enabled=False)
+
+
+def test_build_goes_to_the_configured_cache_and_follows_the_source(tmp_path, monkeypatch):
+    """The library is cached under the configured root, keyed by the source file's content:
+    an edited source builds a new library (built here, not loaded)."""
+    if cpu_hook._compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(cpu_hook, "_CACHE_DIR", tmp_path / "cache")
+    first = cpu_hook._build()
+    assert first.is_file() and first.parent == tmp_path / "cache" / "cpu_alloc_hook"
+    assert cpu_hook._build() == first, "an unchanged source reuses the cached library"
+    edited = tmp_path / "cpu_alloc_hook.cpp"
+    edited.write_text(cpu_hook.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_hook, "SOURCE", edited)
+    second = cpu_hook._build()
+    assert second.is_file() and second != first
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
