@@ -49,6 +49,26 @@ def test_trace_from_other_args_is_refused(trace, tmp):
     assert "different args" in r.stderr and "--extra" in r.stderr and "mode=capture" in r.stderr
 
 
+def test_output_only_args_do_not_key_the_trace(tmp):
+    """Megatron-LM's --save/--tensorboard-dir and a recipe's own flag named in trace.ignore_args
+    may change between capture and emulation; a flag that changes the computation may not."""
+    tr = tmp / "outs"
+    own = ["trace.ignore_args=[--out]"]
+    r = run_prism([*BASE, *own, "mode=capture", f"trace.dir={tr}", HANG, "--save", "ck1", "--tensorboard-dir=tb1",
+                   "--out", "run1", "--hidden-size", "64"], cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_prism([*BASE, *own, "mode=emulate", f"trace.dir={tr}", HANG, "--save", "ck2", "--tensorboard-dir=tb2",
+                   "--out", "run2", "--hidden-size", "64"], cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_prism([*BASE, "mode=emulate", f"trace.dir={tr}", HANG, "--save", "ck2", "--tensorboard-dir=tb2",
+                   "--out", "run2", "--hidden-size", "64"], cwd=tmp)
+    assert r.returncode == 1 and "--out" in r.stderr and "trace.ignore_args=[--out]" in r.stderr
+    r = run_prism([*BASE, *own, "mode=emulate", f"trace.dir={tr}", HANG, "--save", "ck1", "--tensorboard-dir=tb1",
+                   "--out", "run1", "--hidden-size", "128"], cwd=tmp)
+    assert r.returncode == 1 and "different args" in r.stderr
+    assert "script args --hidden-size differ" in r.stderr and "--save" not in r.stderr.split("differ")[0]
+
+
 def test_trace_from_other_world_is_refused(trace, tmp):
     r = run_prism([*BASE, "target.world_size=4", "mode=emulate", f"trace.dir={trace}", HANG], cwd=tmp)
     assert r.returncode == 1 and "different config" in r.stderr and "world_size" in r.stderr

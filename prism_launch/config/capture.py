@@ -12,6 +12,9 @@ from prism_launch.config.errors import ConfigError
 class TraceConfig:
     dir: str | None = None
     """Trace directory. Default: ``prism_traces/<script>-<fingerprint>`` under the working directory."""
+    ignore_args: list[str] = field(default_factory=list)
+    """The recipe's own output-only flags (``--out``): their values do not key the trace, like
+    the integrations' (Megatron-LM's ``--save``, ``--tensorboard-dir``, ``--wandb-*`` …)."""
 
 
 class Park(StrEnum):

@@ -38,14 +38,23 @@ class Integration:
     recipe_flags: tuple[str, ...] = ()
     warm_imports: tuple[str, ...] = ()
     """Modules a recognised recipe needs, imported once in the launcher before ranks are forked."""
+    output_args: tuple[str, ...] = ()
+    """Script flags whose value only says where outputs go (checkpoints, logs, experiment
+    names): a trace matches a run whatever their values (their presence still counts)."""
 
 
 BUILTIN: tuple[Integration, ...] = (
     Integration(name="cpu", compat="integrations.cpu_compat"),
+    # Megatron-LM's output flags, checked against megatron/training/arguments.py (core_r0.19.0)
     Integration(name="megatron", compat="integrations.megatron_compat", renderer="integrations.megatron_flags",
-                moe="integrations.megatron_moe"),
+                moe="integrations.megatron_moe",
+                output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
+                             "--data-cache-path")),
     Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",
-                recipe_flags=("--deepspeed_config", "--deepspeed-config", "--deepspeed"), warm_imports=("deepspeed",)),
+                recipe_flags=("--deepspeed_config", "--deepspeed-config", "--deepspeed"), warm_imports=("deepspeed",),
+                # DeepSpeedExamples' and HF-style training scripts' output and run-name flags
+                output_args=("--output_dir", "--output-dir", "--save_dir", "--logging_dir", "--log_dir",
+                             "--tensorboard_dir", "--job_name", "--run_name")),
 )
 
 
@@ -86,6 +95,11 @@ def load(name: str, role: Role, *, where: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"{where}: integration {name!r} cannot load its {role} module {module}: {e}") from None
+
+
+def output_args(extra: list[str] | tuple[str, ...] = ()) -> frozenset[str]:
+    """Every integration's output-only flags, plus ``extra`` (``trace.ignore_args``)."""
+    return frozenset(f for i in integrations().values() for f in i.output_args) | frozenset(extra)
 
 
 def recognised(script_args: list[str]) -> list[str]:

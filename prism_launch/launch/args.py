@@ -308,3 +308,54 @@ def parse(argv: list[str]) -> LaunchArgs:
         multirun=ns.multirun,
         local_rank_arg=_deepspeed_style(ns) and not ns.ds_no_local_rank,
     )
+
+
+IGNORED_VALUE = "<output>"
+
+
+def _flag(arg: str) -> str | None:
+    return arg.split("=", 1)[0] if arg.startswith("-") and len(arg) > 1 and not arg[1:2].isdigit() else None
+
+
+def mask_output_args(script_args: list[str], flags: frozenset[str]) -> list[str]:
+    """``script_args`` with the value of every output-only flag in ``flags`` replaced by one
+    placeholder (``--save DIR`` and ``--save=DIR`` both): what keys a trace. A flag's
+    presence still counts; only where its outputs go does not."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(script_args):
+        if skip:
+            skip = False
+            out.append(IGNORED_VALUE)
+            continue
+        name = _flag(a)
+        if name in flags:
+            if "=" in a:
+                out.append(f"{name}={IGNORED_VALUE}")
+                continue
+            nxt = script_args[i + 1] if i + 1 < len(script_args) else None
+            skip = nxt is not None and _flag(nxt) is None
+        out.append(a)
+    return out
+
+
+def differing_args(recorded: list[str], now: list[str]) -> list[str]:
+    """The flags (or bare arguments) whose values differ between two argument lists."""
+    def by_flag(args: list[str]) -> dict[str, list[str]]:
+        seen: dict[str, list[str]] = {}
+        key = "<positional>"
+        for a in args:
+            name = _flag(a)
+            if name is not None:
+                key = name
+                seen.setdefault(key, [])
+                if "=" in a:
+                    seen[key].append(a.split("=", 1)[1])
+                    key = "<positional>"
+            else:
+                seen.setdefault(key, []).append(a)
+                key = "<positional>"
+        return seen
+
+    a, b = by_flag(recorded), by_flag(now)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))

@@ -16,6 +16,8 @@ from prism_launch.config.plan import RankPlan
 from prism_launch.launch.agent import Program, RankAgent, TorchrunFlags
 from prism_launch.launch.env import Topology
 from prism_launch.config.registry import get as integration
+from prism_launch.config.registry import output_args
+from prism_launch.launch.args import mask_output_args
 from prism_launch.trace import ReportLayout, TraceLayout
 from prism_launch.trace import fingerprint as fp
 
@@ -59,6 +61,7 @@ class RunContext:
     log_root: Path | None
     """``--log-dir``: every phase's logs under ``<log_root>/<run_id>-<mode>``."""
     agent: RankAgent
+    local_rank_arg: bool = False
 
     @classmethod
     def build(cls, cfg: PrismConfig, args: LaunchArgs) -> RunContext:
@@ -67,8 +70,9 @@ class RunContext:
                           no_python=bool(tr.no_python))
         topo = Topology(world_size=cfg.target.world_size, nproc_per_node=cfg.target.nproc_per_node,
                         nnodes=cfg.target.nnodes)
+        keyed_args = mask_output_args(list(program.args), output_args(cfg.trace.ignore_args))
         fingerprint = fp.fingerprint(program_config=program_config(cfg), script=program.script,
-                                     module=program.module, args=list(program.args))
+                                     module=program.module, args=keyed_args)
         run_id = tr.rdzv_id if tr.rdzv_id not in (None, "none") else uuid.uuid4().hex[:12]
         if cfg.trace.dir:
             trace = TraceLayout(Path(cfg.trace.dir).expanduser().resolve())
@@ -83,8 +87,6 @@ class RunContext:
         return cls(cfg=cfg, program=program, topo=topo, fingerprint=fingerprint, run_id=run_id, trace=trace,
                    report=report, log_root=Path(tr.log_dir).resolve() if tr.log_dir else None, agent=agent,
                    local_rank_arg=args.local_rank_arg)
-
-    local_rank_arg: bool = False
 
     def with_config(self, cfg: PrismConfig, *, report: ReportLayout | None = None) -> RunContext:
         """The same run under another config value (a calibration slice); the fingerprint and

@@ -14,6 +14,8 @@ from pathlib import Path
 from prism_launch.config import Mode, Timing, VirtualHost
 from prism_launch.config.plan import EmulatePlan, PrefetchPlan, RankPlan
 from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
+from prism_launch.config.registry import output_args
+from prism_launch.launch.args import differing_args
 from prism_launch.launch.logs import RankLogs
 from prism_launch.modes.context import RunContext, program_config
 from prism_launch.trace import TraceReader
@@ -30,7 +32,13 @@ def open_trace(ctx: RunContext) -> TraceReader:
         extra = reader.manifest.extra
         details = []
         if "args" in differs:
-            details.append(f"script args: recorded {extra.get('script_args')} vs now {list(ctx.program.args)}")
+            recorded_args = list(extra.get("script_args") or [])
+            flags = differing_args(recorded_args, list(ctx.program.args))
+            ignored = output_args(ctx.cfg.trace.ignore_args)
+            flags = [f for f in flags if f not in ignored]
+            details.append(f"script args {', '.join(flags) or '(order)'} differ: recorded {recorded_args} vs now "
+                           f"{list(ctx.program.args)} (a flag that only says where outputs go can be ignored: "
+                           f"trace.ignore_args=[{','.join(f for f in flags if f.startswith('-'))}])")
         if "config" in differs:
             details.append(f"config: recorded {extra.get('program_config')} vs now {program_config(ctx.cfg)}")
         if "versions" in differs:
