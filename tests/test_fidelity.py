@@ -30,6 +30,7 @@ def test_calibration_writes_a_new_trace_version(calibrated):
     assert cal["fingerprint"] == bare["fingerprint"]
     assert cal["extra"]["slices"] == [[0], [1]]
     assert cal["extra"]["ranks_mismatched"] == []
+    assert (cal["extra"]["ranks_per_slice"], cal["extra"]["method"]) == (1, "one rank per CPU core")
     import pyarrow.parquet as pq
 
     events = pq.read_table(trace / "events.parquet")
@@ -43,16 +44,38 @@ def test_calibration_writes_a_new_trace_version(calibrated):
     assert hashlib.sha256((trace / "events.parquet").read_bytes()).hexdigest() == bare["files"]["events.parquet"]
 
 
+def test_slices_never_take_more_ranks_than_devices(calibrated, tmp_path):
+    """A slice asked to hold more ranks than there are devices (cores here) is cut to one rank
+    per device, and says so: two ranks sharing a device inflate each other's spans."""
+    import os
+
+    d, trace = calibrated
+    copy = tmp_path / "trace"
+    import shutil
+
+    shutil.copytree(trace, copy, ignore=shutil.ignore_patterns("calibrated", "report"))
+    cores = len(os.sched_getaffinity(0))
+    r = run_prism([*FLAGS, "mode=calibrate", f"calibrate.slice_size={cores + 6}", f"trace.dir={copy}", RECIPE, *ARGS],
+                  cwd=d, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"calibrate.slice_size={cores + 6} but this machine has {cores} CPU core(s)" in r.stderr
+    extra = json.loads((copy / "calibrated" / "manifest.json").read_text())["extra"]
+    assert extra["ranks_per_slice"] == cores
+    assert all(len(s) <= cores for s in extra["slices"]) and extra["devices"] == cores
+
+
 def test_emulation_report_has_predictions_timeline_and_plots(calibrated):
     d, trace = calibrated
     r = run_prism([*FLAGS, "mode=emulate", "cluster=h100_ib", "sandbox.ranks=[1]", f"trace.dir={trace}",
                    "replay.compute=calibrated",
                    RECIPE, *ARGS], cwd=d, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "predicted on h100_ib (calibrated compute spans)" in r.stderr
+    shown = " ".join(r.stderr.split())  # the terminal table wraps long lines
+    assert "predicted on h100_ib (calibrated: 2 slices, one rank per CPU core compute spans)" in shown
     rep = json.loads((trace / "report" / "report.json").read_text())
     pred = rep["predicted"]
     assert pred["compute_source"] == "calibrated" and pred["cluster"] == "h100_ib"
+    assert pred["calibration"]["method"] == "one rank per CPU core" and pred["calibration"]["slices"] == 2
     assert pred["iteration_time_s"] > 0 and len(pred["iteration_times_s"]) == 3
     assert pred["oom_ranks"] == []
     assert set(rep["ranks"]) == {"0", "1"}

@@ -28,8 +28,10 @@ class Measure(StrEnum):
 
 @dataclass(kw_only=True, slots=True)
 class CalibrateConfig:
-    slice_size: int = 2
-    """Ranks run for real at once in each calibration slice (≤ free devices / cores for clean timings)."""
+    slice_size: int | None = None
+    """Ranks run for real at once in each calibration slice. Default, and the most a slice ever
+    takes: one rank per device (the GPUs present on CUDA, the cores on CPU), so no two ranks of a
+    slice share a device and no measured span carries another rank's contention."""
     ranks: list[int] | None = None
     """Ranks to calibrate (default: every captured rank)."""
     measure: Measure = Measure.wall
@@ -38,7 +40,7 @@ class CalibrateConfig:
     """Whether ``mode=auto`` calibrates after capturing. Default: on CUDA only (see replay.compute)."""
 
     def validate(self, world_size: int) -> None:
-        if self.slice_size < 1:
+        if self.slice_size is not None and self.slice_size < 1:
             raise ConfigError(f"calibrate.slice_size must be >= 1 (got {self.slice_size})")
         bad = [r for r in (self.ranks or []) if not 0 <= r < world_size]
         if bad:

@@ -132,10 +132,15 @@ def _cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def devices_present(cuda: bool) -> int:
+    """The devices ranks can be given one each: GPUs on CUDA, cores on CPU."""
+    return max(1, _cuda_devices()) if cuda else _cpu_cores()
+
+
 def resolve(cfg: PrismConfig) -> PrismConfig:
     """A new config with every machine- or field-dependent default made concrete: ``device``,
     ``target.world_size``, ``launch.start_method``, ``capture.slots``/``park``/``fold``,
-    ``emulate.data_path``, ``memory.enforce_limit``, ``calibrate.in_auto``, ``replay.compute``.
+    ``emulate.data_path``, ``memory.enforce_limit``, ``calibrate.in_auto``/``slice_size``, ``replay.compute``.
     Nothing downstream resolves a default of its own. Idempotent."""
     r = dataclasses.replace
     device = cfg.device
@@ -163,7 +168,8 @@ def resolve(cfg: PrismConfig) -> PrismConfig:
         capture=r(cap, slots=slots, park=park, fold=bool(fold)),
         emulate=r(cfg.emulate, data_path=data_path),
         memory=r(cfg.memory, enforce_limit=cuda if cfg.memory.enforce_limit is None else cfg.memory.enforce_limit),
-        calibrate=r(cfg.calibrate, in_auto=cuda if cfg.calibrate.in_auto is None else cfg.calibrate.in_auto),
+        calibrate=r(cfg.calibrate, in_auto=cuda if cfg.calibrate.in_auto is None else cfg.calibrate.in_auto,
+                    slice_size=cfg.calibrate.slice_size or devices_present(cuda)),
         replay=r(cfg.replay, compute=compute),
     )
 

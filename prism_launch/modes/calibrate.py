@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 from prism_launch.config import Timing
+from prism_launch.config.root import devices_present
 from prism_launch.modes.context import RunContext
 from prism_launch.modes.emulate import emulate
 from prism_launch.predict.calibrate import apply_spans, slices, write_calibrated
@@ -33,7 +34,13 @@ def slice_context(ctx: RunContext, ranks: list[int], index: int) -> RunContext:
 def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
     """Run the slices, write ``<trace>/calibrated``; returns its layout."""
     cal = ctx.cfg.calibrate
-    todo = slices(cal.ranks if cal.ranks is not None else reader.manifest.ranks_captured, cal.slice_size)
+    devices = devices_present(ctx.cfg.on_cuda)
+    kind = "GPU" if ctx.cfg.on_cuda else "CPU core"
+    per_slice = min(cal.slice_size, devices)
+    if per_slice < cal.slice_size:
+        print(f"prism-launch: calibrate.slice_size={cal.slice_size} but this machine has {devices} {kind}(s): "
+              f"slices of {per_slice}, so no two ranks of a slice share a device", file=sys.stderr)
+    todo = slices(cal.ranks if cal.ranks is not None else reader.manifest.ranks_captured, per_slice)
     measured: dict[int, list] = {}
     t0 = time.monotonic()
     for i, ranks in enumerate(todo):
@@ -47,7 +54,8 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
         print(f"prism-launch: warning: ranks {result.mismatched} issued a different event sequence than captured; "
               "their bare spans are kept", file=sys.stderr)
     out = write_calibrated(reader, ctx.trace, result, {
-        "slices": todo, "slice_size": cal.slice_size, "measure": str(cal.measure),
+        "slices": todo, "slice_size": cal.slice_size, "ranks_per_slice": per_slice, "devices": devices,
+        "device": str(ctx.cfg.device), "method": f"one rank per {kind}" , "measure": str(cal.measure),
         "calibration_wall_s": time.monotonic() - t0})
     print(f"prism-launch: calibrated {len(measured) - len(result.mismatched)} ranks in {len(todo)} slices "
           f"({result.replaced} spans) in {time.monotonic() - t0:.1f}s -> {out.root}", file=sys.stderr)

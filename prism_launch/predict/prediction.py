@@ -58,6 +58,15 @@ def graph_source(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout):
     return reader, source, compute
 
 
+def calibration_method(calibrated: TraceReader) -> dict:
+    """How a calibrated trace's spans were measured (its manifest's record of the slices)."""
+    extra = calibrated.manifest.extra
+    keys = ("method", "ranks_per_slice", "devices", "device", "measure", "slice_size")
+    out = {k: extra.get(k) for k in keys}
+    out["slices"] = len(extra.get("slices") or [])
+    return out
+
+
 def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[int, list[float]]:
     """Each captured rank's predicted issue time of every event (trace order) on the target
     cluster: the arrival times emulation gives virtual peers (``emulate.timing=predicted``)."""
@@ -109,6 +118,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
         "oom_ranks": [int(r) for r, v in ranks.items() if v["oom"]],
         "memory_limit_bytes": limit,
         "compute_source": source,
+        "calibration": calibration_method(reader) if source == "calibrated" else None,
         "cluster": cfg.cluster.name,
         "critical_path": _summarize_path(rep.critical_path),
         "stragglers": rep.stragglers,

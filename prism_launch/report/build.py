@@ -113,6 +113,13 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
     return report
 
 
+def _compute_label(pred: dict) -> str:
+    cal = pred.get("calibration")
+    if not cal:
+        return pred["compute_source"]
+    return f"{pred['compute_source']}: {cal.get('slices')} slices, {cal.get('method') or 'shared devices'}"
+
+
 def print_report(report: dict, path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -150,7 +157,7 @@ def print_report(report: dict, path: Path) -> None:
     pred = report.get("predicted")
     if pred:
         console.print(
-            f"[bold]predicted on {pred['cluster']}[/bold] ({pred['compute_source']} compute spans): "
+            f"[bold]predicted on {pred['cluster']}[/bold] ({_compute_label(pred)} compute spans): "
             f"iteration time {pred['iteration_time_s'] * 1e3:.2f} ms; critical path "
             f"{pred['critical_path']['compute_s'] * 1e3:.1f} ms compute + {pred['critical_path']['comm_s'] * 1e3:.1f} ms "
             f"communication over ranks {pred['critical_path']['ranks'][:8]}"
