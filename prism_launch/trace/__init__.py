@@ -1,5 +1,21 @@
-"""PrismTrace: the on-disk record of a capture run that emulation replays."""
+"""PrismTrace: the on-disk record of a capture run that emulation replays.
 
+A PrismTrace is a directory::
+
+    <trace>/
+        manifest.json                    # written last; lists every other file with its sha256
+        events.parquet                   # one row per communication event of every captured rank
+        tensors/rank000000.safetensors   # tensors a rank contributed (only ranks that added some)
+        <name>.json                      # optional JSON files added by the caller
+
+Its modules, one job each: :mod:`.layout` (every path of a trace and of a report),
+:mod:`.schema` (the event table), :mod:`.manifest` (``manifest.json``), :mod:`.tensors`
+(the tensor files), :mod:`.checksums` (sha256 sums and the cache of files found intact),
+:mod:`.durable` (fsync, staging names, the atomic swap), :mod:`.writer` (:class:`TraceWriter`),
+:mod:`.reader` (:class:`TraceReader`) and :mod:`.errors`.
+"""
+
+from .durable import cleanup_stale_partials, is_staging_name
 from .errors import (
     DEFAULT_CAPTURE_HINT,
     TraceCorruptError,
@@ -8,22 +24,25 @@ from .errors import (
     TraceMissingError,
     TraceVersionError,
 )
-from .store import (
+from .layout import (
+    EVENTS_NAME,
+    MANIFEST_NAME,
+    TENSORS_DIR,
+    VERIFIED_NAME,
+    ReportLayout,
+    TraceLayout,
+    tensor_file_name,
+)
+from .manifest import Manifest
+from .reader import TraceReader
+from .schema import (
     EVENT_DEFAULTS,
     EVENT_KINDS,
     EVENT_REQUIRED_FIELDS,
     EVENT_SCHEMA,
-    EVENTS_NAME,
     FORMAT_VERSION,
-    MANIFEST_NAME,
-    TENSORS_DIR,
-    Manifest,
-    TraceReader,
-    TraceWriter,
-    cleanup_stale_partials,
-    is_staging_name,
-    tensor_file_name,
 )
+from .writer import TraceWriter
 
 __all__ = [
     "DEFAULT_CAPTURE_HINT",
@@ -35,10 +54,13 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "TENSORS_DIR",
+    "VERIFIED_NAME",
     "Manifest",
+    "ReportLayout",
     "TraceCorruptError",
     "TraceError",
     "TraceKeyError",
+    "TraceLayout",
     "TraceMissingError",
     "TraceReader",
     "TraceVersionError",
@@ -47,7 +69,3 @@ __all__ = [
     "is_staging_name",
     "tensor_file_name",
 ]
-
-from .layout import ReportLayout, TraceLayout  # noqa: E402
-
-__all__ += ["ReportLayout", "TraceLayout"]

@@ -12,7 +12,7 @@ A trace directory holds the bare trace (``manifest.json`` written last, ``events
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 MANIFEST_NAME = "manifest.json"
 EVENTS_NAME = "events.parquet"
@@ -23,6 +23,24 @@ VERIFIED_NAME = ".verified.json"
 def tensor_file_name(rank: int) -> str:
     """Relative path (POSIX) of the tensor file of ``rank`` inside a trace."""
     return f"{TENSORS_DIR}/rank{int(rank):06d}.safetensors"
+
+
+def safe_relpath(name: str) -> str:
+    """Normalize a caller-chosen relative file name; reject anything escaping the trace."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"file name must be a non-empty string, got {name!r}")
+    if "\\" in name or "\x00" in name:
+        raise ValueError(f"file name {name!r} must use '/' separators and no NUL bytes")
+    p = PurePosixPath(name)
+    if p.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(f"file name {name!r} must be a plain relative path inside the trace")
+    return str(p)
+
+
+def is_reserved(rel: str) -> bool:
+    """Whether ``rel`` (relative, POSIX) names one of the trace's own files rather than a
+    caller-added JSON file."""
+    return rel in (MANIFEST_NAME, EVENTS_NAME) or rel == TENSORS_DIR or rel.startswith(TENSORS_DIR + "/")
 
 
 @dataclass(frozen=True, slots=True)

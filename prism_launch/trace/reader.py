@@ -1,0 +1,241 @@
+"""Reading a committed PrismTrace: :class:`TraceReader` validates the manifest and the files it
+lists (their sums through :mod:`.checksums`) at open, then serves the events (whole, or per
+rank), the tensors (:mod:`.tensors`) and the caller-added JSON files, each read lazily and
+kept until :meth:`~TraceReader.close`."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from .checksums import verify_files
+from .durable import is_staging_name
+from .errors import TraceCorruptError, TraceKeyError, TraceMissingError, TraceVersionError
+from .layout import EVENTS_NAME, MANIFEST_NAME, TraceLayout, is_reserved, safe_relpath, tensor_file_name
+from .manifest import Manifest
+from .schema import EVENT_FIELDS, EVENT_SCHEMA, FORMAT_VERSION, conform_table, sorted_by_rank
+from .tensors import TensorFile
+
+__all__ = ["TraceReader"]
+
+
+class TraceReader:
+    """Read-only access to a committed PrismTrace.
+
+    Opening validates the manifest; with ``verify=True`` every listed file is also
+    checked against its sha256 (with ``verify=False`` only their presence) — except files
+    unchanged since an earlier open found them intact (:mod:`.checksums`).
+    """
+
+    def __init__(self, path: str | Path, *, verify: bool = True, hint: str | None = None) -> None:
+        self.path = Path(path)
+        self.hint = hint
+        layout = TraceLayout(self.path)
+        if is_staging_name(self.path.name):
+            raise TraceMissingError(
+                self.path, hint=hint, reason="this is an unfinished staging directory of a trace writer"
+            )
+        if not self.path.exists():
+            raise TraceMissingError(self.path, hint=hint, reason="directory does not exist")
+        if not self.path.is_dir():
+            raise TraceMissingError(self.path, hint=hint, reason="not a directory")
+        if not layout.manifest.is_file():
+            raise TraceMissingError(self.path, hint=hint, reason=f"no {MANIFEST_NAME} found")
+        self.manifest = self._read_manifest(layout.manifest)
+        if EVENTS_NAME not in self.manifest.files:
+            raise TraceCorruptError(self.path, EVENTS_NAME, None, None, reason="not listed in the manifest")
+        for rel, expected in self.manifest.files.items():
+            try:
+                if safe_relpath(rel) != rel or rel == MANIFEST_NAME:
+                    raise ValueError(rel)
+            except ValueError:
+                raise TraceCorruptError(
+                    self.path, rel, None, None, reason="manifest lists a file outside the trace"
+                ) from None
+            if not (self.path / rel).is_file():
+                raise TraceCorruptError(self.path, rel, expected, None, reason="file listed in the manifest is missing")
+        if verify:
+            verify_files(self.path, self.manifest.files)
+
+        self._layout = layout
+        self._lock = threading.Lock()
+        self._events: pa.Table | None = None
+        self._rank_slices: dict[int, tuple[int, int]] | None = None
+        self._sorted_events: pa.Table | None = None
+        self._files: dict[int, TensorFile | None] = {}
+
+    def _read_manifest(self, manifest_path: Path) -> Manifest:
+        try:
+            raw = json.loads(manifest_path.read_bytes())
+        except (OSError, ValueError) as e:
+            raise TraceCorruptError(self.path, MANIFEST_NAME, None, None, reason=f"unreadable manifest: {e}") from e
+        if not isinstance(raw, dict):
+            raise TraceCorruptError(self.path, MANIFEST_NAME, None, None, reason="manifest is not a JSON object")
+        version = raw.get("format_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != FORMAT_VERSION:
+            raise TraceVersionError(self.path, version, FORMAT_VERSION)
+        try:
+            return Manifest.from_dict(raw)
+        except (TypeError, ValueError) as e:
+            raise TraceCorruptError(self.path, MANIFEST_NAME, None, None, reason=f"invalid manifest: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"TraceReader({str(self.path)!r}, world_size={self.manifest.world_size})"
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop cached tables and tensor-file handles."""
+        with self._lock:
+            for f in self._files.values():
+                if f is not None:
+                    f.close()
+            self._files.clear()
+            self._events = None
+            self._sorted_events = None
+            self._rank_slices = None
+
+    # -- events ----------------------------------------------------------------------
+
+    def events(self) -> pa.Table:
+        """All events of all captured ranks (``EVENT_SCHEMA``)."""
+        with self._lock:
+            if self._events is None:
+                try:
+                    table = pq.read_table(self._layout.events)
+                except (OSError, pa.ArrowException) as e:
+                    raise TraceCorruptError(
+                        self.path, EVENTS_NAME, None, None, reason=f"unreadable parquet: {e}"
+                    ) from e
+                if table.column_names != list(EVENT_FIELDS):
+                    raise TraceCorruptError(
+                        self.path,
+                        EVENTS_NAME,
+                        None,
+                        None,
+                        reason=f"columns {table.column_names} differ from the event schema {list(EVENT_FIELDS)}",
+                    )
+                if not table.schema.equals(EVENT_SCHEMA):
+                    try:
+                        table = conform_table(table)
+                    except ValueError as e:
+                        raise TraceCorruptError(self.path, EVENTS_NAME, None, None, reason=str(e)) from e
+                self._events = table
+            return self._events
+
+    def _rank_index(self) -> tuple[pa.Table, dict[int, tuple[int, int]]]:
+        table = self.events()
+        with self._lock:
+            if self._rank_slices is None or self._sorted_events is None:
+                srt = sorted_by_rank(table)
+                slices: dict[int, tuple[int, int]] = {}
+                if srt.num_rows:
+                    runs = pc.run_end_encode(srt.column("rank").combine_chunks())
+                    start = 0
+                    for rank, end in zip(runs.values.to_pylist(), runs.run_ends.to_pylist()):
+                        slices[rank] = (start, end)
+                        start = end
+                self._sorted_events = srt
+                self._rank_slices = slices
+            return self._sorted_events, self._rank_slices
+
+    def events_for_rank(self, rank: int) -> list[dict[str, Any]]:
+        """Events of ``rank`` as dicts, sorted by ``idx`` (empty if the rank has none)."""
+        srt, slices = self._rank_index()
+        span = slices.get(int(rank))
+        if span is None:
+            return []
+        start, end = span
+        return srt.slice(start, end - start).to_pylist()
+
+    # -- tensors ---------------------------------------------------------------------
+
+    def _tensor_file(self, rank: int) -> TensorFile | None:
+        """The open tensor file of ``rank``; None when that rank stored no tensors."""
+        with self._lock:
+            if rank in self._files:
+                return self._files[rank]
+            rel = tensor_file_name(rank)
+            f = None
+            if rel in self.manifest.files:
+                try:
+                    f = TensorFile(self._layout.tensor_file(rank))
+                except Exception as e:  # safetensors raises its own error types
+                    raise TraceCorruptError(
+                        self.path, rel, None, None, reason=f"unreadable safetensors file: {e}"
+                    ) from e
+            self._files[rank] = f
+            return f
+
+    def tensor_keys(self, rank: int) -> frozenset[str]:
+        """Keys of all tensors stored for ``rank``."""
+        f = self._tensor_file(int(rank))
+        return f.keys if f is not None else frozenset()
+
+    def has_tensor(self, rank: int, key: str) -> bool:
+        return key in self.tensor_keys(rank)
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        """Load tensor ``key`` of ``rank``; raises ``TraceKeyError`` (a ``KeyError``) if absent.
+
+        The tensor is a view of the file's copy-on-write mapped pages (see :mod:`.tensors`):
+        read when used, and changing it never changes the trace."""
+        rank = int(rank)
+        f = self._tensor_file(rank)
+        if f is None or key not in f.keys:
+            detail = "that rank stored no tensors" if f is None else f"that rank stored {len(f.keys)} other tensors"
+            raise TraceKeyError(
+                f"no tensor {key!r} for rank {rank} in PrismTrace {self.path} ({detail}); "
+                f"re-capture the trace if the job changed since it was recorded"
+            )
+        try:
+            return f.get(key)
+        except Exception as e:
+            raise TraceCorruptError(
+                self.path, tensor_file_name(rank), None, None, reason=f"cannot read tensor {key!r}: {e}"
+            ) from e
+
+    def tensor_view(self, rank: int, key: str) -> torch.Tensor:
+        """Tensor ``key`` of ``rank`` as a view of the file's pages (copy-on-write mapping; read
+        when used), for readers that copy it elsewhere anyway (the device data path's
+        prefetcher). Every tensor the reader returns is such a view; this name says that the
+        caller relies on it."""
+        return self.tensor(rank, key)
+
+    def tensor_meta(self, rank: int, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of tensor ``key`` of ``rank``, without reading its data."""
+        rank = int(rank)
+        f = self._tensor_file(rank)
+        if f is None or key not in f.keys:
+            raise TraceKeyError(f"no tensor {key!r} for rank {rank} in PrismTrace {self.path}")
+        return f.meta(key)
+
+    # -- json ------------------------------------------------------------------------
+
+    def json_files(self) -> list[str]:
+        """Names of the caller-added JSON files."""
+        return sorted(rel for rel in self.manifest.files if not is_reserved(rel))
+
+    def read_json(self, name: str) -> Any:
+        rel = safe_relpath(name)
+        if is_reserved(rel) or rel not in self.manifest.files:
+            raise TraceKeyError(
+                f"no JSON file {name!r} in PrismTrace {self.path}; it has {self.json_files()}"
+            )
+        try:
+            return json.loads((self.path / rel).read_bytes())
+        except (OSError, ValueError) as e:
+            raise TraceCorruptError(self.path, rel, None, None, reason=f"unreadable JSON: {e}") from e

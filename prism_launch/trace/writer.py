@@ -1,0 +1,271 @@
+"""Writing a PrismTrace: :class:`TraceWriter` gathers events, tensors and JSON files in memory
+and on :meth:`~TraceWriter.commit` writes them into a hidden staging directory beside the
+trace (:mod:`.durable`), seals every file with its sha256 (:mod:`.checksums`), writes the
+manifest last and swaps the directory into place, so a reader sees either the previous
+complete trace or the new complete one, never a half-written directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from .checksums import seal_files
+from .durable import fsync_dir, staging_path, swap_into_place, write_bytes_durable
+from .errors import TraceError
+from .layout import EVENTS_NAME, MANIFEST_NAME, TraceLayout, is_reserved, safe_relpath, tensor_file_name
+from .manifest import Manifest, manifest_fields
+from .schema import EVENT_SCHEMA, FORMAT_VERSION, check_kinds, conform_table, rows_to_table, sorted_by_rank
+from .tensors import snapshot_tensors, write_tensor_file
+
+__all__ = ["TraceWriter"]
+
+
+class TraceWriter:
+    """Builds a PrismTrace and publishes it atomically at ``final_dir`` on :meth:`commit`.
+
+    Events, tensors and JSON files are held in memory until :meth:`commit`, which
+    writes them into a hidden staging directory beside ``final_dir`` and then
+    swaps it into place.  Used as a context manager, an exception (or leaving the
+    block without committing) discards everything.
+    """
+
+    def __init__(self, final_dir: str | Path) -> None:
+        self.final_dir = Path(os.path.abspath(os.fspath(final_dir)))
+        if not self.final_dir.name:
+            raise ValueError(f"cannot write a PrismTrace at {final_dir!r}: it has no directory name")
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._check_target()
+        self.staging_dir = staging_path(self.final_dir)
+        self._tables: list[pa.Table] = []
+        self._tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self._json: dict[str, bytes] = {}
+        self._state = "open"  # "open" | "committed" | "aborted"
+        self._lock = threading.Lock()
+
+    # -- context manager -------------------------------------------------------------
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            warnings.warn(
+                f"TraceWriter for {self.final_dir} left without commit(); nothing was written",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.abort()
+
+    # -- adding content --------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise TraceError(f"TraceWriter for {self.final_dir} is already {self._state}; start a new writer")
+
+    def add_events(self, rows: Iterable[Mapping[str, Any]] | pa.Table | pa.RecordBatch) -> None:
+        """Append events; dict rows may leave out optional fields (see ``EVENT_DEFAULTS``)."""
+        self._require_open()
+        if isinstance(rows, (pa.Table, pa.RecordBatch)):
+            table = conform_table(rows)
+        else:
+            table = rows_to_table(rows)
+        check_kinds(table)
+        if table.num_rows:
+            with self._lock:
+                self._require_open()
+                self._tables.append(table)
+
+    def add_tensors(self, rank: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Store tensors of ``rank`` under caller-chosen string keys.
+
+        Tensors are copied (to CPU, contiguous) so later in-place changes by the
+        caller do not affect the trace.  A key already stored for the rank raises
+        ``ValueError`` and nothing from this call is kept.
+        """
+        self._require_open()
+        rank, staged = snapshot_tensors(rank, tensors)
+        with self._lock:
+            self._require_open()
+            existing = self._tensors.setdefault(rank, {})
+            dup = sorted(k for k in staged if k in existing)
+            if dup:
+                raise ValueError(f"rank {rank} already has tensors with keys {dup} in this trace")
+            existing.update(staged)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """Add a JSON file ``name`` (relative path) to the trace; it is checksummed like the rest."""
+        self._require_open()
+        rel = safe_relpath(name)
+        if is_reserved(rel):
+            raise ValueError(f"{rel!r} is reserved for the trace's own files; choose another name")
+        data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        with self._lock:
+            self._require_open()
+            if rel in self._json:
+                raise ValueError(f"JSON file {rel!r} was already added to this trace")
+            for other in self._json:
+                if other.startswith(rel + "/") or rel.startswith(other + "/"):
+                    raise ValueError(f"JSON file {rel!r} clashes with {other!r} (one would be a directory)")
+            self._json[rel] = data
+
+    # -- publishing ------------------------------------------------------------------
+
+    def _check_target(self) -> None:
+        final = self.final_dir
+        if final.is_symlink():
+            raise TraceError(
+                f"{final} is a symbolic link; pass the real directory path to write the PrismTrace to"
+            )
+        if not final.exists():
+            return
+        if not final.is_dir():
+            raise TraceError(f"{final} exists and is not a directory; remove it or choose another trace path")
+        if TraceLayout(final).manifest.is_file():
+            return
+        if any(final.iterdir()):
+            raise TraceError(
+                f"{final} exists, is not empty and is not a PrismTrace (no {MANIFEST_NAME}); refusing to "
+                f"replace it. Remove it or choose another trace path."
+            )
+
+    def _events_table(self) -> pa.Table:
+        table = pa.concat_tables(self._tables) if self._tables else EVENT_SCHEMA.empty_table()
+        table = sorted_by_rank(table)
+        if table.num_rows > 1:
+            r, i = table.column("rank"), table.column("idx")
+            same = pc.and_(pc.equal(r[1:], r[:-1]), pc.equal(i[1:], i[:-1]))
+            if pc.any(same).as_py():
+                pos = pc.index(same, True).as_py()
+                raise ValueError(
+                    f"duplicate event (rank={r[pos].as_py()}, idx={i[pos].as_py()}); "
+                    f"each rank's event idx must be unique"
+                )
+        return table
+
+    def commit(
+        self,
+        *,
+        fingerprint: Mapping[str, str],
+        versions: Mapping[str, str],
+        world_size: int,
+        topology: Mapping[str, Any],
+        groups: Iterable[Mapping[str, Any]],
+        ranks_captured: Iterable[int],
+        extra: Mapping[str, Any] | None = None,
+        allow_missing_tensors: bool = False,
+    ) -> Manifest:
+        """Write the trace and publish it at ``final_dir``; returns the manifest written.
+
+        ``allow_missing_tensors``: events may name tensors this trace does not hold (a
+        derived version, e.g. the calibrated graph, whose tensors stay in the bare trace).
+
+        Argument problems raise ``TypeError``/``ValueError`` before anything touches
+        the disk and leave the writer open.  Failures while writing abort the writer.
+        """
+        self._require_open()
+        with self._lock:
+            self._require_open()
+            fields = manifest_fields(fingerprint, versions, world_size, topology, groups, ranks_captured, extra)
+            ranks = fields["ranks_captured"]
+            events = self._events_table()
+            event_ranks = set(pc.unique(events.column("rank")).to_pylist())
+            stray = sorted((event_ranks | set(self._tensors)) - set(ranks))
+            if stray:
+                raise ValueError(
+                    f"ranks {stray} have events or tensors but are not in ranks_captured={ranks}"
+                )
+            if not allow_missing_tensors:
+                self._check_tensor_refs(events)
+            self._check_target()
+
+            try:
+                files = self._write_staging(events)
+                manifest = Manifest(format_version=FORMAT_VERSION, created_unix=time.time(), files=files, **fields)
+                staged = TraceLayout(self.staging_dir)
+                write_bytes_durable(staged.manifest, (manifest.to_json() + "\n").encode("utf-8"))
+                fsync_dir(self.staging_dir)
+                swap_into_place(self.staging_dir, self.final_dir, self._check_target)
+            except BaseException:
+                self._abort_locked()
+                raise
+            self._state = "committed"
+            self._release_memory()
+            return manifest
+
+    def _check_tensor_refs(self, events: pa.Table) -> None:
+        keyed = events.filter(pc.is_valid(events.column("tensor_key")))
+        if keyed.num_rows == 0:
+            return
+        missing: list[tuple[int, str]] = []
+        for rank, key in zip(keyed.column("rank").to_pylist(), keyed.column("tensor_key").to_pylist()):
+            if key not in self._tensors.get(rank, ()):
+                missing.append((rank, key))
+        if missing:
+            shown = ", ".join(f"rank {r}: {k!r}" for r, k in missing[:5])
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ValueError(f"events reference tensors that were never added: {shown}{more}")
+
+    def _write_staging(self, events: pa.Table) -> dict[str, str]:
+        """Write every file but the manifest into the staging directory; returns their sums."""
+        staging = self.staging_dir
+        staged = TraceLayout(staging)
+        staging.mkdir(mode=0o755)
+        written: list[str] = []
+
+        pq.write_table(events, staged.events, compression="zstd")
+        written.append(EVENTS_NAME)
+
+        if self._tensors:
+            staged.tensors_dir.mkdir()
+            for rank in sorted(self._tensors):
+                tensors = self._tensors[rank]
+                if not tensors:
+                    continue
+                write_tensor_file(staged.tensor_file(rank), rank, tensors)
+                written.append(tensor_file_name(rank))
+
+        for rel, data in self._json.items():
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            written.append(rel)
+
+        files = seal_files(staging, written)
+        dirs = {(staging / rel).parent for rel in written}
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            fsync_dir(d)
+        return files
+
+    # -- discarding ------------------------------------------------------------------
+
+    def _release_memory(self) -> None:
+        self._tables = []
+        self._tensors = {}
+        self._json = {}
+
+    def _abort_locked(self) -> None:
+        if self._state == "committed":
+            return
+        if self.staging_dir.exists() or self.staging_dir.is_symlink():
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+        self._state = "aborted"
+        self._release_memory()
+
+    def abort(self) -> None:
+        """Discard everything and remove the staging directory.  Idempotent; a no-op after commit."""
+        with self._lock:
+            self._abort_locked()
