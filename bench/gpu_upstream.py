@@ -1,0 +1,110 @@
+"""Upstream Megatron-LM ``pretrain_gpt.py`` (unchanged) under prism-launch on one GPU: capture,
+calibrate, emulate, predict — and the same calibration asked for two ranks per slice, which
+the one-rank-per-device rule cuts to one (two ranks sharing the GPU once inflated this job's
+prediction 2.5x). Run where CUDA is, with Megatron-LM's training code on PYTHONPATH
+(``../shared/tools/gpu-stack.sh`` prepares it; ``source .mlm/activate.sh``).
+
+    python bench/gpu_upstream.py [--world 1024] [--iters 6] [--mlm .mlm] [--out results.jsonl]
+
+Prints per phase its wall time; per calibration the predicted iteration time on
+``--cluster`` and how the spans were measured; the ratio of the two predictions; the sandbox
+rank's losses against the capture's; divergences; the sandbox's GPU peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# 84M-parameter GPT (4 layers, hidden 1024, seq 1024, bf16), TP2·PP2, 4 micro-batches of 2 per replica
+MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+         "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--bf16", "--lr", "1e-4",
+         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192", "--transformer-impl", "local",
+         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+         "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--log-interval", "1", "--eval-interval", "1000",
+         "--eval-iters", "1"]
+
+
+def prism(args: list, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "prism_launch", *map(str, args)], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    wall = time.monotonic() - t0
+    print(f"  [{wall:.0f}s] prism-launch {' '.join(map(str, args[:8]))} ... -> {r.returncode}", flush=True)
+    if r.returncode != 0:
+        print(r.stderr[-6000:], flush=True)
+        raise SystemExit(1)
+    return r, wall
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
+    ap.add_argument("--cluster", default="h100_ib")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    script = Path(a.mlm) / "pretrain_gpt.py"
+    if not script.exists():
+        print(f"no {script}: prepare Megatron-LM's training code with ../shared/tools/gpu-stack.sh", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="prism-upstream-"))
+    dp = a.world // 4
+    job = [*MODEL, "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(a.iters)]
+    sandbox = a.world - 1  # Megatron prints its iteration line on the last rank only
+    trace = work / "trace"
+    base = ["--nnodes", str(a.world // 8), "--nproc-per-node", "8", "device=cuda", f"sandbox.ranks=[{sandbox}]",
+            f"trace.dir={trace}", f"cluster={a.cluster}"]
+    results: dict = {"machine": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+                     "world": a.world, "cluster": a.cluster, "iters": a.iters}
+    try:
+        _r, results["capture_s"] = prism([*base, "mode=capture", script, *job], work)
+        results["trace_bytes"] = sum(p.stat().st_size for p in trace.rglob("*") if p.is_file())
+        for label, extra in (("default", []), ("asked_2_per_slice", ["calibrate.slice_size=2"])):
+            shutil.rmtree(trace / "calibrated", ignore_errors=True)
+            r, cal_s = prism([*base, "mode=calibrate", *extra, script, *job], work)
+            notice = [line for line in r.stderr.splitlines() if "share a device" in line]
+            r, emu_s = prism([*base, "mode=emulate", script, *job], work)
+            rep = json.loads((trace / "report" / "report.json").read_text())
+            pred, me = rep["predicted"], rep["ranks"][str(sandbox)]
+            results[label] = {
+                "calibrate_s": cal_s, "emulate_s": emu_s, "notice": notice,
+                "predicted_iteration_ms": pred["iteration_time_s"] * 1e3, "calibration": pred.get("calibration"),
+                "losses": me.get("losses"), "captured_losses": me.get("captured_losses"),
+                "losses_match_capture": me.get("losses_match_capture"), "divergences": len(me.get("divergences") or []),
+                "sandbox_peak_bytes": me.get("peak_memory_bytes"), "sandbox_step_times_s": me.get("step_times_s"),
+            }
+            print(f"{label}: predicted {pred['iteration_time_s'] * 1e3:.1f} ms on {a.cluster} "
+                  f"({pred.get('calibration')}); losses match capture: {me.get('losses_match_capture')} "
+                  f"({len(me.get('losses') or [])} steps); divergences {len(me.get('divergences') or [])}; "
+                  f"sandbox peak {me.get('peak_memory_bytes')} B; calibrate {cal_s:.0f}s, emulate {emu_s:.0f}s"
+                  + (f"; {notice[0]}" if notice else ""), flush=True)
+        ratio = results["asked_2_per_slice"]["predicted_iteration_ms"] / results["default"]["predicted_iteration_ms"]
+        results["ratio"] = ratio
+        print(f"capture {results['capture_s']:.0f}s, trace {results['trace_bytes'] / 2**30:.2f} GiB; "
+              f"prediction asked-2-per-slice / default = {ratio:.3f}", flush=True)
+    finally:
+        if a.out:
+            Path(a.out).write_text(json.dumps(results, indent=1))
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
