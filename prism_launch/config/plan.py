@@ -97,7 +97,8 @@ class RankPlan:
     memory_cpu_hook: bool = True
     memory_cache_dir: str | None = None
     memory_dir: str | None = None
-    """``mode=real``: each rank writes its allocator summary to ``<memory_dir>/<rank>/memory.json``."""
+    """``mode=real``: the run's log directory, where each rank writes its allocator summary
+    (:meth:`prism_launch.trace.layout.RankLogs.memory`)."""
     local_rank_arg: bool = False
     """Prepend ``--local_rank=N`` to the script's arguments, as the deepspeed launcher does."""
     hook: bool = False
@@ -117,9 +118,6 @@ class RankPlan:
         e = self.emulate
         path = e.summary_files.get(rank) if e is not None else None
         return Path(path) if path else None
-
-    def memory_file(self, rank: int) -> Path | None:
-        return Path(self.memory_dir) / str(rank) / "memory.json" if self.memory_dir else None
 
     # -- the contract ---------------------------------------------------------------------
     def to_env(self, spill_dir: Path | None = None) -> dict[str, str]:

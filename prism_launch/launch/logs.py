@@ -1,29 +1,13 @@
-"""The per-rank logs of one run as torchrun lays them out (``<log-dir>/<rank>/stdout.log``,
-``stderr.log``, ``error.json``), and what the report reads from them."""
+"""What the report reads from a rank's log (its layout: :class:`prism_launch.trace.layout.RankLogs`)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from prism_launch.config import ReportConfig
-
-
-@dataclass(frozen=True, slots=True)
-class RankLogs:
-    root: Path
-
-    def rank_dir(self, rank: int) -> Path:
-        return Path(self.root) / str(rank)
-
-    def stdout(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "stdout.log"
-
-    def error_file(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "error.json"
 
 
 def parse_rank_log(path: Path, cfg: ReportConfig) -> list[dict]:

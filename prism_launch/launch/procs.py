@@ -41,6 +41,7 @@ from typing import Literal
 
 from torch.distributed.elastic.multiprocessing.api import Std, to_map
 
+from prism_launch.trace.layout import RankLogs
 from prism_launch.launch.failures import ERROR_FILE_ENV, RankFailure, RunResult, rank_failure
 from prism_launch.launch.rank_logs import LOG_LINE_PREFIX_NAME, Tee, start_tee
 from prism_launch.launch.rank_start import RankSpec, fork_rank, load_prctl, spawn_rank
@@ -81,9 +82,10 @@ class _Rank:
     def __init__(self, spec: RankSpec, rank_dir: Path, redirect: Std) -> None:
         self.spec = spec
         self.dir = rank_dir
-        self.stdout_path = rank_dir / "stdout.log" if redirect & Std.OUT else None
-        self.stderr_path = rank_dir / "stderr.log" if redirect & Std.ERR else None
-        self.error_path = rank_dir / "error.json"
+        logs, rank = RankLogs(rank_dir.parent), spec.rank
+        self.stdout_path = logs.stdout(rank) if redirect & Std.OUT else None
+        self.stderr_path = logs.stderr(rank) if redirect & Std.ERR else None
+        self.error_path = logs.error_file(rank)
         self.pid: int | None = None
         self.popen: subprocess.Popen[bytes] | None = None
         self.exitcode: int | None = None  # known once the process has exited

@@ -15,9 +15,9 @@ from pathlib import Path
 from prism_launch.config import Mode, Park
 from prism_launch.config.plan import CapturePlan
 from prism_launch.errors import RunFailedError
-from prism_launch.launch.logs import RankLogs, parse_rank_log
+from prism_launch.launch.logs import parse_rank_log
 from prism_launch.modes.context import RunContext
-from prism_launch.trace import TraceLayout, TraceWriter
+from prism_launch.trace import RankLogs, TraceLayout, TraceWriter
 from prism_launch.trace import fingerprint as fp
 from prism_launch.trace.fold import FoldPlan
 

@@ -16,9 +16,8 @@ from prism_launch.config.plan import EmulatePlan, PrefetchPlan, RankPlan
 from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
 from prism_launch.config.registry import output_args
 from prism_launch.launch.args import differing_args
-from prism_launch.launch.logs import RankLogs
 from prism_launch.modes.context import RunContext, program_config
-from prism_launch.trace import TraceReader
+from prism_launch.trace import RankLogs, TraceReader
 from prism_launch.trace import fingerprint as fp
 
 

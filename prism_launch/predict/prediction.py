@@ -1,6 +1,6 @@
 """Predictions at target scale from the (calibrated) graph: the global replay with the
-target cluster's network model, per-rank iteration times and memory, the OOM verdict,
-a Perfetto timeline and PNG plots."""
+target cluster's network model, per-rank iteration times and memory, the OOM verdict (the
+timeline and plots of a prediction are the report's: :mod:`prism_launch.report.plots`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prism_launch.trace import ReportLayout, TraceLayout
+from prism_launch.trace import TraceLayout
 
 if TYPE_CHECKING:
     from prism_launch.config import PrismConfig
@@ -80,7 +80,7 @@ def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[in
     return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True).issue_times
 
 
-def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: list[int], out: ReportLayout,
+def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: list[int],
             memory: dict[int, int]) -> dict:
     from prism_launch.predict.cost_model import make_cost_model
     from prism_launch.predict.simulate import graph_from_events, replay
@@ -124,10 +124,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
         "stragglers": rep.stragglers,
         "ranks_replayed": len(rep.ranks),
     }
-    out.root.mkdir(parents=True, exist_ok=True)
-    _write_timeline(out.timeline, rep.timelines, cfg.cluster.gpus_per_node)
-    _plot(out, ranks, rep.timelines, pipeline, rep.ranks)
-    return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline}
+    return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline, "replay": rep}
 
 
 def _summarize_path(path: list[dict]) -> dict:
@@ -136,59 +133,3 @@ def _summarize_path(path: list[dict]) -> dict:
     hops = [s for s in path if s["kind"] == "comm"]
     return {"compute_s": compute, "comm_s": comm, "segments": len(path),
             "ranks": sorted({s["rank"] for s in path}), "longest_comm": sorted(hops, key=lambda s: -s["s"])[:5]}
-
-
-def _write_timeline(path: Path, timelines: dict, gpus_per_node: int) -> None:
-    """Chrome/Perfetto trace-event JSON: one process per target node, one thread per rank."""
-    events = []
-    for r, spans in sorted(timelines.items()):
-        node = r // max(1, gpus_per_node)
-        events.append({"ph": "M", "name": "process_name", "pid": node, "args": {"name": f"node {node}"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": node, "tid": r, "args": {"name": f"rank {r}"}})
-        for name, t0, t1 in spans:
-            events.append({"ph": "X", "name": name, "pid": node, "tid": r, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
-    from nccl_ext.atomic import atomic_write_text
-
-    atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-
-
-def _plot(out: ReportLayout, ranks: dict, timelines: dict, pipeline: list[int], results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = sorted(int(r) for r in ranks)
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    ys = [ranks[str(r)]["iteration_time_s"] * 1e3 for r in xs]
-    if len(xs) <= 512:
-        ax.bar(xs, ys, color=["tab:red" if ranks[str(r)]["sandbox"] else "tab:blue" for r in xs], width=1.0)
-    else:  # thousands of ranks: one line instead of one patch per rank
-        ax.fill_between(xs, ys, step="mid", color="tab:blue", lw=0)
-        sb = [r for r in xs if ranks[str(r)]["sandbox"]]
-        ax.scatter(sb, [ranks[str(r)]["iteration_time_s"] * 1e3 for r in sb], color="tab:red", zorder=3, s=12)
-    ax.set_xlabel("logical rank (red: sandbox)")
-    ax.set_ylabel("predicted step time (ms)")
-    ax.set_title("Predicted per-rank iteration time")
-    fig.tight_layout()
-    fig.savefig(out.step_time_png, dpi=110)
-    plt.close(fig)
-
-    shown = [r for r in pipeline if r in timelines]
-    if shown:
-        fig, ax = plt.subplots(figsize=(11, 0.5 + 0.45 * len(shown)))
-        palette = {"compute": "tab:green", "wait": "tab:orange", "p2p-wait": "tab:gray"}
-        for y, r in enumerate(shown):
-            bars: dict[str, list] = {}
-            for name, t0, t1 in timelines[r]:
-                bars.setdefault(name, []).append((t0 * 1e3, (t1 - t0) * 1e3))
-            for name, xs in bars.items():  # one collection per kind: thousands of spans stay fast
-                ax.broken_barh(xs, (y - 0.4, 0.8), color=palette.get(name, "tab:purple"))
-            for t in results[r].step_ends:
-                ax.axvline(t * 1e3, color="k", lw=0.3)
-        ax.set_yticks(range(len(shown)), [f"rank {r}" for r in shown])
-        ax.set_xlabel("time (ms)  green: compute, orange: collective wait, gray: pipeline (p2p) wait")
-        ax.set_title("Pipeline of the sandbox rank (predicted)")
-        fig.tight_layout()
-        fig.savefig(out.pipeline_png, dpi=110)
-        plt.close(fig)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prism_launch.config.plan import RankPlan
 from prism_launch.rank import transports
+from prism_launch.trace.layout import RankLogs
 
 _TRACKER: list = []
 
@@ -66,9 +67,9 @@ def finish() -> None:
 
 
 def _write_real_memory(plan: RankPlan, rank: int) -> None:
-    path = plan.memory_file(rank)
-    if plan.mode != "real" or not _TRACKER or path is None:
+    if plan.mode != "real" or not _TRACKER or plan.memory_dir is None:
         return
+    path = RankLogs(plan.memory_dir).memory(rank)
     import json
 
     from nccl_ext.atomic import atomic_write_text

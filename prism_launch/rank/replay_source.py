@@ -13,7 +13,7 @@ import json
 import torch
 
 from nccl_ext.replay_transport import RecordedOp
-from prism_launch.trace import TraceReader
+from prism_launch.trace import TraceLayout, TraceReader
 
 
 class TraceRecording:
@@ -25,7 +25,8 @@ class TraceRecording:
         from prism_launch.trace.fold import FoldPlan
 
         self.reader = reader
-        self.fold = FoldPlan.from_dict(reader.read_json("fold.json")) if "fold.json" in reader.json_files() else None
+        fold = TraceLayout.FOLD
+        self.fold = FoldPlan.from_dict(reader.read_json(fold)) if fold in reader.json_files() else None
         self._sources: dict[int, dict[int, int] | None] = {}
         self._present: dict[int, tuple[int, ...]] = {}
         self._gids = {g["key"]: int(g["id"]) for g in reader.manifest.groups}

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nccl_ext.atomic import atomic_write_text
-from prism_launch.launch.logs import RankLogs, parse_rank_log
-from prism_launch.trace import ReportLayout, TraceLayout
+from prism_launch.launch.logs import parse_rank_log
+from prism_launch.report import plots
+from prism_launch.trace import RankLogs, ReportLayout, TraceLayout
 
 if TYPE_CHECKING:
     from prism_launch.config import PrismConfig
@@ -83,7 +84,8 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
     captured_memory = reader.read_json(TraceLayout.MEMORY) if TraceLayout.MEMORY in reader.json_files() else {}
     memory = {int(r): m["peak_bytes"] for r, m in captured_memory.items() if m.get("peak_bytes") is not None}
     memory.update({int(r): v["peak_memory_bytes"] for r, v in ranks.items() if v.get("peak_memory_bytes") is not None})
-    pred = predict(cfg, reader, trace, sandbox, out, memory)
+    pred = predict(cfg, reader, trace, sandbox, memory)
+    plots.write(out, pred, cfg.cluster.gpus_per_node)
     report["predicted"] = pred["predicted"]
     try:
         from prism_launch.report.moe_stats import moe_stats

@@ -25,6 +25,7 @@ from .errors import (
     TraceVersionError,
 )
 from .layout import (
+    RankLogs,
     EVENTS_NAME,
     MANIFEST_NAME,
     TENSORS_DIR,
@@ -56,6 +57,7 @@ __all__ = [
     "TENSORS_DIR",
     "VERIFIED_NAME",
     "Manifest",
+    "RankLogs",
     "ReportLayout",
     "TraceCorruptError",
     "TraceError",

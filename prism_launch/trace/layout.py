@@ -100,6 +100,33 @@ class TraceLayout:
 
 
 @dataclass(frozen=True, slots=True)
+class RankLogs:
+    """One run's per-rank log directory, laid out as torchrun's agent does
+    (``<log-dir>/<rank>/stdout.log``, ``stderr.log``, ``error.json``), plus the allocator
+    summary a ``mode=real`` rank writes there."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.root / str(rank)
+
+    def stdout(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "stdout.log"
+
+    def stderr(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "stderr.log"
+
+    def error_file(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "error.json"
+
+    def memory(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "memory.json"
+
+
+@dataclass(frozen=True, slots=True)
 class ReportLayout:
     """The paths of one report directory."""
 
