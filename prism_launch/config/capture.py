@@ -16,6 +16,11 @@ class TraceConfig:
     """The recipe's own output-only flags (``--out``): their values do not key the trace, like
     the integrations' (Megatron-LM's ``--save``, ``--tensorboard-dir``, ``--wandb-*`` …)."""
 
+    def validate(self) -> None:
+        bad = [a for a in self.ignore_args if not a.startswith("-") or "=" in a]
+        if bad:
+            raise ConfigError(f"trace.ignore_args names flags, e.g. trace.ignore_args=[--out] (got {bad})")
+
 
 class Park(StrEnum):
     auto = "auto"

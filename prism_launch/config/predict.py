@@ -58,6 +58,10 @@ class ReplayConfig:
     timeline_max_ranks: int = 64
     """Cap on sampled timeline ranks."""
 
+    def validate(self) -> None:
+        if self.timeline_max_ranks < 1:
+            raise ConfigError(f"replay.timeline_max_ranks must be >= 1 (got {self.timeline_max_ranks})")
+
 
 @dataclass(kw_only=True, slots=True)
 class MemoryConfig:

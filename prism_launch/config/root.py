@@ -64,6 +64,10 @@ class PrismConfig:
         except ValueError as e:
             raise ConfigError(f"cluster: {e}") from None
         self.comm.validate()
+        self.launch.validate()
+        self.report.validate()
+        self.replay.validate()
+        self.trace.validate()
         self.capture.validate()
         self.physical.validate(len(self.sandbox.ranks))
         self.emulate.validate(on_cuda=self.on_cuda)
@@ -169,7 +173,8 @@ def resolve(cfg: PrismConfig) -> PrismConfig:
         emulate=r(cfg.emulate, data_path=data_path),
         memory=r(cfg.memory, enforce_limit=cuda if cfg.memory.enforce_limit is None else cfg.memory.enforce_limit),
         calibrate=r(cfg.calibrate, in_auto=cuda if cfg.calibrate.in_auto is None else cfg.calibrate.in_auto,
-                    slice_size=cfg.calibrate.slice_size or devices_present(cuda)),
+                    slice_size=devices_present(cuda) if cfg.calibrate.slice_size is None
+                    else cfg.calibrate.slice_size),
         replay=r(cfg.replay, compute=compute),
     )
 

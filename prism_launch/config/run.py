@@ -80,6 +80,12 @@ class LaunchConfig:
     run_timeout_s: float | None = None
     """Wall-clock limit of the whole run (None: unlimited; comm deadlines still apply)."""
 
+    def validate(self) -> None:
+        if self.teardown_timeout_s <= 0:
+            raise ConfigError(f"launch.teardown_timeout_s must be > 0 (got {self.teardown_timeout_s})")
+        if self.run_timeout_s is not None and self.run_timeout_s <= 0:
+            raise ConfigError(f"launch.run_timeout_s must be > 0 or null (got {self.run_timeout_s})")
+
 
 @dataclass(kw_only=True, slots=True)
 class ReportConfig:
@@ -89,3 +95,14 @@ class ReportConfig:
     """Regex whose first group is the loss in a rank's log line (for the step table)."""
     step_pattern: str = r"\bstep[\s=:]+(\d+)"
     """Regex whose first group is the step number in the same line."""
+
+    def validate(self) -> None:
+        import re
+
+        for name in ("loss_pattern", "step_pattern"):
+            try:
+                groups = re.compile(getattr(self, name)).groups
+            except re.error as e:
+                raise ConfigError(f"report.{name} is not a regular expression: {e}") from None
+            if groups < 1:
+                raise ConfigError(f"report.{name} needs a group around the value, e.g. 'loss: ([0-9.]+)'")
