@@ -8,8 +8,6 @@ through Hydra. :func:`resolve` turns every ``auto`` into a concrete value, once;
 :mod:`prism_launch.config.plan` is what the launcher hands each rank.
 """
 
-from omegaconf import MISSING  # noqa: F401  (re-exported for configs)
-
 from prism_launch.config.capture import CaptureConfig, Park, TraceConfig
 from prism_launch.config.cluster import ClusterSpec, LinkSpec
 from prism_launch.config.emulate import DataPath, EmulateConfig, PrefetchConfig, PrefetchMode, RingBackend, Timing, VirtualHost

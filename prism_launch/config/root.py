@@ -9,9 +9,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
-
 from prism_launch.config.capture import CaptureConfig, Park, TraceConfig
 from prism_launch.config.cluster import ClusterSpec
 from prism_launch.config.emulate import DataPath, EmulateConfig
@@ -20,6 +17,10 @@ from prism_launch.config.integration import CompatConfig, IntegrationConfig, Scr
 from prism_launch.config.predict import CalibrateConfig, ComputeSource, MemoryConfig, ReplayConfig
 from prism_launch.config.run import CommConfig, LaunchConfig, Mode, PhysicalConfig, ReportConfig, StartMethod
 from prism_launch.config.target import Device, SandboxConfig, TargetConfig
+
+MISSING = "???"
+"""OmegaConf's mark of a required value (``omegaconf.MISSING``), spelled here so that a rank,
+which loads only its plan from this package, never imports Hydra or OmegaConf."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,7 +45,7 @@ class PrismConfig:
     integration: IntegrationConfig = field(default_factory=IntegrationConfig)
     script: ScriptConfig = field(default_factory=ScriptConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
-    cluster: ClusterSpec = MISSING
+    cluster: ClusterSpec = MISSING  # filled by the Hydra group ``cluster``
     """The target machine room (Hydra group ``cluster``: h100_ib, h200_ib, a100_ib, gb200_nvl72, cpu_local)."""
 
     @property
@@ -90,6 +91,8 @@ class PrismConfig:
 
 
 def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="prism_schema", node=PrismConfig)
 
 
