@@ -5,7 +5,7 @@ to be applied when the script imports the DeepSpeed modules concerned (or at onc
 modules already imported, e.g. warmed by ``capture.warm_imports``), through
 :func:`integrations.import_hooks.after_import`. A script that never
 imports DeepSpeed is untouched. Activate it with
-``compat.integrations=[cpu,megatron,deepspeed]`` (DeepSpeed's CPU accelerator needs no
+``compat.integrations=[deepspeed]`` (DeepSpeed's CPU accelerator needs no
 other compatibility module), or append it to the Megatron ones; ``prism-launch`` adds it
 by itself when the script passes ``--deepspeed_config`` (see the README).
 
