@@ -48,8 +48,8 @@ BUILTIN: tuple[Integration, ...] = (
     # Megatron-LM's output flags, checked against megatron/training/arguments.py (core_r0.19.0)
     Integration(name="megatron", compat="integrations.megatron_compat", renderer="integrations.megatron_flags",
                 moe="integrations.megatron_moe",
-                output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
-                             "--data-cache-path")),
+                # (not --data-cache-path: ranks read the dataset index cache that rank 0 builds there)
+                output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")),
     Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",
                 recipe_flags=("--deepspeed_config", "--deepspeed-config", "--deepspeed"), warm_imports=("deepspeed",),
                 # DeepSpeedExamples' and HF-style training scripts' output and run-name flags
