@@ -25,7 +25,14 @@ class ReplayStats:
     """Wall time the program's thread spent in this transport issuing ops (serving virtual
     members, staging waits and checks included): the virtual side's cost on the sandbox's CPU."""
     divergences: list[dict] = field(default_factory=list)
+    """The first few divergences of each kind in full (``nccl_ext/divergence.py``)."""
+    divergence_counts: dict[str, int] = field(default_factory=dict)
+    """Divergences by kind (value, tolerance, host_scalar); a deterministic run has none."""
     steps: list[dict] = field(default_factory=list)
+    synthesized: int = 0
+    """Ops whose results were synthesized from this rank's own contributions (``payload=none``)."""
+    carried: int = 0
+    """Of those, broadcasts answered with the payload the capture carried."""
     helper_threads: int = 0
     """Threads started to complete ops (exchanges, timed finishes, ring workers)."""
     in_flight_at_close: list[str] = field(default_factory=list)
@@ -57,7 +64,9 @@ def write_summary(path: Path, rank: int, stats: ReplayStats, *, ring_groups: int
         "own_s": stats.own_s,
         "helper_threads": stats.helper_threads, "in_flight_at_close": stats.in_flight_at_close,
         "ring_groups": ring_groups,
-        "divergences": stats.divergences, "steps": stats.steps,
+        "divergences": stats.divergences,
+        "divergence_counts": {k: stats.divergence_counts.get(k, 0) for k in ("value", "tolerance", "host_scalar")},
+        "steps": stats.steps,
         "spans": spans, "memory": memory,
         "prefetch": prefetch,
     }, indent=1))

@@ -25,7 +25,6 @@ import contextlib
 import sys
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from nccl_ext import wire
 from nccl_ext.assistant import unpack
 from nccl_ext.device_path import DevicePath, eligible, result_of
+from nccl_ext.divergence import HOST_SCALAR_MAX_ELEMENTS, HOST_SCALAR_SITES, DivergenceLog, Kind
 from nccl_ext.groups import GroupInfo
 from nccl_ext.helpers import GRACE_S, HelperThreads
 from nccl_ext.ops import compute, contributors
@@ -76,6 +76,9 @@ class ReplayTransport:
         device_path: DevicePath | None = None,
         pruned: bool = False,
         rings: RingChannels | None = None,
+        divergence_rtol: float | None = None,
+        host_scalar_sites: tuple[str, ...] = HOST_SCALAR_SITES,
+        host_scalar_max_elements: int = HOST_SCALAR_MAX_ELEMENTS,
     ):
         self.rank = rank
         self.sandbox = sandbox
@@ -110,7 +113,9 @@ class ReplayTransport:
         self._workers_closed = 0
         self.unit = 0
         self.stats = ReplayStats()
-        self._warned: set[tuple[str, int]] = set()
+        self.divergences = DivergenceLog(rank, self.stats, strict=strict, rtol=divergence_rtol,
+                                         sites=host_scalar_sites, max_elements=host_scalar_max_elements,
+                                         error=DivergenceError)
         self._gids: dict[str, int] = {}
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
@@ -174,17 +179,10 @@ class ReplayTransport:
 
         self._helpers.start(wait_all, name="prism-sandbox-exchange", what=pending.what, pending=pending)
 
-    def _diverged(self, what: str, group: GroupInfo, seq: int, detail: str) -> None:
-        record = {"step": self.unit, "op": what, "group": list(group.ranks), "group_desc": group.desc,
-                  "seq": seq, "rank": self.rank, "detail": detail}
-        self.stats.divergences.append(record)
-        msg = (f"divergence on rank {self.rank} at step {self.unit}: {what} on group {group.desc or group.key} "
-               f"seq {seq}: {detail}")
-        if self.strict:
-            raise DivergenceError(msg + " (emulate.strict=true)")
-        if (what, self._gids.get(group.key, -1)) not in self._warned:
-            self._warned.add((what, self._gids.get(group.key, -1)))
-            warnings.warn(msg + " — results combine the live value with recorded peers", stacklevel=3)
+    def _diverged(self, what: str, group: GroupInfo, seq: int, detail: str, kind: Kind = Kind.value,
+                  site: str | None = None, diff: dict | None = None) -> None:
+        self.divergences.report(kind, step=self.unit, op=what, group=group, seq=seq, detail=detail, site=site,
+                                **(diff or {}))
 
     # -- Transport ----------------------------------------------------------------------------
     def register_group(self, group: GroupInfo) -> None:
@@ -343,7 +341,8 @@ class ReplayTransport:
                 raise DivergenceError(f"{what}: shapes {shapes} differ from the recorded "
                                       f"{[tuple(s) for s in own.shapes]}; capture again")
             if self.check:
-                dp.verify(live, staged.refs, (call.api, group, seq))
+                dp.verify(live, staged.refs, (call.api, group, seq, self.divergences.site(live),
+                                              lambda: self.recording.contribution(self.rank, gid, seq)))
         self.stats.ops += 1
         self.stats.folded_ops += folded
         self._note_unit_start()
@@ -412,10 +411,9 @@ class ReplayTransport:
                 f"shapes {[tuple(t.shape) for t in live]} differ from the recorded {[tuple(t.shape) for t in recorded]}; "
                 "capture again"
             )
-        bad = [i for i, (a, b) in enumerate(zip(live, recorded)) if not torch.equal(a.cpu(), b)]
-        if bad:
-            diff = max(float((live[i].cpu().double() - recorded[i].double()).abs().max()) for i in bad)
-            self._diverged(api, group, seq, f"live contribution differs from the recorded one (max |diff| {diff:.3g})")
+        if any(not torch.equal(a.cpu(), b) for a, b in zip(live, recorded)):
+            self._diverged(api, group, seq, "live contribution differs from the recorded one",
+                           *self.divergences.classify(live, recorded))
 
     def _exchange(self, group, gid, seq, call, me, needed, live_peers, contributions) -> list:
         """Swap live contributions with the other sandbox members of ``group`` over gloo."""
@@ -459,7 +457,8 @@ class ReplayTransport:
             recorded = rec[1]()  # digests differ (or are of another kind): compare the bytes themselves
             live = tensor.detach().cpu()
             if live.shape != recorded.shape or live.dtype != recorded.dtype or not torch.equal(live, recorded):
-                self._diverged("send", group, seq, f"payload to rank {dst} differs from the recorded one")
+                self._diverged("send", group, seq, f"payload to rank {dst} differs from the recorded one",
+                               *self.divergences.classify([live], [recorded]))
         return Pending.done("send")
 
     @own_time
@@ -508,15 +507,17 @@ class ReplayTransport:
             raise DivergenceError(f"{what}: shape {tuple(live.shape)} differs from the recorded {tuple(rec[0].shapes[0])}")
         staged = self.device_path.take(rec[0].idx, what)
         if self.check:
-            self.device_path.verify([live], staged.refs, ("send", group, seq))
+            self.device_path.verify([live], staged.refs, ("send", group, seq, self.divergences.site([live]),
+                                                          lambda: [self.recording.payload(gid, self.rank, dst, tag, seq)]))
         return Pending.done("send")
 
     def _flush_checks(self) -> None:
         if self.device_path is None:
             return
-        for api, group, seq in self.device_path.flush():
-            self._diverged(api, group, seq, "live contribution's checksum differs from the recorded one "
-                           "(device check at the step boundary; the recorded data was used)")
+        for (api, group, seq, site, load), i, dtype, numel, norm in self.device_path.flush():
+            self._diverged(api, group, seq, "live contribution's checksum differs from the recorded one (device "
+                           "check at the step boundary; the recorded data was used)",
+                           *self.divergences.classify_norms(dtype, norm, load()[i], numel, site))
 
     def report_memory(self, summary: dict) -> None:
         self.memory = summary

@@ -1,7 +1,9 @@
 """Divergence checks without a host copy: each live contribution's 32-bit word sum is taken on
 the device into a slot of the pool (:class:`DeviceChecks`); the slots are read — one
 synchronisation — at the step boundary and compared with the same sum of the recorded
-tensors (:func:`word_sum`), which the host tier's loader or the stager computes."""
+tensors (:func:`word_sum`), which the host tier's loader or the stager computes. A floating
+contribution's L1 norm goes into a second slot beside it: what tells a non-deterministic
+kernel's rounding from a value divergence (``nccl_ext/divergence.py``) for the few that mismatch."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ CHUNK_WORDS = 1 << 21
 """Host-side copies and sums are split into pieces of this many 32-bit words (8 MiB)."""
 CHECK_SLOTS = 4096
 """Checks queued on the device before they are read (a flush)."""
+SLOT_BYTES = CHECK_SLOTS * (4 + 8)
+"""Pool bytes of the checks: an int32 word sum and a float64 L1 norm per slot."""
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
@@ -59,18 +63,28 @@ class DeviceChecks:
         self.stats = stats
         """The path's :class:`~nccl_ext.device_path.stats.PrefetchStats` (checks and flushes)."""
         self.slots: torch.Tensor | None = None
-        self._checks: list[tuple[int, object]] = []
+        self.norms: torch.Tensor | None = None
+        self._checks: list[tuple[int, object, int, torch.dtype, int]] = []
         self._bad: list[object] = []
+
+    def attach(self, region: torch.Tensor) -> None:
+        """Take the checks' slots from ``region`` (:data:`SLOT_BYTES` uint8 of the pool, 8-aligned)."""
+        self.slots = region[:CHECK_SLOTS * 4].view(torch.int32)
+        self.norms = region[CHECK_SLOTS * 4:SLOT_BYTES].view(torch.float64)
 
     def verify(self, live: list[torch.Tensor], refs: list[int], where: object) -> None:
         """Queue the word sums of ``live`` for comparison with ``refs`` at the next flush."""
-        for t, ref in zip(live, refs):
+        numel = sum(t.numel() for t in live)
+        for i, (t, ref) in enumerate(zip(live, refs)):
             w = as_words(t)
             if not w.numel():
                 continue
             if len(self._checks) == CHECK_SLOTS:
                 self._flush_pending()
             slot = self.slots[len(self._checks)]
+            if t.dtype.is_floating_point:  # one reduction kernel, no temporary beside its 0-d result
+                norm = torch.linalg.vector_norm(t.detach(), 1)
+                self.norms[len(self._checks)].copy_(norm if norm.device == slot.device else norm.to(slot.device))
             if w.device != slot.device:  # an op on host tensors while the pool is on the GPU
                 v = word_sum(t)
                 slot.fill_(v - (1 << 32) if v >= 1 << 31 else v)
@@ -78,22 +92,25 @@ class DeviceChecks:
                 torch.sum(w, dim=0, dtype=torch.int32, out=slot)
             else:
                 slot.copy_(w.to(torch.int64).sum())
-            self._checks.append((ref, where))
+            self._checks.append((ref, where, i, t.dtype, numel))
             self.stats.checks += 1
 
     def _flush_pending(self) -> None:
         self._bad += self.flush()
 
-    def flush(self) -> list[object]:
-        """Compare the queued checks (one device synchronisation); the ``where`` of each mismatch."""
+    def flush(self) -> list[tuple[object, int, torch.dtype, int, float | None]]:
+        """Compare the queued checks (one device synchronisation). For each mismatch: its
+        ``where``, the piece's index, dtype, the op's element count and the live piece's L1 norm
+        (None for integer data)."""
         bad, self._bad = self._bad, []
         if not self._checks:
             return bad
         values = self.slots[: len(self._checks)].cpu().tolist()
+        norms = self.norms[: len(self._checks)].cpu().tolist()
         self.stats.check_flushes += 1
-        for value, (ref, where) in zip(values, self._checks):
+        for value, norm, (ref, where, i, dtype, numel) in zip(values, norms, self._checks):
             if value & 0xFFFFFFFF != ref:
-                bad.append(where)
+                bad.append((where, i, dtype, numel, norm if dtype.is_floating_point else None))
         self._checks = []
         return bad
 

@@ -14,7 +14,7 @@ import torch
 
 from nccl_ext import wire
 from nccl_ext.device_path import pool
-from nccl_ext.device_path.checks import CHECK_SLOTS, DeviceChecks, chunked_word_sum
+from nccl_ext.device_path.checks import SLOT_BYTES, DeviceChecks, chunked_word_sum
 from nccl_ext.device_path.host_tier import HostTier
 from nccl_ext.device_path.plan import Plan, StagedOp, aligned, plan_ops
 from nccl_ext.device_path.stager import Stager
@@ -132,11 +132,11 @@ class DevicePath(Stager, HostTier):
                 self._loader.start()
         spare = self._spare_bytes() if self.grow and self.mode in PrefetchMode.STREAMING else None
         data, work, self.stats.pool_grown = pool.split_pool(self.mode, plans, self.requested_pool, spare)
-        self._allocate(data + work + aligned(CHECK_SLOTS * 4))
+        self._allocate(data + work + aligned(SLOT_BYTES))
         self._space = pool.Space(data, work)
         largest = max((p.nbytes for p in plans), default=0)
         self._refill_at = self._space.capacity - max(self._space.capacity // 4, largest)
-        self._checks.slots = self._pool[data + work:data + work + CHECK_SLOTS * 4].view(torch.int32)
+        self._checks.attach(self._pool[data + work:data + work + SLOT_BYTES])
         self._plans = deque(plans)
         if self._cuda:
             self._side = torch.cuda.Stream(device)
@@ -237,8 +237,9 @@ class DevicePath(Stager, HostTier):
         """Queue the word sums of ``live`` for comparison with ``refs`` at the next flush."""
         self._checks.verify(live, refs, where)
 
-    def flush(self) -> list[object]:
-        """Compare the queued checks (one device synchronisation); the ``where`` of each mismatch."""
+    def flush(self) -> list[tuple]:
+        """Compare the queued checks (one device synchronisation): each mismatch as
+        :meth:`DeviceChecks.flush <nccl_ext.device_path.checks.DeviceChecks.flush>` gives it."""
         return self._checks.flush()
 
     def delay(self, seconds: float) -> None:

@@ -100,7 +100,18 @@ class EmulateConfig:
     time_scale: float = 1.0
     """Multiplier on recorded waits (e.g. 0 to disable, 0.5 to halve)."""
     strict: bool = False
-    """Divergence of a live contribution from the recorded one is an error instead of a warning."""
+    """A ``value`` divergence (live data beyond the tolerance of the recorded; ``nccl_ext/divergence.py``)
+    is an error instead of a warning. Divergences within tolerance and host scalars never are."""
+    divergence_rtol: float | None = None
+    """Tolerance under which a mismatching floating contribution counts as a non-deterministic
+    kernel's (kind ``tolerance``), relative to the recorded tensor's magnitude; null: by dtype
+    (fp32 1e-4, bf16 2e-2, fp16 1e-2, fp64 1e-9). Integer data is never within tolerance."""
+    host_scalar_sites: list[str] = field(default_factory=lambda: [
+        "megatron/core/timers.py", "megatron/training/training.py", "megatron/core/utils.py"])
+    """Call sites (path fragments of the frame issuing the collective) whose small contributions
+    carry wall-clock times or rank-local counters (kind ``host_scalar``)."""
+    host_scalar_max_elements: int = 64
+    """Largest contribution (elements) that can be a host scalar."""
     check_divergence: bool = True
     """Compare every live contribution with the recorded one (hashing costs sandbox CPU time;
     calibration turns it off so slices measure the program, not the check)."""
@@ -133,5 +144,9 @@ class EmulateConfig:
             if not self.pruned_rings:
                 raise ConfigError("emulate.ring_backend=nccl is the transport of the pruned rings: set "
                                   "emulate.pruned_rings=true as well")
+        if self.divergence_rtol is not None and not self.divergence_rtol >= 0:
+            raise ConfigError(f"emulate.divergence_rtol must be >= 0 or null (got {self.divergence_rtol})")
+        if self.host_scalar_max_elements < 0:
+            raise ConfigError(f"emulate.host_scalar_max_elements must be >= 0 (got {self.host_scalar_max_elements})")
         if self.time_scale < 0:
             raise ConfigError(f"emulate.time_scale must be >= 0 (got {self.time_scale})")

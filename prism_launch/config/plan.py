@@ -74,6 +74,10 @@ class EmulatePlan:
     """Predicted issue times of every captured rank's events (``timing=predicted``)."""
     summary_files: dict[int, str] = field(default_factory=dict)
     """Where each sandbox rank of this node writes its summary."""
+    divergence_rtol: float | None = None
+    """``emulate.divergence_rtol`` (None: by dtype)."""
+    host_scalar_sites: tuple[str, ...] = ()
+    host_scalar_max_elements: int = 64
     assistant_summary: str | None = None
 
 

@@ -72,6 +72,8 @@ def emulate_plan(ctx: RunContext, local: list[int], store: str | None, schedule:
         window=em.window, store=store, schedule_file=str(schedule) if schedule else None,
         summary_files={r: str(ctx.report.summary(r, node)) for r in local},
         assistant_summary=str(ctx.report.assistant_summary(node)) if assistant else None,
+        divergence_rtol=em.divergence_rtol, host_scalar_sites=tuple(em.host_scalar_sites),
+        host_scalar_max_elements=em.host_scalar_max_elements,
     )
     limit = int(cfg.cluster.gpu_memory_gib * 2**30) if cfg.memory.enforce_limit else 0
     return replace(ctx.base_plan(Mode.emulate, local), memory_limit_bytes=limit, emulate=section)

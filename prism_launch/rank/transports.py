@@ -124,7 +124,8 @@ def replay(plan: RankPlan) -> MakeTransport:
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
             pruned=e.pruned, rings=rings, physical=physical, assistant=len(sandbox) if e.assistant else None,
             on_close=on_close, timing=e.timing, time_scale=e.time_scale, strict=e.strict, check=e.check,
-            summary_path=plan.summary_file(rank),
+            summary_path=plan.summary_file(rank), divergence_rtol=e.divergence_rtol,
+            host_scalar_sites=e.host_scalar_sites, host_scalar_max_elements=e.host_scalar_max_elements,
         )
 
     return make

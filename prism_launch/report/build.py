@@ -49,6 +49,7 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
             "physical_exchanges": summary.get("physical_exchanges"),
             "replay_wait_s": summary.get("waited_s"),
             "divergences": summary.get("divergences", []),
+            "divergence_counts": summary.get("divergence_counts", {}),
             "peak_memory_bytes": (summary.get("memory") or {}).get("peak_bytes"),
             "memory_method": ((summary.get("memory") or {}).get("method") or {}).get("name"),
         }
@@ -122,6 +123,14 @@ def _compute_label(pred: dict) -> str:
     return f"{pred['compute_source']}: {cal.get('slices')} slices, {cal.get('method') or 'shared devices'}"
 
 
+def _divergence_kinds(r: dict) -> str:
+    c = r.get("divergence_counts") or {}
+    if not c:
+        return str(len(r["divergences"]))
+    return (f"{c.get('value', 0)} (+{c.get('tolerance', 0)} within tolerance, "
+            f"{c.get('host_scalar', 0)} host scalars)")
+
+
 def print_report(report: dict, path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -155,7 +164,7 @@ def print_report(report: dict, path: Path) -> None:
         if r.get("peak_memory_bytes") is not None:
             console.print(f"  peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r.get('memory_method')})")
         console.print(f"  losses: {verdict}; ops replayed {r['ops']} (+{r['p2p']} p2p), "
-                      f"divergences {len(r['divergences'])}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
+                      f"divergences {_divergence_kinds(r)}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
     pred = report.get("predicted")
     if pred:
         console.print(
