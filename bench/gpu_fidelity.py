@@ -1,0 +1,180 @@
+"""GPU fidelity harness: upstream Megatron-LM ``pretrain_gpt.py`` (unchanged) on one GPU, real
+against predicted, interleaved and repeated. Run on the H200 from the repository root:
+
+    source .mlm/activate.sh
+    python bench/gpu_fidelity.py --pairs 5 --iters 8 --cluster h200_ib --out gpu_fidelity.json
+
+(``--cases dense-s1024-m1,moe-s1024-m1`` picks cases; ``--dp 8`` sizes the data-parallel
+prediction.) For each case — dense and MoE (EP1), sequence lengths 512 and 1024, one and four
+micro-batches per step — it runs ``--pairs`` pairs, alternating which run goes first, of
+
+* ``real``: ``prism-launch --nproc-per-node 1 mode=real device=cuda pretrain_gpt.py ...``:
+  Megatron's ``elapsed time per iteration (ms)`` (median of the iterations after the first)
+  and the rank's allocator-level peak (``memory.json``);
+* ``world 1``: the same job under ``mode=auto`` (capture, calibrate with one rank per GPU,
+  emulate rank 0) in a fresh trace directory: the predicted iteration time (compute only: no
+  peer) and rank 0's predicted peak;
+
+and once per case the same job as rank 0 of a ``--dp``-way data-parallel world (global batch
+scaled by ``--dp``; the other ranks virtual), whose prediction adds the cost model's gradient
+all-reduce on ``--cluster`` — printed beside the world-1 prediction, with no real run to
+compare (one GPU).
+
+It prints the machine (GPU, host, cores), the cluster and the calibration method the report
+states; then per case mean/spread/max of the iteration-time error and the largest peak-memory
+error. Goals (exit code 1 when missed, or when a value is missing or not finite): world-1
+iteration time within 2% mean, peak memory within 0.1%; the data-parallel prediction no
+faster than the world-1 one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity_stats import Pair, failures, load, machine, summarize, table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--max-position-embeddings",
+        "1024", "--bf16", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192",
+        "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--log-interval", "1",
+        "--eval-interval", "1000", "--eval-iters", "1"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "1"]
+MICRO_BATCH = 2
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def cases() -> dict[str, dict]:
+    """Every case by name: ``<dense|moe>-s<seq>-m<micro-batches per step>``."""
+    out = {}
+    for kind in ("dense", "moe"):
+        for seq in (512, 1024):
+            for micro in (1, 4):
+                out[f"{kind}-s{seq}-m{micro}"] = {"kind": kind, "seq": seq, "micro": micro}
+    return out
+
+
+def job_args(case: dict, iters: int, dp: int = 1) -> list[str]:
+    """``pretrain_gpt.py``'s arguments for ``case`` as a ``dp``-way data-parallel job."""
+    return [*BASE, *(MOE if case["kind"] == "moe" else []), "--seq-length", str(case["seq"]),
+            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH * case["micro"] * dp),
+            "--train-iters", str(iters)]
+
+
+def iteration_s(text: str) -> float:
+    """Median of Megatron's per-iteration times after the first iteration (s)."""
+    times = [float(m.group(2)) for m in _ITER.finditer(text) if int(m.group(1)) > 1]
+    if not times:
+        raise ValueError("no 'elapsed time per iteration (ms)' line after iteration 1")
+    return statistics.median(times) / 1e3
+
+
+def _prism(args: list, cwd: Path) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "prism_launch", *map(str, args)], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise SystemExit(f"failed: prism-launch {' '.join(map(str, args[:10]))} ...\n{r.stderr[-4000:]}")
+
+
+def real(script: Path, job: list, work: Path) -> tuple[float, dict[int, int]]:
+    _prism(["--nproc-per-node", "1", "--log-dir", work, "mode=real", "device=cuda", script, *job], work.parent)
+    text = "".join(p.read_text() for p in work.glob("*/0/stdout.log"))
+    [mem] = list(work.glob("*/0/memory.json"))
+    return iteration_s(text), {0: json.loads(mem.read_text())["peak_bytes"]}
+
+
+def predict(script: Path, job: list, work: Path, cluster: str, nproc: int = 1) -> dict:
+    _prism(["--nproc-per-node", str(nproc), "--log-dir", work / "logs", "mode=auto", "device=cuda",
+            f"cluster={cluster}", f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]", script, *job], work.parent)
+    return json.loads((work / "trace" / "report" / "report.json").read_text())
+
+
+def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: int, keep: bool) -> dict:
+    case = cases()[name]
+    work = Path(tempfile.mkdtemp(prefix=f"prism-gpu-fidelity-{name}-"))
+    job, out, method = job_args(case, iters), [], None
+    try:
+        for i in range(pairs):
+            def pred(i=i):
+                rep = predict(script, job, work / f"pred{i}", cluster)
+                peaks = {int(r): v["peak_memory_bytes"] for r, v in rep["ranks"].items() if v.get("peak_memory_bytes")}
+                return rep["predicted"]["iteration_time_s"], peaks, rep["predicted"]
+
+            runs = [("real", lambda i=i: real(script, job, work / f"real{i}")), ("pred", pred)]
+            done = {n: fn() for n, fn in (runs if i % 2 == 0 else runs[::-1])}
+            method = method or _method(done["pred"][2])
+            out.append(Pair(done["real"][0], done["pred"][0], done["real"][1], done["pred"][1]))
+            print(f"  {name} pair {i + 1}/{pairs}: real {out[-1].real_step_s * 1e3:.2f} ms, predicted "
+                  f"{out[-1].predicted_step_s * 1e3:.2f} ms ({out[-1].time_error_pct:+.2f}%), memory "
+                  f"{out[-1].memory_error_pct:.4f}%; {load()}", flush=True)
+        dp_rep = predict(script, job_args(case, iters, dp), work / "dp", cluster, nproc=dp)
+        dp_s = dp_rep["predicted"]["iteration_time_s"]
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    row = summarize(name, out, time_goal_pct=2.0, memory_goal_pct=0.1, calibration=method,
+                    dp_world=dp, dp_predicted_ms=dp_s * 1e3)
+    return row
+
+
+def _method(pred: dict) -> str:
+    cal = pred.get("calibration") or {}
+    return f"{pred.get('compute_source')}: {cal.get('slices')} slice(s), {cal.get('method')}"
+
+
+def dp_failures(rows: list[dict]) -> list[str]:
+    """The data-parallel prediction adds gradient communication: never below the world-1 one."""
+    return [f"{r['case']}: DP{r['dp_world']} prediction {r['dp_predicted_ms']:.2f} ms below world 1's "
+            f"{r['predicted_ms']:.2f} ms" for r in rows
+            if not (r.get("dp_predicted_ms") is not None and r["dp_predicted_ms"] >= r["predicted_ms"] * 0.999)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=",".join(cases()))
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--cluster", default="h200_ib")
+    ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
+    ap.add_argument("--keep", action="store_true", help="keep the work directories")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    script = Path(a.mlm) / "pretrain_gpt.py"
+    if not script.exists():
+        print(f"no {script}: source .mlm/activate.sh (Megatron-LM's training code)", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    print(f"machine: {machine()}; {load()}\ncluster: {a.cluster}; real: mode=real; predicted: mode=auto "
+          f"(calibrated on this GPU), world 1 and DP{a.dp}", flush=True)
+    rows = [run_case(n, script, a.pairs, a.iters, a.cluster, a.dp, a.keep) for n in a.cases.split(",")]
+    print(f"\nmachine: {machine()}; cluster {a.cluster}; calibration {rows[0]['calibration'] if rows else '-'}")
+    print(table(rows))
+    for r in rows:
+        print(f"{r['case']:34} DP{r['dp_world']} predicted {r['dp_predicted_ms']:.2f} ms "
+              f"(world 1 {r['predicted_ms']:.2f} ms): gradients add {r['dp_predicted_ms'] - r['predicted_ms']:.2f} ms")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"machine": machine(), "cluster": a.cluster, "rows": rows}, indent=1))
+    bad = failures(rows) + dp_failures(rows)
+    for b in bad:
+        print(f"FAIL: {b}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The fidelity harnesses' own logic (bench/fidelity_stats.py), without running a job: errors,
+spreads and the self-check that turns a missing value or a missed goal into a failure."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from fidelity_stats import Pair, failures, machine, summarize, table  # noqa: E402
+
+
+def test_errors_means_and_spread_of_interleaved_pairs():
+    pairs = [Pair(0.100, 0.104, {0: 1000, 1: 2000}, {0: 1000, 1: 2010}),
+             Pair(0.100, 0.098, {0: 1000, 1: 2000}, {0: 1001, 1: 2000})]
+    assert pairs[0].time_error_pct == pytest.approx(4.0) and pairs[1].time_error_pct == pytest.approx(-2.0)
+    assert pairs[0].memory_error_pct == pytest.approx(0.5)
+    row = summarize("dense", pairs, time_goal_pct=5.0, memory_goal_pct=1.0)
+    assert row["error_mean_pct"] == pytest.approx(1.0) and row["error_abs_max_pct"] == pytest.approx(4.0)
+    assert row["error_sd_pct"] == pytest.approx(math.sqrt(18))
+    assert row["real_ms"] == pytest.approx(100.0) and row["predicted_ms"] == pytest.approx(101.0)
+    assert row["memory_error_max_pct"] == pytest.approx(0.5)
+    assert failures([row]) == []
+    assert "dense" in table([row]) and "±5%" in table([row])
+
+
+def test_a_missed_goal_or_a_missing_value_fails():
+    far = summarize("far", [Pair(0.1, 0.2, {0: 10}, {0: 10})], time_goal_pct=5.0)
+    assert any("beyond the goal" in f for f in failures([far]))
+    no_memory = summarize("nomem", [Pair(0.1, 0.1, {0: 10}, {})])  # no rank in common: nan, not 0
+    assert any("memory_error_max_pct" in f for f in failures([no_memory]))
+    nan_time = summarize("nan", [Pair(0.1, float("nan"), {0: 1}, {0: 1})])
+    assert any("predicted_ms" in f for f in failures([nan_time]))
+    assert any("no pairs" in f for f in failures([summarize("none", [])]))
+    mem = summarize("mem", [Pair(0.1, 0.1, {0: 1000}, {0: 1002})], memory_goal_pct=0.1)
+    assert any("peak-memory error" in f for f in failures([mem]))
+
+
+def test_the_machine_is_named():
+    m = machine()
+    assert "cores" in m and "torch" in m
+
+
+def test_gpu_harness_cases_arguments_and_log_parsing():
+    import gpu_fidelity as g
+
+    cs = g.cases()
+    assert len(cs) == 8 and {"dense-s512-m1", "moe-s1024-m4"} <= set(cs)
+    args = g.job_args(cs["moe-s1024-m4"], iters=6, dp=8)
+    assert args[args.index("--global-batch-size") + 1] == str(g.MICRO_BATCH * 4 * 8)
+    assert args[args.index("--seq-length") + 1] == "1024" and "--num-experts" in args
+    assert "--num-experts" not in g.job_args(cs["dense-s512-m1"], iters=6)
+    log = "\n".join(f" [2026-12-01 10:00:0{i}] iteration        {i}/       4 | consumed samples: {i * 4:12d} | "
+                    f"elapsed time per iteration (ms): {t} | learning rate: 1.0E-04 |"
+                    for i, t in ((1, 900.0), (2, 101.0), (3, 99.0), (4, 100.0)))
+    assert g.iteration_s(log) == pytest.approx(0.100)  # the first iteration left out
+    with pytest.raises(ValueError):
+        g.iteration_s("no iterations here")
+    ok = {"case": "c", "dp_world": 8, "dp_predicted_ms": 110.0, "predicted_ms": 100.0}
+    assert g.dp_failures([ok]) == [] and g.dp_failures([{**ok, "dp_predicted_ms": 90.0}])
