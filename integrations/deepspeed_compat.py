@@ -11,6 +11,21 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
 
 * **Accelerator.** ``DS_ACCELERATOR`` is left to the user; unset, DeepSpeed detects its CPU
   accelerator on a machine without CUDA (and the CUDA one on a GPU machine).
+* **CUDA devices.** DeepSpeed names its GPU by ``LOCAL_RANK`` through its accelerator
+  (``get_accelerator().set_device(local_rank)``, ``device_name(local_rank)`` for the engine's
+  ``module.to(...)``, ZeRO-3's ``local_device`` and consistency checks, the pipeline module's
+  ``self.to(...)``, ``device(local_rank)`` for ``init_process_group``'s ``device_id``). In a
+  capture or emulation on CUDA the rank runs on the physical GPU of its device slot
+  (``RankPlan.device_slot`` modulo the GPUs present, the rule
+  ``prism_launch/launch/devices.py`` applies to ``torch.cuda``): ``CUDA_Accelerator``'s
+  ``device_name(i)``, ``device(i)`` and ``set_device(i)`` name that GPU for every ``i``
+  (``current_device_name()`` already does, through the redirected ``torch.cuda.set_device``).
+  In ``mode=real`` and on CPU nothing is mapped.
+* **No op builds.** A config that needs a compiled DeepSpeed op this installation lacks
+  (FusedAdam for ``"Adam"`` on CUDA, DeepSpeedCPUAdam for ZeRO-Offload, …) would make every
+  rank JIT-compile it (minutes, a compiler and ninja needed on the machine). ``OpBuilder.jit_load``
+  raises a :class:`DeepSpeedOpNotBuilt` instead, naming the op and the config change that avoids it
+  (``"torch_adam": true``); prebuilt ops (``DS_BUILD_<OP>=1``) load as before.
 * **Shared-memory communication op.** DeepSpeed's ``TorchBackend`` JIT-compiles a
   shared-memory all-reduce (``deepspeed_shm_comm``, 25–45 s the first time on 2 cores, then
   cached in ``~/.cache/torch_extensions``) and, when ``LOCAL_SIZE`` equals the world size,
@@ -18,12 +33,18 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
   ``inference_all_reduce``, which falls back to ``torch.distributed.all_reduce`` without
   it), and in emulation the peers are virtual, so ``build_shm_op`` returns None: every
   collective goes through ``torch.distributed`` and so through the prism process group.
-* **Empty consistency broadcast.** ZeRO-3 checks at the start of every forward that all ranks
-  trace the same submodule order: after checking the list's length on every rank it broadcasts
-  rank 0's list. At the first step the list is empty, and a zero-byte broadcast from a virtual
-  root is never streamed by the assistant (it sends no empty messages), so the sandbox would
-  wait for it until its deadline. ``get_lst_from_rank0`` returns ``[]`` for an empty list
-  without communicating (the same result; every mode runs the patched program, so capture,
+* **Consistency broadcasts from rank 0.** ZeRO-3 checks at the start of every forward that all
+  ranks trace the same submodule order: ``assert_lst_len_same_as_other_ranks`` broadcasts rank
+  0's list length, then ``get_lst_from_rank0`` rank 0's list. DeepSpeed fills the buffer with
+  ``-1`` on every other rank (broadcast overwrites it). In a folded capture without rank 0, a
+  broadcast whose root is not captured takes the root's stand-in's buffer — a captured rank's
+  ``-1`` — and the check failed ("disagreement on list length between rank0 and rank1000").
+  Here every rank fills the buffer with its own length and list (the same op, shapes and
+  bytes; a broadcast's result never depends on a non-root's buffer), so the stand-in serves
+  what rank 0 would have sent in a consistent job, on CPU and CUDA alike. An empty list is
+  not broadcast at all: a zero-byte broadcast from a virtual root is never streamed by the
+  assistant (it sends no empty messages), so ``get_lst_from_rank0`` returns ``[]`` without
+  communicating (the same result; every mode runs the patched program, so capture,
   emulation and ``mode=real`` issue the same ops).
 * **Deterministic ZeRO-3 padding.** ZeRO-3 pads the last partitions of a parameter with
   uninitialised memory (``torch.empty``); those bytes travel in every parameter all-gather.
@@ -45,19 +66,53 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
   A pure ZeRO job therefore folds to the sandbox ranks alone; a pipeline job to one
   pipeline (x model-parallel slice); an MoE job to one expert-parallel group.
 
-Checked against DeepSpeed 0.19.8 with torch 2.13 (CPU).
+Checked against DeepSpeed 0.19.8 source with torch 2.13 (CPU; CUDA paths with stand-ins for ``torch.cuda``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 from integrations.import_hooks import after_import
 
-__all__ = ["install", "is_installed", "group_label", "LABELS"]
+__all__ = ["install", "is_installed", "group_label", "LABELS", "physical_gpu", "set_physical_gpu",
+           "DeepSpeedOpNotBuilt"]
 
 _LOCK = threading.RLock()
 _INSTALLED = False
+_PHYSICAL: list[int | None] = [None]  # the rank's physical GPU when logical CUDA indices are mapped
+
+
+class DeepSpeedOpNotBuilt(RuntimeError):
+    """A DeepSpeed config needs a compiled op that this DeepSpeed installation does not have."""
+
+
+def physical_gpu() -> int | None:
+    """The physical GPU every CUDA index DeepSpeed names maps to (None: no mapping)."""
+    return _PHYSICAL[0]
+
+
+def set_physical_gpu(index: int | None) -> None:
+    """Map DeepSpeed's CUDA indices onto ``index`` (None: leave them as they are)."""
+    _PHYSICAL[0] = None if index is None else int(index)
+
+
+def _plan_physical_gpu() -> int | None:
+    """The plan's physical GPU for this rank, when prism-launch started it on CUDA."""
+    from prism_launch.config.plan import PLAN_VAR, RankPlan
+
+    if not os.environ.get(PLAN_VAR) or "RANK" not in os.environ:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    plan = RankPlan.from_env()
+    if plan.device != "cuda" or plan.mode == "real":
+        return None
+    # the rule of prism_launch/launch/devices.py: the rank's device slot modulo the GPUs present
+    return plan.device_slot(int(os.environ["RANK"])) % torch.cuda.device_count()
 
 LABELS: dict[tuple[int, ...], str] = {}
 """Rank list -> group description, filled as DeepSpeed computes its group layouts."""
@@ -186,19 +241,101 @@ def _patch_groups(mod) -> None:
     mod._create_expert_data_and_model_parallel = _create_expert_data_and_model_parallel
 
 
+def _patch_accelerator(mod) -> None:
+    acc = mod.CUDA_Accelerator
+    if getattr(acc.device_name, "__prism_mapped__", False):
+        return
+    real_device_name, real_device, real_set_device = acc.device_name, acc.device, acc.set_device
+
+    def device_name(self, device_index=None):
+        gpu = _PHYSICAL[0]
+        if device_index is None or gpu is None:
+            return real_device_name(self, device_index)
+        return real_device_name(self, gpu)
+
+    def device(self, device_index=None):
+        gpu = _PHYSICAL[0]
+        return real_device(self, device_index if device_index is None or gpu is None else gpu)
+
+    def set_device(self, device_index):
+        gpu = _PHYSICAL[0]
+        return real_set_device(self, device_index if gpu is None else gpu)
+
+    for fn, real in ((device_name, real_device_name), (device, real_device), (set_device, real_set_device)):
+        fn.__prism_mapped__ = True
+        fn.__wrapped__ = real
+        fn.__doc__ = real.__doc__
+    acc.device_name, acc.device, acc.set_device = device_name, device, set_device
+
+
+_OP_HINTS = {
+    "fused_adam": 'the optimizer "Adam"/"AdamW" is FusedAdam on CUDA: add "torch_adam": true to optimizer.params',
+    "cpu_adam": 'ZeRO-Offload\'s optimizer ("offload_optimizer") is DeepSpeedCPUAdam: add "torch_adam": true to '
+                'optimizer.params and "zero_force_ds_cpu_optimizer": false to the config (torch\'s Adam on the '
+                'offloaded CPU state)',
+    "cpu_adagrad": 'ZeRO-Offload with "Adagrad" is DeepSpeedCPUAdagrad: choose "Adam" with "torch_adam": true',
+    "cpu_lion": 'ZeRO-Offload with "Lion" is DeepSpeedCPULion: choose "Adam" with "torch_adam": true',
+    "fused_lamb": 'the optimizer "Lamb" is FusedLamb: choose "Adam"/"AdamW" with "torch_adam": true',
+    "fused_lion": 'the optimizer "Lion" is FusedLion on CUDA: choose "Adam"/"AdamW" with "torch_adam": true',
+}
+
+
+def op_not_built_message(name: str) -> str:
+    """Why an op build is refused, and what to change."""
+    hint = _OP_HINTS.get(name, "change the config so that it does not need it")
+    return (f"DeepSpeed op {name!r} is not built into this DeepSpeed installation, and prism-launch does not "
+            f"JIT-compile DeepSpeed ops (every rank of the job would compile it). Either {hint}, or install "
+            f"DeepSpeed with the op prebuilt (DS_BUILD_{name.upper()}=1 pip install deepspeed).")
+
+
+def _patch_op_builder(mod) -> None:
+    builder = mod.OpBuilder
+    if getattr(builder.jit_load, "__prism_patched__", False):
+        return
+    original = builder.jit_load
+
+    def jit_load(self, verbose=True):
+        raise DeepSpeedOpNotBuilt(op_not_built_message(str(getattr(self, "name", type(self).__name__))))
+
+    jit_load.__prism_patched__ = True
+    jit_load.__wrapped__ = original
+    builder.jit_load = jit_load
+
+
 def _patch_zero_utils(mod) -> None:
     original = mod.get_lst_from_rank0
     if getattr(original, "__prism_patched__", False):
         return
+    original_len = mod.assert_lst_len_same_as_other_ranks
+    torch, dist = mod.torch, mod.dist
+
+    def _local_device():
+        return torch.device(mod.get_accelerator().device_name(os.environ["LOCAL_RANK"]))
+
+    def assert_lst_len_same_as_other_ranks(lst):
+        # every rank's own length in the buffer (DeepSpeed: -1 off rank 0): a stand-in for an
+        # uncaptured rank 0 then broadcasts what rank 0 holds in a consistent job
+        rank0_len_tensor = torch.tensor(len(lst), dtype=int, device=_local_device(), requires_grad=False)
+        dist.broadcast(rank0_len_tensor, src=0, async_op=False)
+        rank0_list_length = rank0_len_tensor.cpu().item()
+        if rank0_list_length != len(lst):
+            raise RuntimeError(f"Detected a disagreement on list length between rank0 and rank{dist.get_rank()}: "
+                               f"\n rank0: {rank0_list_length} "
+                               f"\n rank{dist.get_rank()}: {len(lst)}")
 
     def get_lst_from_rank0(lst):
         if len(lst) == 0:  # every rank checked the length first: nothing to broadcast
             return []
-        return original(lst)
+        lst_tensor = torch.tensor(list(lst), dtype=int, device=_local_device(), requires_grad=False)
+        dist.broadcast(lst_tensor, src=0, async_op=False)
+        return [t.item() for t in lst_tensor.cpu()]
 
-    get_lst_from_rank0.__prism_patched__ = True
-    get_lst_from_rank0.__wrapped__ = original
+    for fn, real in ((get_lst_from_rank0, original), (assert_lst_len_same_as_other_ranks, original_len)):
+        fn.__prism_patched__ = True
+        fn.__wrapped__ = real
+        fn.__doc__ = real.__doc__
     mod.get_lst_from_rank0 = get_lst_from_rank0
+    mod.assert_lst_len_same_as_other_ranks = assert_lst_len_same_as_other_ranks
 
 
 def _patch_partition_parameters(mod) -> None:
@@ -242,6 +379,9 @@ def _patch_coalesced_collectives(mod) -> None:
 
 
 _PATCHES = {
+    "deepspeed.accelerator.cuda_accelerator": _patch_accelerator,
+    "deepspeed.ops.op_builder.builder": _patch_op_builder,
+    "op_builder.builder": _patch_op_builder,  # DeepSpeed installed from a source tree
     "deepspeed.comm.torch": _patch_comm_torch,
     "deepspeed.runtime.comm.coalesced_collectives": _patch_coalesced_collectives,
     "deepspeed.runtime.pipe.engine": _patch_coalesced_collectives,
@@ -259,6 +399,8 @@ def install() -> None:
         if _INSTALLED:
             return
         _INSTALLED = True
+        if _PHYSICAL[0] is None:
+            set_physical_gpu(_plan_physical_gpu())
         for name, patch in _PATCHES.items():
             after_import(name, patch)
 

@@ -12,7 +12,8 @@ from prism_launch.config.errors import ConfigError
 class CompatConfig:
     integrations: list[str] = field(default_factory=lambda: ["cpu", "megatron"])
     """Integrations (names in the registry, :mod:`prism_launch.config.registry`) whose compatibility
-    layer is activated in every rank when ``device=cpu``."""
+    layer is activated in every rank when ``device=cpu`` (and on CUDA for those whose registry
+    entry says so: DeepSpeed's)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -3,7 +3,8 @@ compatibility layer) are named by the config and loaded here, the one place that
 name into a module. Core code never imports ``integrations``.
 
 An :class:`Integration` says which of its modules fill which role:
-- ``compat``: activated in every rank when ``device=cpu`` (the module's ``install()``);
+- ``compat``: activated in every rank when ``device=cpu`` (the module's ``install()``), and on
+  CUDA too for an integration whose ``compat_devices`` name it (DeepSpeed's);
 - ``renderer``: writes ``target.parallel``/``script.args`` into the script's arguments
   (``render(cfg, script_args, out_dir) -> list[str]``);
 - ``moe``: finds MoE token dispatches in a trace (``dispatches``/``describe``);
@@ -35,6 +36,8 @@ class Integration:
     compat: str | None = None
     renderer: str | None = None
     moe: str | None = None
+    compat_devices: tuple[str, ...] = ("cpu",)
+    """The devices (``cpu``, ``cuda``) on which the ``compat`` module is activated."""
     recipe_flags: tuple[str, ...] = ()
     warm_imports: tuple[str, ...] = ()
     """Modules a recognised recipe needs, imported once in the launcher before ranks are forked."""
@@ -51,6 +54,7 @@ BUILTIN: tuple[Integration, ...] = (
                 # (not --data-cache-path: ranks read the dataset index cache that rank 0 builds there)
                 output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")),
     Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",
+                compat_devices=("cpu", "cuda"),  # device mapping, rank-0 checks, padding, group labels
                 recipe_flags=("--deepspeed_config", "--deepspeed-config", "--deepspeed"), warm_imports=("deepspeed",),
                 # DeepSpeedExamples' and HF-style training scripts' output and run-name flags
                 output_args=("--output_dir", "--output-dir", "--save_dir", "--logging_dir", "--log_dir",

@@ -23,12 +23,11 @@ from prism_launch.trace import fingerprint as fp
 
 
 def compat_modules(cfg: PrismConfig) -> tuple[str, ...]:
-    """The compatibility modules every rank installs first: the CPU layers of
-    ``compat.integrations`` when the ranks run on CPU."""
-    if cfg.on_cuda:
-        return ()
-    mods = (integration(n, where="compat.integrations").compat for n in cfg.compat.integrations)
-    return tuple(m for m in mods if m)
+    """The compatibility modules every rank installs first: those of ``compat.integrations``
+    made for the ranks' device (the CPU layers on CPU; DeepSpeed's on CPU and CUDA)."""
+    device = "cuda" if cfg.on_cuda else "cpu"
+    found = (integration(n, where="compat.integrations") for n in cfg.compat.integrations)
+    return tuple(i.compat for i in found if i.compat and device in i.compat_devices)
 
 
 def program_config(cfg: PrismConfig) -> dict:
