@@ -97,7 +97,16 @@ def unpack(buf: torch.Tensor, served: list[tuple[int, RecordedOp]], into: list) 
     return into
 
 
-_FOREVER = __import__("datetime").timedelta(days=365)
+_UNTIL_TAKEN = __import__("datetime").timedelta(days=365)
+"""A posted message waits until its sandbox rank enters the op, however long the program
+computes before; what bounds it is that rank's life (:meth:`_Sent.wait`), not a clock."""
+
+
+def awaited(assistant: int, virtual: list[int], idx: int) -> str:
+    """What a sandbox op waits for from the assistant (named when it misses its deadline)."""
+    few = f"{virtual[:8]}{' ...' if len(virtual) > 8 else ''}"
+    return (f"the assistant (physical rank {assistant}; its log is under <log-dir>/<world size>) to send "
+            f"virtual rank(s) {few}' recorded data for this rank's op #{idx}")
 
 
 def done_key(rank: int) -> str:
@@ -107,7 +116,9 @@ def done_key(rank: int) -> str:
 
 class _Sent:
     """A posted send, waited on by its own thread (gloo send works have no future, and a
-    timed-out gloo wait closes the connection, so the wait itself carries no deadline)."""
+    timed-out gloo wait closes the connection, so the wait itself carries no deadline: it ends
+    when the sandbox takes the message, or with an error when the sandbox's process ends and
+    its connection closes)."""
 
     def __init__(self, work, buf: torch.Tensor, what: str):
         self.buf, self.what = buf, what
@@ -117,7 +128,7 @@ class _Sent:
 
     def _run(self, work) -> None:
         try:
-            work.wait(_FOREVER)
+            work.wait(_UNTIL_TAKEN)
         except BaseException as e:  # noqa: BLE001
             self.error = e
         self.finished.set()
@@ -171,12 +182,17 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     returns when all were taken and played.
 
     The assistant is a server: it waits as long as its sandbox ranks run (their own waits
-    carry the deadlines) and fails fast when a sandbox rank ends without taking a message,
-    or when every sandbox rank has ended ``grace_s`` ago with a ring op not played. One
-    failed stream or ring fails the whole run.
+    carry the deadlines, ``comm.timeout_s``; a sandbox that stops communicating fails by them
+    and ends) and fails fast when a sandbox rank ends without taking a message, when its
+    connection closes, or when every sandbox rank has ended ``grace_s`` ago with a ring op not
+    played. The first failed stream or ring fails the whole run at once (the other streams'
+    threads are daemons; the assistant's process ends without interpreter teardown).
     """
     stats = AssistantStats({r: StreamStats() for r in sandbox})
     errors: list[BaseException] = []
+
+    changed = threading.Event()
+    """Set when a stream or a ring player ends or fails: the caller looks again."""
 
     def run(rank: int) -> None:
         try:
@@ -184,6 +200,8 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
                     lambda: store.check([done_key(rank)]), device_path, pruned)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(RuntimeError(f"assistant stream to sandbox rank {rank} failed: {e}"))
+        finally:
+            changed.set()
 
     threads = [threading.Thread(target=run, args=(r,), name=f"prism-assistant-{r}", daemon=True) for r in sandbox]
     players: list[_RingPlayer] = []
@@ -196,19 +214,23 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
             raise ValueError("serve(pruned=True) needs the rings' channels")
         plan = ring_plan(recording, sandbox, len(sandbox), len(sandbox))
         rings.open(plan)
-        players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended)
+        players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended, changed)
                    for gid, ops in sorted(ring_ops(recording, sandbox, plan).items())]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
     ended_at: float | None = None
-    while any(p.thread.is_alive() for p in players) and not errors:
-        if ended_at is None and ended():
-            ended_at = time.monotonic()
-        if ended_at is not None and time.monotonic() - ended_at > grace_s:
-            raise _unplayed([p for p in players if p.thread.is_alive()])
-        time.sleep(0.05)
+    while not errors:
+        streaming = any(t.is_alive() for t in threads)
+        playing = [p for p in players if p.thread.is_alive()]
+        if not streaming and not playing:
+            break
+        if not streaming:  # the sandboxes took every message: the rings have grace_s past their end
+            if ended_at is None and ended():
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > grace_s:
+                raise _unplayed(playing)
+        changed.wait(0.05)  # a thread ended, or look at the store again
+        changed.clear()
     if errors:
         raise errors[0]
     return stats
@@ -242,9 +264,11 @@ class _RingPlayer:
     the group's own communicator."""
 
     def __init__(self, recording: Recording, sandbox: tuple[int, ...], gid: int, ops: list[RingOp],
-                 rings: RingChannels, errors: list, stats: AssistantStats, ended: Callable[[], bool]):
+                 rings: RingChannels, errors: list, stats: AssistantStats, ended: Callable[[], bool],
+                 changed: threading.Event):
         self.gid, self.at, self.kind_at = gid, ops[0][0], ops[0][1]
         self._ended = ended
+        self._changed = changed
         self.thread = threading.Thread(target=self._run, args=(recording, sandbox, ops, rings, errors, stats),
                                        name=f"prism-assistant-ring-{gid}", daemon=True)
         self.thread.start()
@@ -268,7 +292,12 @@ class _RingPlayer:
                         cache[m] = [t.to(rings.device) for t in got] if rings.device is not None else got
                     return cache[m]
 
-                run_op(ring, pg, local, me, gid, seq, kind, reduce, pieces, k, tags=rings.tags)
+                # the deadline counts from the op's start: the sandbox members enter it after their
+                # compute since the previous one, as a real collective's members would
+                deadline = None if rings.timeout_s is None else time.monotonic() + rings.timeout_s
+                run_op(ring, pg, local, me, gid, seq, kind, reduce, pieces, k, tags=rings.tags, deadline=deadline,
+                       what=f"assistant: group {gid} (ranks {list(ranks)[:8]}{' ...' if len(ranks) > 8 else ''}) "
+                            f"{kind} seq {seq}")
                 if rings.device is not None:
                     torch.cuda.current_stream().synchronize()
                 with _READ_LOCK:
@@ -279,3 +308,5 @@ class _RingPlayer:
             else:
                 errors.append(RuntimeError(f"assistant: pruned ring of group {gid} seq {self.at} ({self.kind_at}) "
                                            f"failed: {e}"))
+        finally:
+            self._changed.set()

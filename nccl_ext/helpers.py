@@ -12,12 +12,13 @@ handler): threads of finished work are joined, timers not yet due are cancelled.
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nccl_ext.pending import Pending
+from nccl_ext.pending import LIMIT_KEY, CommDeadlineError, Pending
 
 GRACE_S = 2.0
 """How long a thread of an op still outstanding at ``stop`` (one the program never waited
@@ -98,4 +99,29 @@ class HelperThreads:
             return sum(h.thread.is_alive() for h in self._live)
 
 
-__all__ = ["HelperThreads"]
+def wait_works(works: list, pending: Pending) -> None:
+    """Wait for c10d works (gloo send/recv: no future to chain on) until ``pending``'s deadline,
+    every one of them even after one failed (a work is never dropped with its transfer posted);
+    the works are cleared (they hold the sent tensors). Raises :class:`CommDeadlineError` past
+    the deadline, else the peer's own error, each naming the op and what it waited for
+    (``pending.waiting_for``)."""
+    t0, error = time.monotonic(), None
+    for w in works:
+        try:
+            w.wait(datetime.timedelta(seconds=max(pending.deadline - time.monotonic(), 1e-3)))
+        except Exception as e:  # noqa: BLE001 - gloo raises its own error types
+            error = error or e
+    works.clear()
+    if error is None:
+        return
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    of = pending.waiting_for or "the exchange with the other sandbox ranks"
+    if time.monotonic() >= pending.deadline:
+        raise CommDeadlineError(
+            f"deadline exceeded: {pending.what}: waiting {time.monotonic() - t0:.1f} s for {of} failed: {text} "
+            f"({LIMIT_KEY}={pending.timeout_s:g}; raise it with {LIMIT_KEY}= if the peer is only slow)") from error
+    raise RuntimeError(f"{pending.what}: waiting for {of} failed after {time.monotonic() - t0:.1f} s: {text} (the "
+                       "peer's process ended or closed its connection: see its log)") from error
+
+
+__all__ = ["HelperThreads", "wait_works"]

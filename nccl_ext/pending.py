@@ -8,20 +8,48 @@ from collections.abc import Callable
 from typing import Any
 
 
+LIMIT_KEY = "comm.timeout_s"
+"""The config key of every communication deadline (the plan's ``timeout_s``)."""
+
+
+def timeout_seconds(timeout) -> float | None:
+    """A caller's timeout in seconds: a ``timedelta`` or a number; None for none (None, or
+    zero: torch's ``kNoTimeout``, which C++ callers pass for "the backend's default")."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return s if s > 0 else None
+
+
+def short_ranks(ranks) -> str:
+    """A rank list as messages print it (first ranks and the last of a long list)."""
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"
+
+
 class CommDeadlineError(RuntimeError):
-    """A communication op did not complete before its deadline."""
+    """A communication op did not complete before its deadline, or within the caller's own
+    timeout (``Work.wait(timeout)``, ``monitored_barrier(timeout=)``). The message names the
+    logical rank, the group, the op and its sequence number (the op's ``what``), what it was
+    still waiting for, the limit and how to raise it."""
 
 
 class Pending:
     """One outstanding op: completed by a transport, observed by the process group."""
 
-    __slots__ = ("what", "deadline", "op_id", "_event", "_value", "_error", "_callbacks", "_lock")
+    __slots__ = ("what", "deadline", "timeout_s", "op_id", "waiting_for", "_event", "_value", "_error",
+                 "_callbacks", "_lock")
 
     def __init__(self, what: str, timeout_s: float, op_id: int = -1):
         self.what = what
+        """Names the logical rank, the op, its group and sequence number (every error says it)."""
         self.op_id = op_id
         """The transport's id of this op (-1: none)."""
+        self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
+        self.waiting_for = ""
+        """What the op waits for besides the program (e.g. the assistant's message), if the
+        transport says: named when the op misses its deadline."""
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -71,15 +99,37 @@ class Pending:
         real backend's would be (the handle may outlive them in the program)."""
         self._value = None
 
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until done, the op's deadline or ``timeout_s`` (the caller's own limit) passes,
+        whichever comes first; whether it is done. Past the deadline the op fails."""
+        remaining = self.deadline - time.monotonic()
+        if timeout_s is not None and timeout_s < remaining:
+            return self._event.wait(max(timeout_s, 0.0))
+        if not self._event.wait(max(remaining, 0.0)):
+            self.fail(self.deadline_error())
+        return True
+
     def result(self) -> Any:
         """Wait until done or the deadline passes; raise the op's error if it failed."""
-        remaining = self.deadline - time.monotonic()
-        if not self._event.wait(max(remaining, 0.0)):
-            self.fail(CommDeadlineError(f"deadline exceeded: {self.what}"))
+        self.wait()
         if self._error is not None:
             raise self._error
         return self._value
 
     def check_deadline(self, now: float) -> None:
         if not self._event.is_set() and now > self.deadline:
-            self.fail(CommDeadlineError(f"deadline exceeded: {self.what}"))
+            self.fail(self.deadline_error())
+
+    def _waiting(self) -> str:
+        return f"; still waiting for {self.waiting_for}" if self.waiting_for else ""
+
+    def deadline_error(self) -> CommDeadlineError:
+        return CommDeadlineError(
+            f"deadline exceeded: {self.what}: not complete after {self.timeout_s:g} s{self._waiting()} "
+            f"({LIMIT_KEY}; raise it with {LIMIT_KEY}= if the peer is only slow)")
+
+    def timeout_error(self, timeout_s: float, by: str = "Work.wait(timeout=)") -> CommDeadlineError:
+        """The caller's own limit passed first (the op stays outstanding until its deadline)."""
+        return CommDeadlineError(
+            f"timed out: {self.what}: not complete within the caller's timeout of {timeout_s:g} s ({by})"
+            f"{self._waiting()}; the op's own deadline is {LIMIT_KEY}={self.timeout_s:g}")

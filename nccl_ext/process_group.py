@@ -26,7 +26,11 @@ import torch.distributed as dist
 
 from nccl_ext.groups import GroupInfo, GroupRegistry
 from nccl_ext.ops import Collective, ReduceKind, reduce_kind
-from nccl_ext.pending import Pending
+from nccl_ext.pending import LIMIT_KEY, CommDeadlineError, Pending, short_ranks, timeout_seconds
+
+MONITORED_BARRIER_TAG = 0x3FFF_FFF7
+"""The point-to-point tag of :meth:`PrismProcessGroup.monitored_barrier`'s messages (kept apart
+from the program's tags, so its sequence numbers are untouched)."""
 
 
 @dataclass(slots=True)
@@ -155,6 +159,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._name = name or info.key
         self._seq = 0
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
+        self._monitored = 0
+        """monitored_barrier calls so far (their own sequence)."""
         self._lock = threading.Lock()
 
     # -- identity ---------------------------------------------------------------------
@@ -181,8 +187,21 @@ class PrismProcessGroup(dist.ProcessGroup):
     def _submit(self, call: CollectiveCall, apply, opts=None) -> dist.Work:
         seq = self._next_seq()
         self.world.ops_issued += 1
-        pending = self.world.transport.collective(self.info, seq, call)
+        pending = self._issue(f"{call.api} on group {self.info.desc or self.info.key} seq {seq}",
+                              self.world.transport.collective, self.info, seq, call)
         return PrismWork(pending, apply, self.world.transport, ("c", self.info.key, seq))
+
+    def _issue(self, what: str, op, *args) -> Pending:
+        """``op(*args)``; an error of the backend below (e.g. gloo's, when a physical peer's
+        connection is already closed) is raised naming this rank and ``what``."""
+        try:
+            return op(*args)
+        except RuntimeError as e:
+            if str(e).startswith(f"rank {self.world.rank}:") or f"rank {self.world.rank} " in str(e):
+                raise  # the transport's own error names the op already
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RuntimeError(f"rank {self.world.rank}: {what}: {first} (a physical peer's process ended or closed "
+                               "its connection: see its log)") from e
 
     def _group_size(self) -> int:
         return self.info.size
@@ -352,7 +371,49 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self._submit(CollectiveCall("barrier", Collective.BARRIER, None), None, None)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        self.barrier().wait()
+        """torch's semantics (``distributed_c10d.monitored_barrier``, checked against torch
+        2.13, as gloo implements it): every other member sends to group rank 0 and waits for
+        its answer; group rank 0 waits for each member within ``timeout`` (None: the op
+        deadline, ``comm.timeout_s``) and raises naming the ranks that did not arrive (the
+        first one, or all with ``wait_all_ranks``), else releases them. Built on this group's
+        point-to-point ops under a tag of its own, so capture records it and replay serves the
+        virtual members' messages with their recorded lateness like any other transfer."""
+        limit = timeout_seconds(timeout) or self.world.transport.timeout_s
+        deadline = time.monotonic() + limit
+        me, n = self.rank(), self.size()
+        with self._lock:
+            seq, self._monitored = self._monitored, self._monitored + 1
+        label = (f"rank {self.world.rank}: monitored_barrier seq {seq} on group {self.info.desc or self.info.key} "
+                 f"(ranks {short_ranks(self.info.ranks)})")
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 1e-3)
+
+        if me != 0:
+            self.send([torch.zeros(1)], 0, MONITORED_BARRIER_TAG).wait(left())
+            try:
+                self.recv([torch.zeros(1)], 0, MONITORED_BARRIER_TAG).wait(left())
+            except CommDeadlineError as e:
+                raise CommDeadlineError(
+                    f"{label}: this rank arrived, but group rank 0 (rank {self.info.ranks[0]}) did not release it "
+                    f"within {limit:g} s; rank 0's error names the ranks that failed to arrive") from e
+            return
+        works = [(m, self.recv([torch.zeros(1)], m, MONITORED_BARRIER_TAG)) for m in range(1, n)]
+        failed = []
+        for m, work in works:
+            try:
+                work.wait(left())
+            except CommDeadlineError:
+                failed.append(self.info.ranks[m])
+                if not wait_all_ranks:
+                    break
+        if failed:
+            raise CommDeadlineError(
+                f"{label}: ranks {short_ranks(failed)} failed to pass monitored_barrier within {limit:g} s"
+                f"{'' if wait_all_ranks else ' (the first found; wait_all_ranks=True lists all)'} "
+                f"(its timeout=, or {LIMIT_KEY} when none is given)")
+        for m in range(1, n):
+            self.send([torch.zeros(1)], m, MONITORED_BARRIER_TAG).wait(left())
 
     # -- point to point -----------------------------------------------------------------
     def _p2p_seq_next(self, direction: str, peer: int, tag: int) -> int:
@@ -366,14 +427,18 @@ class PrismProcessGroup(dist.ProcessGroup):
         (tensor,) = tensors
         seq = self._p2p_seq_next("send", dst, tag)
         self.world.ops_issued += 1
-        pending = self.world.transport.send(self.info, self.info.ranks[dst], tag, seq, tensor)
+        pending = self._issue(f"send seq {seq} to rank {self.info.ranks[dst]} tag {tag} on group "
+                              f"{self.info.desc or self.info.key}", self.world.transport.send, self.info,
+                              self.info.ranks[dst], tag, seq, tensor)
         return PrismWork(pending, None, self.world.transport, ("s", self.info.key, self.info.ranks[dst], tag, seq))
 
     def recv(self, tensors, src, tag=0):
         (tensor,) = tensors
         seq = self._p2p_seq_next("recv", src, tag)
         self.world.ops_issued += 1
-        pending = self.world.transport.recv(self.info, self.info.ranks[src], tag, seq, tensor)
+        pending = self._issue(f"recv seq {seq} from rank {self.info.ranks[src]} tag {tag} on group "
+                              f"{self.info.desc or self.info.key}", self.world.transport.recv, self.info,
+                              self.info.ranks[src], tag, seq, tensor)
 
         def apply(res):
             _no_grad_copy(tensor, res[0], "recv")
@@ -455,12 +520,20 @@ class PrismWork(dist.Work):
             fut.set_result(self._value)
 
     def wait(self, timeout=None) -> bool:
+        """Block until the results are in the caller's tensors: at most ``timeout`` (a
+        ``timedelta`` or seconds; None or zero — torch's ``kNoTimeout`` — the op's own deadline,
+        ``comm.timeout_s``), then raise :class:`CommDeadlineError` naming rank, group, op and
+        sequence number. A caller's timeout leaves the op outstanding, as torch's does."""
         if not self._applied.is_set():
+            limit = timeout_seconds(timeout)
             t0 = time.monotonic()
             resume = self._transport.park(self._pending)
+            if not self._pending.wait(limit):
+                # capture: the rank runs on without a slot; its error ends the program anyway
+                raise self._pending.timeout_error(limit)
             self._pending.result()  # raises past the op's deadline
             if not self._applied.wait(max(self._pending.deadline - time.monotonic(), 1.0)):
-                raise RuntimeError(f"{self._pending.what}: result arrived but was not applied in time")
+                raise CommDeadlineError(f"{self._pending.what}: result arrived but was not applied in time")
             if resume is not None:
                 resume()
             self._transport.waited(self._ref, t0, time.monotonic())

@@ -32,8 +32,10 @@ issues one communicator's ops from one thread at a time (:class:`SerialWorker`);
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from nccl_ext.ops import ReduceKind, fold
+from nccl_ext.pending import LIMIT_KEY, CommDeadlineError
 
 _CHUNK_BYTES = 1 << 20
 
@@ -135,10 +138,12 @@ class RingChannels:
     :meth:`get` creates an unplanned group on first use."""
 
     def __init__(self, make: Callable[[int, tuple[int, ...]], dist.ProcessGroup], *, tags: bool = True,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, timeout_s: float | None = None):
         self._make = make
         self.tags = tags
         """Match messages by tag too (gloo); False: by issue order only, as NCCL does."""
+        self.timeout_s = timeout_s
+        """Deadline of one ring op's waits (``comm.timeout_s``); None: the communicators' own."""
         self.device = device
         """Where ring tensors live (a GPU for NCCL); None: host memory."""
         self._groups: dict[int, tuple[dist.ProcessGroup, dict[int, int]]] = {}
@@ -214,10 +219,14 @@ class SerialWorker:
 
 class _Links:
     """Point-to-point between ring positions; positions played by the same process hand over
-    in memory."""
+    in memory. Every wait ends by ``deadline`` (monotonic; None: the communicator's own
+    timeout), past which it raises naming the op (``what``) and the position it waited for."""
 
-    def __init__(self, ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], tag: int | None):
+    def __init__(self, ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], tag: int | None,
+                 deadline: float | None = None, what: str = ""):
         self.ring, self.pg, self.local, self.tag = ring, pg, local, tag
+        self.deadline, self.what = deadline, what or "pruned-ring op"
+        self._t0 = time.monotonic()
         self.works: list = []
         self._mem: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -232,8 +241,33 @@ class _Links:
         if self.ring.nodes[src].phys == self.ring.nodes[dst].phys:
             return self._mem.pop((dst, key))
         buf = torch.empty_like(like)
-        self.pg.recv([buf], self.local[self.ring.nodes[src].phys], self._tag(src, dst, key)).wait()
+        self._wait(self.pg.recv([buf], self.local[self.ring.nodes[src].phys], self._tag(src, dst, key)),
+                   f"the message from {self._position(src)}")
         return buf
+
+    def _position(self, pos: int) -> str:
+        node = self.ring.nodes[pos]
+        who = f"live member {node.live}" if node.live is not None else \
+            f"the edge of virtual members {list(node.members)[:8]}{' ...' if len(node.members) > 8 else ''}"
+        return f"ring position {pos} ({who} of the group, physical rank {node.phys})"
+
+    def _wait(self, work, of: str) -> None:
+        try:
+            if self.deadline is None:
+                done = work.wait()
+            else:
+                done = work.wait(datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 1e-3)))
+            error = None if done is not False else "the wait returned unfinished"
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise their own error types
+            error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if error is None:
+            return
+        waited = time.monotonic() - self._t0
+        late = self.deadline is None or time.monotonic() >= self.deadline
+        cls = CommDeadlineError if late else RuntimeError
+        raise cls(f"{self.what}: pruned ring: waiting {waited:.1f} s for {of} failed: {error}"
+                  + (f" (deadline {LIMIT_KEY}; raise it with {LIMIT_KEY}= if the peer is only slow)" if late else
+                     " (the peer's process ended or closed the connection: see its log)"))
 
     def _tag(self, src: int, dst: int, key: int) -> int:
         if self.tag is None:  # match by issue order only (NCCL's rule)
@@ -242,7 +276,7 @@ class _Links:
 
     def drain(self) -> None:
         for w in self.works:
-            w.wait()
+            self._wait(w, "a send of this position to be taken")
         self.works.clear()
 
 
@@ -294,10 +328,12 @@ def _reduce_chunks(ring: PrunedRing, links: _Links, mine: list[int], kind: Reduc
 
 
 def all_reduce(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, kind: ReduceKind,
-               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int | None = 0) -> dict[int, torch.Tensor]:
+               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int | None = 0, *,
+               deadline: float | None = None, what: str = "") -> dict[int, torch.Tensor]:
     """Run this process's nodes of an all-reduce; ``data(member)`` gives a live member's tensor
-    or an edge's recorded one. Returns {live member played here: result}."""
-    links = _Links(ring, pg, local, tag)
+    or an edge's recorded one. Returns {live member played here: result}. Every wait ends by
+    ``deadline`` (``time.monotonic()``; None: the communicator's timeout), ``what`` names the op."""
+    links = _Links(ring, pg, local, tag, deadline, what)
     mine = ring.index(phys=phys)
     last = ring.chain()[-1][0]
     folded = _reduce_chunks(ring, links, mine, kind, like, lambda m, c: data(m), key=0)
@@ -319,11 +355,12 @@ def all_reduce(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], p
 
 
 def reduce_scatter(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, kind: ReduceKind,
-                   data: Callable[[int, int], torch.Tensor], like: torch.Tensor, tag: int | None = 0) -> dict[int, torch.Tensor]:
+                   data: Callable[[int, int], torch.Tensor], like: torch.Tensor, tag: int | None = 0, *,
+                   deadline: float | None = None, what: str = "") -> dict[int, torch.Tensor]:
     """Each live member's chunk (``data(member, chunk)``: a member's ``chunk``-th input chunk),
     folded around the ring; chunks addressed to pruned members are never reduced. Returns
-    {live member played here: its chunk's result}."""
-    links = _Links(ring, pg, local, tag)
+    {live member played here: its chunk's result}. ``deadline``, ``what``: as :func:`all_reduce`'s."""
+    links = _Links(ring, pg, local, tag, deadline, what)
     mine = ring.index(phys=phys)
     last = ring.chain()[-1][0]
     results: dict[int, torch.Tensor] = {}
@@ -342,10 +379,12 @@ def reduce_scatter(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int
 
 
 def all_gather(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int,
-               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int | None = 0) -> dict[int, list[torch.Tensor]]:
+               data: Callable[[int], torch.Tensor], like: torch.Tensor, tag: int | None = 0, *,
+               deadline: float | None = None, what: str = "") -> dict[int, list[torch.Tensor]]:
     """Every node's block (a live member's tensor, an edge's members' recorded tensors)
-    circulates the ring once. Returns {live member played here: all members' tensors in order}."""
-    links = _Links(ring, pg, local, tag)
+    circulates the ring once. Returns {live member played here: all members' tensors in order}.
+    ``deadline``, ``what``: as :func:`all_reduce`'s."""
+    links = _Links(ring, pg, local, tag, deadline, what)
     p = len(ring.nodes)
     mine = ring.index(phys=phys)
     held: dict[int, dict[int, dict[int, torch.Tensor]]] = {
@@ -417,12 +456,15 @@ def _op_tag(gid: int, seq: int, piece: int) -> int:
 
 def run_op(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys: int, gid: int, seq: int,
            kind: str, reduce: ReduceKind | None, pieces: Callable[[int], list[torch.Tensor]], k: int,
-           tags: bool = True) -> dict[int, list[torch.Tensor]]:
+           tags: bool = True, *, deadline: float | None = None, what: str = "") -> dict[int, list[torch.Tensor]]:
     """Run this process's nodes of one emulated collective over ``pg`` (``local``: physical
     rank -> rank in it); ``pieces(member)`` is a member's contribution (live or recorded),
     ``k`` its length. Returns {live member here: result list} in the layout of
-    :func:`nccl_ext.ops.compute`. ``tags=False``: messages carry no tag (matched by order)."""
+    :func:`nccl_ext.ops.compute`. ``tags=False``: messages carry no tag (matched by order).
+    Every wait ends by ``deadline`` (``time.monotonic()``; None: the communicator's timeout);
+    ``what`` names the op in the error (default: its kind, group id and seq)."""
     n, out = ring.n, {}
+    limits = {"deadline": deadline, "what": what or f"pruned-ring {kind} on group {gid} seq {seq}"}
 
     def tag(piece: int) -> int | None:
         return _op_tag(gid, seq, piece) if tags else None
@@ -430,20 +472,20 @@ def run_op(ring: PrunedRing, pg: dist.ProcessGroup, local: dict[int, int], phys:
     if kind == "all_reduce":
         for i in range(k):
             got = all_reduce(ring, pg, local, phys, reduce, lambda m: pieces(m)[i], pieces(_any(ring, phys))[i],
-                             tag=tag(i))
+                             tag=tag(i), **limits)
             for m, t in got.items():
                 out.setdefault(m, []).append(t)
     elif kind == "reduce_scatter":
         for i in range(k // n):
             got = reduce_scatter(ring, pg, local, phys, reduce, lambda m, j: pieces(m)[i * n + j],
-                                 pieces(_any(ring, phys))[i * n], tag=tag(i))
+                                 pieces(_any(ring, phys))[i * n], tag=tag(i), **limits)
             for m, t in got.items():
                 out.setdefault(m, []).append(t)
     else:
         per_member: dict[int, list[list[torch.Tensor]]] = {}
         for i in range(k):
             got = all_gather(ring, pg, local, phys, lambda m: pieces(m)[i], pieces(_any(ring, phys))[i],
-                             tag=tag(i))
+                             tag=tag(i), **limits)
             for m, ts in got.items():
                 per_member.setdefault(m, []).append(ts)
         out = {m: [rows[i][j] for i in range(k) for j in range(n)] for m, rows in per_member.items()}

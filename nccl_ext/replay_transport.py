@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from nccl_ext import wire
-from nccl_ext.assistant import unpack
+from nccl_ext.assistant import awaited, unpack
 from nccl_ext.device_path import DevicePath, eligible, result_of
 from nccl_ext.divergence import HOST_SCALAR_MAX_ELEMENTS, HOST_SCALAR_SITES, DivergenceLog, Kind
 from nccl_ext.groups import GroupInfo
-from nccl_ext.helpers import GRACE_S, HelperThreads
+from nccl_ext.helpers import GRACE_S, HelperThreads, wait_works
 from nccl_ext.ops import compute, contributors
 from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
@@ -160,8 +160,8 @@ class ReplayTransport:
         """Run ``then`` once every c10d work finished; fail ``pending`` if one failed.
 
         gloo's send/recv works have no future (torch 2.13: "Work::getFuture not
-        implemented"), so a short-lived thread waits on them; each wait is bounded by the
-        gloo group's timeout (``comm.timeout_s``). One thread per op, never a shared queue:
+        implemented"), so a short-lived thread waits on them, until the op's deadline
+        (:func:`nccl_ext.helpers.wait_works`). One thread per op, never a shared queue:
         an earlier async recv may only complete after a later op of this rank does.
         """
         if not works:
@@ -170,12 +170,10 @@ class ReplayTransport:
 
         def wait_all() -> None:
             try:
-                for w in works:
-                    w.wait()
-                works.clear()  # the works hold the sent tensors; release them before completing
+                wait_works(works, pending)  # releases the works' sent tensors before completing
                 then()
-            except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
-                pending.fail(RuntimeError(f"{pending.what}: sandbox exchange failed: {e}"))
+            except BaseException as e:  # noqa: BLE001 - surfaced through the pending op (named by wait_works)
+                pending.fail(e if pending.what in str(e) else RuntimeError(f"{pending.what}: {e}"))
 
         self._helpers.start(wait_all, name="prism-sandbox-exchange", what=pending.what, pending=pending)
 
@@ -253,6 +251,7 @@ class ReplayTransport:
         if served:
             buf = wire.untracked_empty((sum(rec.nbytes for _, rec in served),), torch.uint8)
             works.append(self.physical.recv([buf], self.assistant, own.idx))
+            pending.waiting_for = awaited(self.assistant, [group.ranks[m] for m, _ in served], own.idx)
             inner = finish
 
             def finish() -> None:
@@ -298,7 +297,7 @@ class ReplayTransport:
                     if on_device:
                         torch.cuda.current_stream().wait_event(ready)
                     result = run_op(ring, pg, local, phys, gid, seq, kind, reduce, lambda m: live, k,
-                                    tags=rings.tags)[me]
+                                    tags=rings.tags, deadline=pending.deadline, what=what)[me]
                     if on_device:  # complete once the result is in memory (any stream may read it)
                         torch.cuda.current_stream().synchronize()
                 self._finish_after(pending, result, delay)
@@ -493,6 +492,7 @@ class ReplayTransport:
             return pending
         buf = wire.untracked_empty((rec_send.nbytes,), torch.uint8)
         work = self.physical.recv([buf], self.assistant, own.idx)
+        pending.waiting_for = awaited(self.assistant, [src], own.idx)
         out: list = [None]
         self._when_all([work], lambda: self._finish_after(pending, unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending

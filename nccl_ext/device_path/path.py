@@ -172,11 +172,15 @@ class DevicePath(Stager, HostTier):
         return max(0, spare)
 
     def _await_plans(self) -> list[Plan]:
+        deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while self._planned is None:
                 if self._error is not None:
                     raise RuntimeError(f"rank {self.rank}: planning the prefetch failed: {self._error}") \
                         from self._error
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {self.rank}: planning the prefetch (reading the trace's events) took "
+                                       f"over {self.timeout_s:g} s; raise comm.timeout_s if its storage is that slow")
                 self._cond.wait(0.05)
             return self._planned
 

@@ -36,17 +36,54 @@ def discover(plan: RankPlan) -> MakeTransport:
 
 
 def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
-    """The gloo group of the emulation's physical processes (sandbox ranks, then the assistant)."""
+    """The gloo group of the emulation's physical processes (sandbox ranks, then the assistant),
+    met through node 0's store (``physical.endpoint`` on several nodes). Both the store's
+    connection and the group's forming end by ``timeout_s`` (``comm.timeout_s``); a process
+    that never arrives (its node's prism-launch not started, or started with other
+    ``physical.*`` values) fails every one that did, naming it."""
     if size < 2:
         return None, None
     import datetime
 
     import torch.distributed as dist
 
-    host, port = plan.emulate.store.rsplit(":", 1)
+    from nccl_ext.pending import LIMIT_KEY, CommDeadlineError
+
+    e = plan.emulate
+    who = f"sandbox rank {e.sandbox[index]}" if index < len(e.sandbox) else "the assistant"
+    host, port = e.store.rsplit(":", 1)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore("prism/physical", store), index, size, timeout), store
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - c10d raises its own error types
+        raise CommDeadlineError(
+            f"{who}: could not reach the run's store at {e.store} (node 0's prism-launch hosts it; "
+            f"physical.endpoint on several nodes) within {timeout_s:g} s: {_first_line(exc)}; start node 0, or "
+            f"raise {LIMIT_KEY}=") from exc
+    store.set(_arrived_key(index), "1")
+    try:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("prism/physical", store), index, size, timeout)
+    except Exception as exc:  # noqa: BLE001 - c10d raises its own error types
+        missing = [i for i in range(size) if not store.check([_arrived_key(i)])]
+        names = [f"sandbox rank {e.sandbox[i]}" if i < len(e.sandbox) else "the assistant" for i in missing]
+        here = ", ".join(map(str, plan.local_ranks))
+        raise CommDeadlineError(
+            f"{who}: the physical group (sandbox ranks {list(e.sandbox)[:16]}"
+            f"{' + the assistant' if size > len(e.sandbox) else ''}) did not form within {timeout_s:g} s: "
+            f"{', '.join(names) or 'no one'} (physical rank(s) {missing}) never arrived. This node runs sandbox "
+            f"rank(s) {here or '-'}; ranks of other physical nodes come from their own prism-launch, started with "
+            f"the same physical.nodes and physical.endpoint and its physical.node_rank; or raise {LIMIT_KEY}= "
+            f"({_first_line(exc)})") from exc
+    return group, store
+
+
+def _arrived_key(index: int) -> str:
+    return f"prism/physical-arrived/{index}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def ring_channels(plan: RankPlan, me: int, store, timeout_s: float):
@@ -60,7 +97,8 @@ def ring_channels(plan: RankPlan, me: int, store, timeout_s: float):
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device())
-    return RingChannels(group_factory(store, me, e.ring_backend, timeout_s), tags=e.ring_tags, device=device)
+    return RingChannels(group_factory(store, me, e.ring_backend, timeout_s), tags=e.ring_tags, device=device,
+                        timeout_s=timeout_s)
 
 
 def outlive_interpreter(*objs) -> None:

@@ -1,0 +1,47 @@
+"""A physical node that never arrives: the sandbox ranks that did fail by ``comm.timeout_s``
+naming the processes that never joined the physical group (and a node whose store host,
+node 0, never comes fails naming the endpoint), instead of waiting without a limit."""
+
+import datetime
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from nccl_ext.pending import CommDeadlineError
+from prism_launch.rank.transports import physical_group
+
+
+def _plan(endpoint: str, sandbox=(0, 5), local=(0,)):
+    """The two fields of the rank plan ``physical_group`` reads (node 0 runs rank 0; rank 5 is
+    another node's)."""
+    return SimpleNamespace(emulate=SimpleNamespace(store=endpoint, sandbox=sandbox), local_ranks=local)
+
+
+def test_a_physical_node_that_never_arrives_is_named_by_the_ranks_that_did():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5),
+                          wait_for_workers=False)  # node 0's launcher hosts it
+    t0 = time.monotonic()
+    with pytest.raises(CommDeadlineError) as err:
+        physical_group(_plan(f"127.0.0.1:{store.port}"), 0, 3, 1.0)  # ranks 0 and 5, and the assistant
+    assert time.monotonic() - t0 < 6.0
+    msg = str(err.value)
+    assert msg.startswith("sandbox rank 0: the physical group (sandbox ranks [0, 5] + the assistant) did not form "
+                          "within 1 s: sandbox rank 5, the assistant (physical rank(s) [1, 2]) never arrived")
+    assert "physical.node_rank" in msg and "comm.timeout_s=" in msg and "This node runs sandbox rank(s) 0" in msg
+
+
+def test_a_node_whose_store_host_never_comes_names_the_endpoint():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(CommDeadlineError) as err:
+        physical_group(_plan(f"127.0.0.1:{port}", local=(5,)), 1, 2, 1.0)
+    assert time.monotonic() - t0 < 8.0
+    msg = str(err.value)
+    assert msg.startswith(f"sandbox rank 5: could not reach the run's store at 127.0.0.1:{port} (node 0's "
+                          "prism-launch hosts it")
+    assert "within 1 s" in msg and "comm.timeout_s=" in msg
