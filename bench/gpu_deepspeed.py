@@ -26,7 +26,9 @@ ops). The script takes ``torch.cuda.set_device(local_rank)`` and
 Checks, each a failure (exit 1) when it does not hold: both runs exit 0; the sandbox's logged
 losses (and, for the bundled recipes, grad norms and parameter checksums) equal the capture's
 exactly; the report says ``losses_match_capture`` and lists no divergence; the capture time,
-emulation time, sandbox GPU peak and predicted iteration time are all present. Prints one
+emulation time, sandbox GPU peak, predicted iteration time and the sandbox's DeepSpeed memory
+breakdown (ZeRO partitions, buckets, live parameters, optimizer state by device) are all
+present; the OOM verdict at the target's limit (``oom_ranks``) is printed with them. Prints one
 JSON line per job and writes ``summary.json`` under ``--out``; an existing trace there is
 reused (``--fresh`` re-captures).
 """
@@ -134,6 +136,12 @@ def job(name: str, world: int, sandbox: int, script: list, work: Path, fresh: bo
     res["predicted_iteration_ms"] = None if it is None else round(it * 1e3, 2)
     res["oom_ranks"] = predicted.get("oom_ranks")
     res["virtual_ranks"] = rep.get("virtual_ranks")
+    for path in sorted((out / "emu").glob(f"*/{sandbox}/stdout.log")):  # integrations/deepspeed_compat.py
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith(f"prism-launch: deepspeed memory rank {sandbox} "):
+                res["deepspeed_memory"] = json.loads(line.split(" ", 5)[5])
+    if "deepspeed_memory" not in res:
+        fail("no 'prism-launch: deepspeed memory' line in the sandbox's log")
     for key in ("capture_s", "emulate_s", "sandbox_peak_gib", "predicted_iteration_ms"):
         if res.get(key) is None:
             fail(f"missing {key}")

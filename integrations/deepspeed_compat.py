@@ -66,6 +66,13 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
   A pure ZeRO job therefore folds to the sandbox ranks alone; a pipeline job to one
   pipeline (x model-parallel slice); an MoE job to one expert-parallel group.
 
+* **Memory.** After a rank's first optimizer step its log gets one line,
+  ``prism-launch: deepspeed memory rank R {json}`` (:func:`memory_breakdown`): ZeRO-3 partition
+  bytes, fp32 partitions, the configured reduce/all-gather/prefetch buckets and the live-parameter
+  cap in bytes, live parameter bytes, optimizer state bytes by device (``cpu`` is ZeRO-Offload's
+  host memory) and the offload devices. The rank's peak and the OOM verdict at the target's
+  limit are the report's, as for every job.
+
 Checked against DeepSpeed 0.19.8 source with torch 2.13 (CPU; CUDA paths with stand-ins for ``torch.cuda``).
 """
 
@@ -378,7 +385,100 @@ def _patch_coalesced_collectives(mod) -> None:
     mod.torch = _ZeroPaddingTorch(mod.torch)
 
 
+def _nbytes(t) -> int:
+    try:
+        return int(t.numel()) * int(t.element_size())
+    except Exception:  # noqa: BLE001 - not a tensor
+        return 0
+
+
+def memory_breakdown(engine) -> dict:
+    """What a DeepSpeed user asks of memory, from the engine's own objects (no communication, no
+    allocation): ZeRO partitions, the configured buckets in bytes, live parameters, optimizer
+    state by device (ZeRO-Offload's is host memory)."""
+    def call(name, default=None):
+        value = getattr(engine, name, default)
+        return value() if callable(value) else value
+
+    out: dict = {"zero_stage": call("zero_optimization_stage", 0),
+                 "dp_world_size": getattr(engine, "dp_world_size", None)}
+    params = list(engine.module.parameters())
+    elem = params[0].element_size() if params else 4
+    out["param_count"] = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    out["live_param_bytes"] = sum(_nbytes(p.data) for p in params)
+    parts = [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
+    if parts:
+        out["zero3_partition_bytes"] = sum(_nbytes(t) for t in parts)
+    opt = getattr(engine, "optimizer", None)
+    fp32 = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None)
+    if fp32:
+        out["fp32_partition_bytes"] = sum(_nbytes(t) for t in fp32)
+    comm = call("communication_data_type")
+    comm_elem = getattr(comm, "itemsize", elem) if comm is not None else elem
+    buckets = {}
+    for key, name in (("reduce_bucket", "zero_reduce_bucket_size"), ("allgather_bucket", "zero_allgather_bucket_size"),
+                      ("stage3_prefetch_bucket", "zero_prefetch_bucket_size"),
+                      ("stage3_max_live_parameters", "zero_max_live_parameters")):
+        n = call(name)
+        stages = (3,) if key.startswith("stage3") else (1, 2) if key == "allgather_bucket" else (1, 2, 3)
+        if n is not None and out["zero_stage"] in stages:
+            buckets[key] = {"elements": int(n), "bytes": int(n) * int(comm_elem if "bucket" in key else elem)}
+    out["buckets"] = buckets
+    state: dict = {}
+    basic = getattr(engine, "basic_optimizer", None)
+    for per_param in (getattr(basic, "state", {}) or {}).values():
+        for v in per_param.values():
+            if hasattr(v, "device"):
+                state[v.device.type] = state.get(v.device.type, 0) + _nbytes(v)
+    out["optimizer_state_bytes"] = state
+    off_opt, off_param = call("zero_offload_optimizer"), call("zero_offload_param")
+    out["offload"] = {"optimizer": str(getattr(off_opt, "device", None) or "none"),
+                      "param": str(getattr(off_param, "device", None) or "none")}
+    return out
+
+
+def _report_after_first_step(engine) -> None:
+    """Print the rank's :func:`memory_breakdown` once, after its first optimizer step (when the
+    optimizer state exists), as one line of its log: ``prism-launch: deepspeed memory {json}``."""
+    basic = getattr(engine, "basic_optimizer", None)
+    if basic is None or not hasattr(basic, "register_step_post_hook"):
+        return
+    handle = []
+
+    def hook(*_):
+        handle.pop().remove()
+        import json
+
+        try:
+            text = json.dumps(memory_breakdown(engine), default=str)
+        except Exception as e:  # noqa: BLE001 - a report, never a failure of the job
+            text = json.dumps({"error": repr(e)})
+        print(f"prism-launch: deepspeed memory rank {os.environ.get('RANK', '?')} {text}", flush=True)
+
+    handle.append(basic.register_step_post_hook(hook))
+
+
+def _patch_deepspeed(mod) -> None:
+    original = getattr(mod, "initialize", None)
+    if original is None or getattr(original, "__prism_patched__", False):
+        return
+
+    def initialize(*args, **kwargs):
+        out = original(*args, **kwargs)
+        try:
+            _report_after_first_step(out[0])
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    initialize.__prism_patched__ = True
+    initialize.__wrapped__ = original
+    initialize.__doc__ = original.__doc__
+    mod.initialize = initialize
+
+
 _PATCHES = {
+    "deepspeed": _patch_deepspeed,
     "deepspeed.accelerator.cuda_accelerator": _patch_accelerator,
     "deepspeed.ops.op_builder.builder": _patch_op_builder,
     "op_builder.builder": _patch_op_builder,  # DeepSpeed installed from a source tree

@@ -84,7 +84,11 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             entry = report["ranks"][str(rank)]
             assert entry["divergences"] == []
             assert entry["ops"] > 10
-        assert report["virtual_ranks"] == nproc - len(sandbox)
+        # the virtual ranks never ran: only the sandbox ranks and the assistant (logged under the world size) did
+        [run_dir] = list((out / "logs").iterdir())
+        assert sorted(int(p.name) for p in run_dir.iterdir()) == sorted(sandbox) + [nproc]
+        assert sorted(int(r) for r, v in report["ranks"].items() if not v["sandbox"]) == \
+            sorted(set(range(nproc)) - set(sandbox))
 
 
 def _capture_and_emulate(tmp_path, world: int, sandbox: int, script: list) -> tuple[list, list, dict]:
@@ -108,6 +112,11 @@ def test_zero3_in_a_1024_rank_world_without_rank_0(tmp_path):
     entry = report["ranks"]["1001"]
     assert entry["losses_match_capture"] is True and entry["divergences"] == []
     assert report["virtual_ranks"] == 1023
+    [line] = [x for x in emu if x.startswith("prism-launch: deepspeed memory rank 1001 ")]
+    mem = json.loads(line.split(" ", 5)[5])
+    assert mem["zero_stage"] == 3 and mem["dp_world_size"] == 1024 and mem["zero3_partition_bytes"] > 0
+    assert set(mem["buckets"]) == {"reduce_bucket", "stage3_prefetch_bucket", "stage3_max_live_parameters"}
+    assert mem["optimizer_state_bytes"] and mem["offload"] == {"optimizer": "none", "param": "none"}
 
 
 DSE = EXAMPLES.parent / "third_party" / "DeepSpeedExamples" / "training" / "bf16_master_weight" / "train.py"
