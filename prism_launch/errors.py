@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 
 class PrismError(RuntimeError):
     """A run could not proceed; the message says why and what to do."""
@@ -13,3 +15,16 @@ class TraceMismatchError(PrismError):
 
 class RunFailedError(PrismError):
     """A rank failed; the message carries its rank and traceback location."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launcher received SIGINT, SIGTERM or SIGHUP; every rank has been (or is being)
+    stopped. ``exit_code`` is what a shell expects of a process ended by that signal."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        self.signum = int(signum)
+        super().__init__(f"received {signal.Signals(self.signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

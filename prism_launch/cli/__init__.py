@@ -1,27 +1,81 @@
 """``prism-launch``: torchrun's command line, a PrismLLM config, one mode runner
-(:func:`prism_launch.modes.run`), or a sweep of them."""
+(:func:`prism_launch.modes.run`), or a sweep of them.
+
+Every error ends the run with one plain message on stderr — a failing rank's own error first
+(as torchrun's error summary), then what to do — and a non-zero exit: 2 for a bad command line
+or config, 1 for a failed run, 128+signum when SIGINT/SIGTERM/SIGHUP stopped it (130, 143, 129,
+as a shell expects). The launcher's own traceback is printed only with ``launch.debug=true`` or
+``PRISM_DEBUG=1``."""
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
 import sys
+
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _debug(cfg=None) -> bool:
+    return os.environ.get("PRISM_DEBUG", "") not in ("", "0") or bool(cfg is not None and cfg.launch.debug)
+
+
+def _on_signal(signum, _frame):
+    from prism_launch.errors import Interrupted
+
+    for s in _SIGNALS:  # one signal stops the run; a repeat must not cut the teardown short
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _report(e: BaseException, cfg) -> int:
+    """Print ``e`` as prism-launch's one error message; returns the exit code."""
+    import traceback
+
+    from prism_launch.config import ConfigError
+    from prism_launch.errors import Interrupted, PrismError
+    from prism_launch.trace import TraceError
+
+    if _debug(cfg):
+        traceback.print_exception(e, file=sys.stderr)
+    if isinstance(e, KeyboardInterrupt):
+        code = e.exit_code if isinstance(e, Interrupted) else 130
+        print(f"prism-launch: interrupted ({e or 'received SIGINT'}); all ranks stopped, no trace or report "
+              "left half-written", file=sys.stderr)
+        return code
+    if isinstance(e, (ConfigError, FileNotFoundError)):
+        print(f"prism-launch: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, (PrismError, TraceError)):
+        print(f"prism-launch: error: {e}", file=sys.stderr)
+        return 1
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        print(f"prism-launch: error: no space left on the device holding {e.filename or 'an output file'}; "
+              "free space there or point trace.dir / report.dir elsewhere", file=sys.stderr)
+        return 1
+    if isinstance(e, PermissionError):
+        print(f"prism-launch: error: {e}; fix the permissions or point trace.dir / report.dir / --log-dir "
+              "at a writable directory", file=sys.stderr)
+        return 1
+    hint = "" if _debug(cfg) else " (launch.debug=true or PRISM_DEBUG=1 shows the launcher's traceback)"
+    print(f"prism-launch: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     from prism_launch.launch.args import parse
-    from prism_launch.config import ConfigError, compose, resolve, validate
-    from prism_launch.errors import PrismError
-    from prism_launch.trace import TraceError
 
     args = parse(list(sys.argv[1:] if argv is None else argv))
-    if args.multirun and not args.print_config:
-        from prism_launch.sweep import run_sweep
-
-        try:
-            return run_sweep(args)
-        except KeyboardInterrupt as e:
-            print(f"prism-launch: sweep interrupted ({e or 'SIGINT'}); all ranks stopped", file=sys.stderr)
-            return 130
+    previous = {s: signal.signal(s, _on_signal) for s in _SIGNALS}
+    cfg = None
     try:
+        if args.multirun and not args.print_config:
+            from prism_launch.sweep import run_sweep
+
+            return run_sweep(args)
+        from prism_launch.config import compose, resolve, validate
+
         cfg = compose(args.overrides)
         if args.nnodes and "target.nnodes" not in " ".join(args.overrides):
             cfg.target.nnodes = args.nnodes
@@ -41,18 +95,13 @@ def main(argv: list[str] | None = None) -> int:
 
         modes.run(cfg, args)
         return 0
-    except ConfigError as e:
-        print(f"prism-launch: error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"prism-launch: error: {e}", file=sys.stderr)
-        return 2
-    except (PrismError, TraceError) as e:
-        print(f"prism-launch: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:
-        print(f"prism-launch: interrupted ({e or 'SIGINT'}); all ranks stopped", file=sys.stderr)
-        return 130
+    except BaseException as e:  # noqa: BLE001 - every error becomes one message and an exit code
+        if isinstance(e, SystemExit):
+            raise
+        return _report(e, cfg)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 if __name__ == "__main__":

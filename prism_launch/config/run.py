@@ -79,6 +79,12 @@ class LaunchConfig:
     """Grace between SIGTERM and SIGKILL when tearing ranks down."""
     run_timeout_s: float | None = None
     """Wall-clock limit of the whole run (None: unlimited; comm deadlines still apply)."""
+    progress: bool | None = None
+    """Live progress on the terminal (capture, group discovery, calibration slices, emulation,
+    sweeps). None: only when stdout is a terminal (batch logs stay quiet, as with torchrun)."""
+    debug: bool = False
+    """Print the launcher's own Python traceback with an error (also ``PRISM_DEBUG=1``). By
+    default an error is one plain message: the failing rank's error first, then what to do."""
 
     def validate(self) -> None:
         if self.teardown_timeout_s <= 0:

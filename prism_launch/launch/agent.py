@@ -4,7 +4,8 @@ torchrun's elastic agent does for its workers.
 Each rank gets torchrun's environment for its logical rank (:mod:`prism_launch.launch.env`)
 plus the run's :class:`~prism_launch.config.plan.RankPlan`; ranks are forked from this warmed
 process (the caller supplies the function a forked child runs) or spawned as ``python -m
-prism_launch.rank.bootstrap``. SIGTERM/SIGHUP end the run like Ctrl-C; a failed run raises
+prism_launch.rank.bootstrap``. SIGINT/SIGTERM/SIGHUP end the run (:class:`~prism_launch.errors.Interrupted`, every rank
+stopped; a repeated signal does not interrupt the teardown); a failed run raises
 :class:`RunFailedError` with the first failure's message and traceback, as torchrun's error
 summary shows it.
 """
@@ -23,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import Std
 
 from prism_launch.config import LaunchConfig, StartMethod
 from prism_launch.config.plan import RankPlan
-from prism_launch.errors import RunFailedError
+from prism_launch.errors import Interrupted, RunFailedError
 from prism_launch.launch.env import Topology, torchrun_env
 from prism_launch.launch.procs import RankProcesses, RanksTimeoutError, RankSpec, RunResult
 
@@ -155,10 +156,14 @@ class RankAgent:
 
         procs = RankProcesses(specs, start_method="spawn" if spawn else "fork", target=target, log_dir=log_dir,
                               redirects=redirects, tee=tee, teardown_timeout_s=self.launch.teardown_timeout_s)
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        stopping = []
 
         def on_signal(signum, _frame):
-            raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+            if stopping:  # already tearing down (bounded by launch.teardown_timeout_s): let it finish
+                return
+            stopping.append(signum)
+            raise Interrupted(signum)
 
         for s in previous:
             signal.signal(s, on_signal)
@@ -189,7 +194,7 @@ def describe_failure(result: RunResult, log_dir: Path) -> str:
     how = "signal " + first.signal if first.signal else f"exitcode {first.exitcode}"
     lines = [f"rank {first.rank} failed ({how}): {first.message}"]
     if first.traceback:
-        lines.append("traceback (most recent call last) of rank %d:\n%s" % (first.rank, first.traceback.rstrip()))
+        lines.append("traceback (most recent call last) of rank %d:\n%s" % (first.rank, program_frames(first.traceback)))
     if first.error_file:
         lines.append(f"error file: {first.error_file}")
     others = sorted(r for r in result.failures if r != first.rank)
@@ -197,3 +202,22 @@ def describe_failure(result: RunResult, log_dir: Path) -> str:
         lines.append(f"also failed: ranks {others}")
     lines.append(f"per-rank logs: {log_dir}")
     return "\n".join(lines)
+
+
+_LAUNCHER_FRAMES = ('File "<frozen runpy>"', "prism_launch/rank/bootstrap.py", "prism_launch/launch/",
+                    "prism_launch/modes/context.py")
+
+
+def program_frames(tb: str) -> str:
+    """A rank's traceback from its program's first frame on: the frames of the fork, the
+    bootstrap and runpy above it say nothing about the failure (a chained traceback is kept
+    whole)."""
+    lines = tb.rstrip().splitlines()
+    if sum(line.startswith("Traceback (most recent call last)") for line in lines) != 1:
+        return "\n".join(lines)
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    ours = [i for i in frames if any(m in lines[i] for m in _LAUNCHER_FRAMES)]
+    rest = [i for i in frames if i > (ours[-1] if ours else -1)]
+    if not ours or not rest:
+        return "\n".join(lines)
+    return "\n".join([lines[0], *lines[rest[0]:]])

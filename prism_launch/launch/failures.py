@@ -74,10 +74,12 @@ class RunResult:
 
     @property
     def first_failure(self) -> RankFailure | None:
-        """The failure with the smallest timestamp (the likely root cause), if any."""
+        """The likely root cause, if any: a rank killed by a signal, else the failure with the
+        smallest timestamp. A killed rank writes no error file, so its time is only when its
+        exit was seen — after its peers' errors about the connection it dropped."""
         if not self.failures:
             return None
-        return min(self.failures.values(), key=lambda f: (f.timestamp, f.rank))
+        return min(self.failures.values(), key=lambda f: (f.signal is None, f.timestamp, f.rank))
 
 
 def rank_failure(

@@ -1,6 +1,11 @@
 """Mode runners: ``real``, ``capture``, ``calibrate``, ``emulate``, and ``auto``, which
 composes them. Each takes the :class:`~prism_launch.modes.context.RunContext` (the resolved
-config, the program, the trace and report layouts, the launch agent) and nothing else."""
+config, the program, the trace and report layouts, the launch agent) and nothing else.
+
+Before any rank starts, :func:`preflight` checks that every directory the run writes can be
+written and that the trace's file system has room; a capture holds the trace directory's lock
+and an emulation its report directory's (:class:`~prism_launch.trace.lock.DirLock`), so a
+second run on the same directory is refused naming the holder instead of colliding."""
 
 from __future__ import annotations
 
@@ -10,9 +15,12 @@ from pathlib import Path
 
 from prism_launch.launch.args import LaunchArgs
 from prism_launch.config import Mode, PrismConfig
-from prism_launch.errors import TraceMismatchError
+from prism_launch.errors import RunFailedError, TraceMismatchError
+from prism_launch.launch.progress import phase
 from prism_launch.modes.context import RunContext
 from prism_launch.trace import TraceMissingError
+from prism_launch.trace.lock import DirLock
+from prism_launch.trace.space import require_space, require_writable
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,42 +46,87 @@ def auto(ctx: RunContext) -> Path:
     """Capture when no matching trace exists (or around sandbox ranks a folded capture left
     out), calibrate when asked (``calibrate.in_auto``) and not done yet, then emulate."""
     from prism_launch.modes.calibrate import calibrate
-    from prism_launch.modes.capture import capture
-    from prism_launch.modes.emulate import emulate, open_trace
+    from prism_launch.modes.emulate import open_trace
 
+    reader, why = None, None
     try:
         reader = open_trace(ctx)
     except (TraceMissingError, TraceMismatchError) as e:
-        print(f"prism-launch: {'no trace yet' if isinstance(e, TraceMissingError) else e}; capturing "
-              f"{ctx.topo.world_size} logical ranks into {ctx.trace.root}", file=sys.stderr)
-        capture(ctx)
+        why = "no trace yet" if isinstance(e, TraceMissingError) else str(e)
+    # capture outside the except clause: ranks forked inside it would chain every error of the
+    # program to the "No PrismTrace" that started the capture
+    if reader is None:
+        print(f"prism-launch: {why}; capturing {ctx.topo.world_size} logical ranks into {ctx.trace.root}",
+              file=sys.stderr)
+        auto_capture(ctx)
         reader = open_trace(ctx)
     missing = [r for r in ctx.cfg.sandbox.ranks if r not in reader.manifest.ranks_captured]
     if missing:
         print(f"prism-launch: sandbox ranks {missing} are outside the folded capture in {ctx.trace.root}; "
               "capturing again around them", file=sys.stderr)
-        capture(ctx)
+        auto_capture(ctx)
         reader = open_trace(ctx)
     if ctx.cfg.calibrate.in_auto and not ctx.trace.calibrated.exists():
         calibrate(ctx, reader)
-    return emulate(ctx, reader)
+    return locked_emulation(ctx, reader)
+
+
+def auto_capture(ctx: RunContext) -> None:
+    """The capture step of ``auto``: a failure is the program's (or the disk's), named as such."""
+    from prism_launch.modes.capture import capture
+
+    try:
+        locked_capture(ctx)
+    except RunFailedError as e:
+        raise RunFailedError(f"{e}\n(mode=auto: the capture failed, so no trace was written to {ctx.trace.root} "
+                             "and nothing was emulated; fix the error above and run again)") from None
+
+
+def locked_capture(ctx: RunContext) -> Path:
+    from prism_launch.modes.capture import capture
+
+    with DirLock(ctx.trace.root, setting="trace.dir"):
+        return capture(ctx)
+
+
+def locked_emulation(ctx: RunContext, reader) -> Path:
+    from prism_launch.modes.emulate import emulate
+
+    with DirLock(ctx.report.root, setting="report.dir"), \
+            phase(f"emulating sandbox ranks {list(ctx.cfg.sandbox.ranks)} of {ctx.topo.world_size}",
+                  setting=ctx.cfg.launch.progress):
+        return emulate(ctx, reader)
+
+
+def preflight(ctx: RunContext) -> None:
+    """What can be known to fail before any rank starts: a directory the run must write that
+    cannot be written, a trace file system with no room left."""
+    mode = ctx.cfg.mode
+    if ctx.log_root is not None:
+        require_writable(ctx.log_root, setting="--log-dir")
+    if mode in (Mode.capture, Mode.calibrate) or (mode is Mode.auto and not ctx.trace.exists()):
+        require_writable(ctx.trace.root, setting="trace.dir")
+        require_space(ctx.trace.root.parent, 0)
+    if mode in (Mode.emulate, Mode.auto) and ctx.cfg.physical.node_rank == 0:
+        require_writable(ctx.report.root, setting="report.dir")
 
 
 def run(cfg: PrismConfig, args: LaunchArgs) -> RunOutcome:
     """One prism-launch invocation of a resolved, validated config."""
     from prism_launch.modes.calibrate import calibrate
-    from prism_launch.modes.capture import capture
-    from prism_launch.modes.emulate import emulate, open_trace
+    from prism_launch.modes.emulate import open_trace
 
     ctx = RunContext.build(cfg, args)
+    preflight(ctx)
     mode = cfg.mode
     if mode is Mode.real:
         return RunOutcome(mode, None, None, real(ctx))
     if mode is Mode.capture:
-        return RunOutcome(mode, ctx.trace.root, None, capture(ctx))
+        return RunOutcome(mode, ctx.trace.root, None, locked_capture(ctx))
     if mode is Mode.calibrate:
-        calibrate(ctx, open_trace(ctx))
+        with DirLock(ctx.trace.calibrated.root, setting="trace.dir"):
+            calibrate(ctx, open_trace(ctx))
         return RunOutcome(mode, ctx.trace.root, None, ctx.trace.root)
     if mode is Mode.emulate:
-        return RunOutcome(mode, ctx.trace.root, ctx.report.root, emulate(ctx, open_trace(ctx)))
+        return RunOutcome(mode, ctx.trace.root, ctx.report.root, locked_emulation(ctx, open_trace(ctx)))
     return RunOutcome(mode, ctx.trace.root, ctx.report.root, auto(ctx))

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from prism_launch.config import Timing
 from prism_launch.config.root import devices_present
+from prism_launch.launch.progress import phase
 from prism_launch.modes.context import RunContext
 from prism_launch.modes.emulate import emulate
 from prism_launch.predict.calibrate import apply_spans, slices, write_calibrated
@@ -43,12 +44,14 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
     todo = slices(cal.ranks if cal.ranks is not None else reader.manifest.ranks_captured, per_slice)
     measured: dict[int, list] = {}
     t0 = time.monotonic()
-    for i, ranks in enumerate(todo):
-        print(f"prism-launch: calibrating slice {i + 1}/{len(todo)}: ranks {ranks}", file=sys.stderr)
-        sliced = slice_context(ctx, ranks, i)
-        emulate(sliced, reader, quiet=True)
-        for r in ranks:
-            measured[r] = json.loads(sliced.report.summary(r).read_text())["spans"]
+    with phase("calibrating", total=len(todo), setting=ctx.cfg.launch.progress) as bar:
+        for i, ranks in enumerate(todo):
+            print(f"prism-launch: calibrating slice {i + 1}/{len(todo)}: ranks {ranks}", file=sys.stderr)
+            bar.update(completed=i, info=f"slice {i + 1}/{len(todo)}: ranks {ranks}")
+            sliced = slice_context(ctx, ranks, i)
+            emulate(sliced, reader, quiet=True)
+            for r in ranks:
+                measured[r] = json.loads(sliced.report.summary(r).read_text())["spans"]
     result = apply_spans(reader, measured, cal.measure)
     if result.mismatched:
         print(f"prism-launch: warning: ranks {result.mismatched} issued a different event sequence than captured; "

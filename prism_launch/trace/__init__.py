@@ -21,7 +21,10 @@ from .errors import (
     TraceCorruptError,
     TraceError,
     TraceKeyError,
+    TraceBusyError,
     TraceMissingError,
+    TraceSpaceError,
+    TraceUnwritableError,
     TraceVersionError,
 )
 from .layout import (
@@ -67,6 +70,9 @@ __all__ = [
     "TraceReader",
     "TraceVersionError",
     "TraceWriter",
+    "TraceBusyError",
+    "TraceSpaceError",
+    "TraceUnwritableError",
     "cleanup_stale_partials",
     "is_staging_name",
     "tensor_file_name",

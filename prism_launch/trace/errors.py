@@ -15,6 +15,9 @@ __all__ = [
     "TraceVersionError",
     "TraceCorruptError",
     "TraceKeyError",
+    "TraceSpaceError",
+    "TraceUnwritableError",
+    "TraceBusyError",
 ]
 
 #: Generic command suggested when no more specific one is known.
@@ -105,6 +108,66 @@ class TraceKeyError(TraceError, KeyError):
 
     def __str__(self) -> str:  # KeyError would otherwise print the repr of the message
         return self.message
+
+
+class TraceSpaceError(TraceError):
+    """Not enough free disk space for a trace (or report) being written; nothing was published."""
+
+    def __init__(self, path: str | Path, needed: int, free: int, *, during: bool = False) -> None:
+        self.path, self.needed, self.free, self.during = Path(path), int(needed), int(free), during
+        when = "ran out of disk space while writing" if during else "not enough free disk space for"
+        super().__init__(
+            f"{when} the PrismTrace at {self.path}: needs about {_size(needed)}, {_size(free)} free there. "
+            f"Nothing was written that emulation would accept; free space on that file system or point "
+            f"trace.dir= at one with room, then run again.")
+
+    def __reduce__(self):
+        return (_rebuild_space, (str(self.path), self.needed, self.free, self.during))
+
+
+class TraceUnwritableError(TraceError):
+    """A directory prism-launch must write into cannot be written (checked before any rank starts)."""
+
+    def __init__(self, path: str | Path, blocker: str | Path, reason: str, *, setting: str = "trace.dir") -> None:
+        self.path, self.blocker, self.reason, self.setting = Path(path), Path(blocker), reason, setting
+        super().__init__(
+            f"cannot write {self.path}: {self.blocker} is not writable ({reason}). Make it writable "
+            f"(e.g. chmod u+w {self.blocker}) or set {setting}= to a writable directory; no rank was started.")
+
+    def __reduce__(self):
+        return (_rebuild_unwritable, (str(self.path), str(self.blocker), self.reason, self.setting))
+
+
+class TraceBusyError(TraceError):
+    """Another prism-launch holds the lock of a trace or report directory."""
+
+    def __init__(self, path: str | Path, holder: str, *, setting: str) -> None:
+        self.path, self.holder, self.setting = Path(path), holder, setting
+        super().__init__(
+            f"{self.path} is in use by another prism-launch ({holder}); wait for it to finish, or set "
+            f"{setting}= to another directory to run beside it.")
+
+    def __reduce__(self):
+        return (_rebuild_busy, (str(self.path), self.holder, self.setting))
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _rebuild_space(path: str, needed: int, free: int, during: bool) -> TraceSpaceError:
+    return TraceSpaceError(path, needed, free, during=during)
+
+
+def _rebuild_unwritable(path: str, blocker: str, reason: str, setting: str) -> TraceUnwritableError:
+    return TraceUnwritableError(path, blocker, reason, setting=setting)
+
+
+def _rebuild_busy(path: str, holder: str, setting: str) -> TraceBusyError:
+    return TraceBusyError(path, holder, setting=setting)
 
 
 def _rebuild_missing(path: str, hint: str | None, reason: str | None) -> TraceMissingError:

@@ -2,7 +2,9 @@
 and on :meth:`~TraceWriter.commit` writes them into a hidden staging directory beside the
 trace (:mod:`.durable`), seals every file with its sha256 (:mod:`.checksums`), writes the
 manifest last and swaps the directory into place, so a reader sees either the previous
-complete trace or the new complete one, never a half-written directory."""
+complete trace or the new complete one, never a half-written directory. Free space for the
+estimated size is checked first, and a full disk while writing (``ENOSPC``) discards the
+staging directory and raises :class:`~.errors.TraceSpaceError` (needed vs free, where)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch
 
 from .checksums import seal_files
 from .durable import fsync_dir, staging_path, swap_into_place, write_bytes_durable
-from .errors import TraceError
+from .errors import TraceError, TraceSpaceError
+from .space import free_bytes, is_no_space, needed_bytes, require_space
 from .layout import EVENTS_NAME, MANIFEST_NAME, TraceLayout, is_reserved, safe_relpath, tensor_file_name
 from .manifest import Manifest, manifest_fields
 from .schema import EVENT_SCHEMA, FORMAT_VERSION, check_kinds, conform_table, rows_to_table, sorted_by_rank
@@ -191,6 +194,8 @@ class TraceWriter:
             if not allow_missing_tensors:
                 self._check_tensor_refs(events)
             self._check_target()
+            estimate = self.estimated_bytes(events)
+            require_space(self.final_dir.parent, estimate)
 
             try:
                 files = self._write_staging(events)
@@ -199,12 +204,21 @@ class TraceWriter:
                 write_bytes_durable(staged.manifest, (manifest.to_json() + "\n").encode("utf-8"))
                 fsync_dir(self.staging_dir)
                 swap_into_place(self.staging_dir, self.final_dir, self._check_target)
-            except BaseException:
+            except BaseException as e:
                 self._abort_locked()
+                if is_no_space(e):  # the disk filled up beside the estimate: same message, nothing published
+                    raise TraceSpaceError(self.final_dir, needed_bytes(estimate), free_bytes(self.final_dir.parent),
+                                          during=True) from None
                 raise
             self._state = "committed"
             self._release_memory()
             return manifest
+
+    def estimated_bytes(self, events: pa.Table | None = None) -> int:
+        """What the files will take on disk, at most: tensors as stored, events uncompressed."""
+        events = self._events_table() if events is None else events
+        tensors = sum(t.numel() * t.element_size() for d in self._tensors.values() for t in d.values())
+        return tensors + events.nbytes + sum(len(b) for b in self._json.values())
 
     def _check_tensor_refs(self, events: pa.Table) -> None:
         keyed = events.filter(pc.is_valid(events.column("tensor_key")))

@@ -1,0 +1,48 @@
+"""The writer and a full disk: checked before writing, ENOSPC while writing; either way a
+plain TraceSpaceError (needed vs free, where) and nothing a reader accepts."""
+
+import errno
+
+import pytest
+
+from prism_launch.trace import TraceMissingError, TraceReader, TraceSpaceError, TraceUnwritableError, TraceWriter
+from prism_launch.trace import space
+from tests.prism_launch.trace.sample_trace import COMMIT_KW, sample_events, sample_tensors
+
+
+def _writer(path):
+    w = TraceWriter(path)
+    w.add_events(sample_events())
+    w.add_tensors(0, sample_tensors())
+    return w
+
+
+def test_free_space_is_checked_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(space, "free_bytes", lambda path: 4096)
+    w = _writer(tmp_path / "t")
+    with pytest.raises(TraceSpaceError, match=r"not enough free disk space for the PrismTrace at .*4.0 KiB free"):
+        w.commit(**COMMIT_KW)
+    with pytest.raises(TraceMissingError):
+        TraceReader(tmp_path / "t")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_enospc_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    import prism_launch.trace.writer as writer
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path))
+
+    monkeypatch.setattr(writer, "write_tensor_file", full)
+    w = _writer(tmp_path / "t")
+    with pytest.raises(TraceSpaceError, match="ran out of disk space while writing the PrismTrace") as e:
+        w.commit(**COMMIT_KW)
+    assert e.value.during and e.value.needed > 0 and "trace.dir=" in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # no staging directory left behind
+
+
+def test_unwritable_parent_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TraceUnwritableError, match=rf"{blocker} is not writable \(it is a file"):
+        space.require_writable(blocker / "tr")
