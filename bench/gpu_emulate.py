@@ -11,7 +11,11 @@ default), ``stream-fixed`` (stream within ``pool_mib``, not grown), ``inline`` (
 when each op is entered) and ``preload`` (everything on the device before the run: no
 virtual-peer data movement at all, the reference); and once with
 ``cluster.gpu_memory_gib`` below the job's need, which must OOM. Prints losses vs the capture,
-step times, prefetch statistics, sandbox GPU peak memory and the predictions.
+step times, prefetch statistics, sandbox GPU peak memory, divergences by kind and the
+predictions with the cluster and the calibration method the report states, and the GPU it
+ran on. Exits 1 when a value is missing (never printed as 0), when losses are not
+bit-identical to the capture, when a value divergence appears, or when the OOM run did not
+fail with the sandbox out of memory and the virtual ranks predicted to OOM.
 """
 
 from __future__ import annotations
@@ -145,15 +149,21 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
         summary = json.loads((out / f"rep-{tag}" / "sandbox" / f"rank{sandbox}.json").read_text())
         me = rep["ranks"][str(sandbox)]
         got = steps(out / tag, sandbox)
+        pred = rep["predicted"]
+        cal = pred.get("calibration") or {}
         return {
             "losses_bit_identical": [a for a, _ in cap_steps] == [a for a, _ in got] and bool(cap_steps),
             "step_ms": statistics.median(t for _, t in got[1:]) if len(got) > 1 else None,
             "steps_ms": [t for _, t in got],
-            "sandbox_peak_gib": (me.get("peak_memory_bytes") or 0) / 2**30,
-            "predicted_iteration_ms": rep["predicted"]["iteration_time_s"] * 1e3,
+            "sandbox_peak_gib": me["peak_memory_bytes"] / 2**30 if me.get("peak_memory_bytes") is not None else None,
+            "predicted_iteration_ms": pred["iteration_time_s"] * 1e3,
+            "cluster": pred.get("cluster"),
+            "compute": f"{pred.get('compute_source')}: {cal.get('slices')} slice(s), {cal.get('method')}"
+            if cal else pred.get("compute_source"),
             "divergences": len(me.get("divergences") or []),
+            "divergence_counts": me.get("divergence_counts"),
             # the virtual side's time on the sandbox's thread (ops issued, served, checked), per step
-            "own_ms_per_step": summary.get("own_s", 0.0) * 1e3 / max(1, len(got)),
+            "own_ms_per_step": summary["own_s"] * 1e3 / max(1, len(got)) if "own_s" in summary else None,
             "prefetch": summary.get("prefetch"),
             "machine": {"before": before, "during": during},
         }
@@ -190,6 +200,26 @@ def job(name: str, world: int, work: Path, oom_gib: float | None, modes: list[st
     return res
 
 
+def problems(res: dict) -> list[str]:
+    """What a job's results say went wrong (the bench's exit code)."""
+    out = []
+    for tag, v in res.items():
+        if not isinstance(v, dict) or "losses_bit_identical" not in v:
+            continue
+        for k in ("step_ms", "sandbox_peak_gib", "predicted_iteration_ms", "own_ms_per_step"):
+            if v.get(k) is None:
+                out.append(f"{res['job']} {res['world']} {tag}: {k} missing")
+        if not v["losses_bit_identical"]:
+            out.append(f"{res['job']} {res['world']} {tag}: losses differ from the capture")
+        if (v.get("divergence_counts") or {}).get("value"):
+            out.append(f"{res['job']} {res['world']} {tag}: {v['divergence_counts']['value']} value divergence(s)")
+    oom = res.get("oom")
+    if oom is not None and not (oom["exit"] != 0 and oom["sandbox_oom"] and oom["predicted_oom_ranks"] > 0):
+        out.append(f"{res['job']} {res['world']}: the run at {oom['limit_gib']} GiB must OOM (sandbox and "
+                   f"prediction) but gave {oom}")
+    return out
+
+
 def peak_only(name: str, world: int, work: Path, iters: int) -> dict:
     """Capture and the default emulation only (the sandbox's peak memory at another world size)."""
     return job(name, world, work, None, [], iters)
@@ -201,7 +231,7 @@ def _progress(out_file: str | None, res: dict) -> None:
             f.write(json.dumps({"partial": True, **res}) + "\n")
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", default="dense,moe")
     ap.add_argument("--worlds", default="64,1024")
@@ -218,6 +248,11 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="prism-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    print(f"machine: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA'}; {machine()}",
+          flush=True)
+    bad: list[str] = []
     for name in a.jobs.split(","):
         for world in (int(w) for w in a.peak_worlds.split(",") if w):
             res = peak_only(name, world, work, a.iters)
@@ -233,7 +268,11 @@ def main() -> None:
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(json.dumps(res) + "\n")
+            bad += problems(res)
+    for b in bad:
+        print(f"FAIL: {b}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

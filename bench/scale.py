@@ -87,7 +87,12 @@ def real_small(layout: str, work: Path) -> float:
     return _median_step(out, sandbox)
 
 
-def main() -> None:
+def _cell(v, width: int, fmt: str) -> str:
+    """A table cell: ``-`` for a value that is missing (never a 0 that reads as measured)."""
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="dense,moe,step")
     ap.add_argument("--worlds", default="1024,8192")
@@ -107,16 +112,22 @@ def main() -> None:
     print(f"{'layout':<12}{'world':>7}{'captured':>9}{'capture s':>10}{'init s':>8}{'new_group':>10}"
           f"{'RSS@init MB':>12}{'init +MB':>9}{'HWM MB':>8}{'step ms':>9}")
     for r in rows:
-        print(f"{r['layout']:<12}{r['world']:>7}{r['captured'] or '-':>9}{r['capture_s'] or 0:>10.1f}"
-              f"{r['init_s']:>8.2f}{r['new_group_calls'] or 0:>10}{r['rss_before_init_mb']:>12.0f}"
-              f"{r['init_growth_mb']:>9.1f}{r['hwm_mb']:>8.0f}{r['step_ms'] or float('nan'):>9.1f}")
+        print(f"{r['layout']:<12}{r['world']:>7}{_cell(r['captured'], 9, 'd')}{_cell(r['capture_s'], 10, '.1f')}"
+              f"{_cell(r['init_s'], 8, '.2f')}{_cell(r['new_group_calls'], 10, 'd')}"
+              f"{_cell(r['rss_before_init_mb'], 12, '.0f')}{_cell(r['init_growth_mb'], 9, '.1f')}"
+              f"{_cell(r['hwm_mb'], 8, '.0f')}{_cell(r['step_ms'], 9, '.1f')}")
+    missing = [f"{r['layout']} {r['world']}: {k}" for r in rows for k in ("init_s", "rss_before_init_mb", "hwm_mb", "step_ms")
+               if r.get(k) is None]
     if real is not None:
         print(f"\nTP2 rank 0, real 2-rank run: step {real:.1f} ms (median after the first)")
         for r in rows:
             if r["layout"] == "TP2" and r["step_ms"]:
                 print(f"  emulated in a {r['world']}-rank world: {r['step_ms']:.1f} ms = {r['step_ms'] / real:.3f}x real")
     print(f"\nwork dir: {work}")
+    for m in missing:
+        print(f"FAIL: {m} missing", file=sys.stderr)
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -64,7 +64,11 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             entry = report["ranks"][str(rank)]
             assert entry["divergences"] == []
             assert entry["ops"] > 10
-        assert report["virtual_ranks"] == nproc - len(sandbox)
+        # the virtual ranks never ran: only the sandbox ranks and the assistant (logged under the world size) did
+        [run_dir] = list((out / "logs").iterdir())
+        assert sorted(int(p.name) for p in run_dir.iterdir()) == sorted(sandbox) + [nproc]
+        assert sorted(int(r) for r, v in report["ranks"].items() if not v["sandbox"]) == \
+            sorted(set(range(nproc)) - set(sandbox))
 
 
 def test_device_data_path_is_bit_identical(capture, tmp_path):

@@ -56,6 +56,9 @@ class ClusterSpec:
     """Network adapters per node; the node's network bandwidth is ``nics_per_node × inter_node.bandwidth_gbps``."""
     protocol_latency_us: float = 7.0
     """Fixed cost of launching one NCCL operation in µs, paid once per collective or transfer."""
+    device: str = "cuda"
+    """Kind of device the cluster's ranks compute on (``cuda`` or ``cpu``): a prediction whose
+    compute spans were measured on another kind says so in its report (they are not scaled)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +71,8 @@ class ClusterSpec:
             raise ValueError(f"cluster.nics_per_node must be an integer >= 1 (got {self.nics_per_node!r})")
         if not (isinstance(self.gpu_memory_gib, (int, float)) and self.gpu_memory_gib > 0):
             raise ValueError(f"cluster.gpu_memory_gib must be > 0 (got {self.gpu_memory_gib!r})")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"cluster.device must be cuda or cpu (got {self.device!r})")
         if not (isinstance(self.protocol_latency_us, (int, float)) and self.protocol_latency_us >= 0):
             raise ValueError(f"cluster.protocol_latency_us must be >= 0 (got {self.protocol_latency_us!r})")
         for field_name in ("intra_node", "inter_node"):

@@ -118,13 +118,26 @@ def compose(overrides: list[str]) -> PrismConfig:
 
     register()
     GlobalHydra.instance().clear()
+    overrides = list(overrides)
+    if not any(o.lstrip("+~").split("=", 1)[0] == "cluster" for o in overrides) and _computes_on_cpu(overrides):
+        overrides.append("cluster=cpu_local")  # the cluster CPU compute spans describe (see _computes_on_cpu)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=normalize_overrides(list(overrides)))
+            cfg = hydra_compose(config_name="config", overrides=normalize_overrides(overrides))
         return OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ or e
         raise ConfigError(f"invalid configuration: {e}: {cause}") from None
+
+
+def _computes_on_cpu(overrides: list[str]) -> bool:
+    """``device=cpu`` given, or no device given on a machine without CUDA: the run's compute
+    spans are this machine's CPU's, so the default cluster is ``cpu_local`` (measured here)
+    rather than a GPU cluster whose compute they do not describe."""
+    devices = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "device" and "=" in o]
+    if devices:
+        return devices[-1] == "cpu"
+    return _cuda_devices() == 0
 
 
 def _cuda_devices() -> int:

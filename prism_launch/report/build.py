@@ -123,6 +123,17 @@ def _compute_label(pred: dict) -> str:
     return f"{pred['compute_source']}: {cal.get('slices')} slices, {cal.get('method') or 'shared devices'}"
 
 
+def compute_caveat(pred: dict) -> str:
+    """What the table says when the compute spans were measured on another kind of device than
+    the target cluster's (they are not scaled: only communication is the cluster's)."""
+    measured, target = pred.get("compute_device"), pred.get("cluster_device")
+    if not measured or not target or measured == target or pred.get("compute_scaled"):
+        return ""
+    kind = {"cuda": "GPU", "cpu": "CPU"}
+    return (f"; compute is this machine's {kind.get(measured, measured)} as measured, not scaled to "
+            f"{pred['cluster']}'s {kind.get(target, target)}s: only communication is {pred['cluster']}'s")
+
+
 def _divergence_kinds(r: dict) -> str:
     c = r.get("divergence_counts") or {}
     if not c:
@@ -171,7 +182,7 @@ def print_report(report: dict, path: Path) -> None:
             f"[bold]predicted on {pred['cluster']}[/bold] ({_compute_label(pred)} compute spans): "
             f"iteration time {pred['iteration_time_s'] * 1e3:.2f} ms; critical path "
             f"{pred['critical_path']['compute_s'] * 1e3:.1f} ms compute + {pred['critical_path']['comm_s'] * 1e3:.1f} ms "
-            f"communication over ranks {pred['critical_path']['ranks'][:8]}"
+            f"communication over ranks {pred['critical_path']['ranks'][:8]}{compute_caveat(pred)}"
         )
         if pred["stragglers"]:
             s0 = pred["stragglers"][0]

@@ -47,3 +47,32 @@ def test_other_kinds_fall_back():
     assert _weighted_reduction(pc, group) is None
     pc, group, _ = _case(Collective.ALL_REDUCE, ReduceKind.MAX)
     assert _weighted_reduction(pc, group) is None
+
+
+def test_weighted_fold_of_float_data_stays_within_the_summation_bound():
+    """On float data the weighted fold rounds differently from the member fold; its error
+    against the exact sum is bounded by (terms + 1) * u * sum|x| (recursive summation over the
+    captured members and the scaled stand-ins, one rounding per scaling), where u is the unit
+    roundoff — tighter than the member fold's own n * u * sum|x| bound, for any data."""
+    n, captured = 1024, (0, 1, 2, 5, 77, 300, 511, 1000)
+    for dtype, u in ((torch.float32, 2.0 ** -24), (torch.bfloat16, 2.0 ** -8)):
+        for reduce in (ReduceKind.SUM, ReduceKind.AVG):
+            ranks = tuple(range(n))
+            sources = tuple(r if r in captured else captured[r % len(captured)] for r in ranks)
+            group = _Group(0, "k", ranks, 0, "DATA_PARALLEL_GROUP", sources=sources, present=len(captured))
+            pc = _PendingCollective(group, 0, "x", Collective.ALL_REDUCE, reduce, None, 0.0, [None] * n)
+            g = torch.Generator().manual_seed(1)
+            mine = {r: [(torch.randn(4096, generator=g) * 10 ** torch.randint(-3, 3, (4096,), generator=g)).to(dtype)]
+                    for r in captured}
+            for r in captured:
+                pc.contributions[r], pc.arrivals[r] = mine[r], object()
+            got = _weighted_reduction(pc, group)[captured[0]][0].double()
+            members = torch.stack([mine[sources[r]][0].double() for r in ranks])
+            exact, abs_sum = members.sum(0), members.abs().sum(0)
+            terms = len(captured) + len(set(sources) - set(captured)) + len(captured)
+            bound = (terms + 1) * u * abs_sum
+            if reduce is ReduceKind.AVG:
+                exact, bound = exact / n, bound / n + u * (exact / n).abs()
+            err = (got - exact).abs()
+            assert bool((err <= bound).all()), (dtype, reduce, float((err / bound.clamp_min(1e-300)).max()))
+            assert float(err.max()) > 0 or dtype is torch.float32  # bf16 does round: the bound is what holds
