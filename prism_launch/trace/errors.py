@@ -115,7 +115,7 @@ class TraceSpaceError(TraceError):
 
     def __init__(self, path: str | Path, needed: int, free: int, *, during: bool = False) -> None:
         self.path, self.needed, self.free, self.during = Path(path), int(needed), int(free), during
-        when = "ran out of disk space while writing" if during else "not enough free disk space for"
+        when = "the disk filled up: not enough free space left for" if during else "not enough free disk space for"
         super().__init__(
             f"{when} the PrismTrace at {self.path}: needs about {_size(needed)}, {_size(free)} free there. "
             f"Nothing was written that emulation would accept; free space on that file system or point "

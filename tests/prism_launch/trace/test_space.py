@@ -35,7 +35,7 @@ def test_enospc_while_writing_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "write_tensor_file", full)
     w = _writer(tmp_path / "t")
-    with pytest.raises(TraceSpaceError, match="ran out of disk space while writing the PrismTrace") as e:
+    with pytest.raises(TraceSpaceError, match="the disk filled up: not enough free space left for the PrismTrace") as e:
         w.commit(**COMMIT_KW)
     assert e.value.during and e.value.needed > 0 and "trace.dir=" in str(e.value)
     assert list(tmp_path.iterdir()) == []  # no staging directory left behind
@@ -46,3 +46,19 @@ def test_unwritable_parent_is_named(tmp_path):
     blocker.write_text("x")
     with pytest.raises(TraceUnwritableError, match=rf"{blocker} is not writable \(it is a file"):
         space.require_writable(blocker / "tr")
+
+
+def test_capture_monitor_ends_the_capture_when_the_disk_cannot_hold_it(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from prism_launch.capture.monitor import CaptureMonitor
+
+    coord = SimpleNamespace(bytes_recorded=64 << 20, t0=0.0, finished=set(), ops_completed=10)
+    monitor = CaptureMonitor(coord, tmp_path / "tr", ranks=2, setting=False)
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1 << 30)
+    monitor.tick()  # room enough
+    monkeypatch.setattr(space, "free_bytes", lambda path: 32 << 20)
+    monitor._next_space = 0.0
+    with pytest.raises(TraceSpaceError, match=r"disk filled up: .*needs about 75.2 MiB, 32.0 MiB"):
+        monitor.tick()
+    monitor.close()
