@@ -15,13 +15,16 @@ recorded one (:class:`DivergenceLog`), and the rule that sorts each into one of 
 * ``host_scalar`` — a small contribution (at most ``host_scalar_max_elements`` elements) issued
   from a call site listed in ``host_scalar_sites``: values that carry wall-clock times or
   rank-local counters, which no replay can reproduce. The rule is by size *and* context (the
-  first Python frame outside torch.distributed and this package, taken only for small
-  tensors), never by looking at the values: a small loss all-reduce from the training script
-  stays a ``value`` divergence. Default sites, checked against megatron-core 0.16.1 / 0.19.2:
+  first Python frame outside torch and this project — file and function — taken only for
+  small tensors), never by looking at the values: a small loss all-reduce stays a ``value``
+  divergence. A site is a path fragment of the file (every function in it) or
+  ``fragment:function``. Default sites, read in megatron-core 0.16.1's ``core/timers.py`` and
+  Megatron-LM's ``training/training.py`` (the 0.19 tree bench/gpu_upstream.py runs):
   ``megatron/core/timers.py`` (``Timers._get_elapsed_time_all_ranks`` all-gathers every
-  rank's float32 elapsed times, one per timer name), ``megatron/training/training.py``
-  (exit-duration flags and signal all-gathers derived from the wall clock) and
-  ``megatron/core/utils.py`` (the straggler detector's timing all-gathers).
+  rank's float32 elapsed times, one per timer name; Megatron logs ~25 names),
+  ``training.py:pretrain`` (the program and training start times, float64 MIN all-reduces) and
+  ``training.py:checkpoint_and_decide_exit`` (the exit-duration flag, from the wall clock).
+  Not ``training.py:train_step``, which all-reduces the loss and token count (2 elements).
 
 A deterministic run has no mismatch, so every kind counts exactly zero.
 """
@@ -35,7 +38,8 @@ from enum import StrEnum
 
 import torch
 
-HOST_SCALAR_SITES = ("megatron/core/timers.py", "megatron/training/training.py", "megatron/core/utils.py")
+HOST_SCALAR_SITES = ("megatron/core/timers.py", "megatron/training/training.py:pretrain",
+                     "megatron/training/training.py:checkpoint_and_decide_exit")
 """Default call sites whose small collectives carry wall-clock times or counters."""
 HOST_SCALAR_MAX_ELEMENTS = 64
 """Default size limit of a host scalar (Megatron logs ~25 timers in one all-gather)."""
@@ -54,17 +58,24 @@ class Kind(StrEnum):
 
 
 def call_site(numel: int, limit: int = HOST_SCALAR_MAX_ELEMENTS) -> str | None:
-    """``file:line`` of the program frame that issued the current collective, for contributions
-    of at most ``limit`` elements (else None: large ops pay nothing)."""
+    """``file:line:function`` of the program frame that issued the current collective, for
+    contributions of at most ``limit`` elements (else None: large ops pay nothing)."""
     if numel > limit:
         return None
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename.replace("\\", "/")
         if not any(s in name for s in _SKIP):
-            return f"{name}:{f.f_lineno}"
+            return f"{name}:{f.f_lineno}:{f.f_code.co_name}"
         f = f.f_back
     return None
+
+
+def site_matches(site: str, rule: str) -> bool:
+    """Whether ``site`` (``file:line:function``) is in ``rule`` (``fragment`` or ``fragment:function``)."""
+    file, _line, function = site.rsplit(":", 2)
+    fragment, _, fn = rule.partition(":")
+    return fragment in file and (not fn or fn == function)
 
 
 def rtol_for(dtype: torch.dtype, rtol: float | None) -> float:
@@ -113,7 +124,7 @@ class DivergenceLog:
         return call_site(sum(t.numel() for t in tensors), self.max_elements)
 
     def host_scalar(self, numel: int, site: str | None) -> bool:
-        return site is not None and numel <= self.max_elements and any(s in site for s in self.sites)
+        return site is not None and numel <= self.max_elements and any(site_matches(site, s) for s in self.sites)
 
     def classify(self, live: list[torch.Tensor], recorded: list[torch.Tensor]) -> tuple[Kind, str | None, dict]:
         """Host path: kind, call site and differences of a mismatching contribution (both sides

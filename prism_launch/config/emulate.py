@@ -107,9 +107,12 @@ class EmulateConfig:
     kernel's (kind ``tolerance``), relative to the recorded tensor's magnitude; null: by dtype
     (fp32 1e-4, bf16 2e-2, fp16 1e-2, fp64 1e-9). Integer data is never within tolerance."""
     host_scalar_sites: list[str] = field(default_factory=lambda: [
-        "megatron/core/timers.py", "megatron/training/training.py", "megatron/core/utils.py"])
-    """Call sites (path fragments of the frame issuing the collective) whose small contributions
-    carry wall-clock times or rank-local counters (kind ``host_scalar``)."""
+        "megatron/core/timers.py", "megatron/training/training.py:pretrain",
+        "megatron/training/training.py:checkpoint_and_decide_exit"])
+    """Call sites whose small contributions carry wall-clock times or rank-local counters (kind
+    ``host_scalar``): a path fragment of the file issuing the collective (first frame outside
+    torch and prism), or ``fragment:function``. Defaults: Megatron's timers, its start-time and
+    exit-duration all-reduces (``nccl_ext/divergence.py`` says where they were read)."""
     host_scalar_max_elements: int = 64
     """Largest contribution (elements) that can be a host scalar."""
     check_divergence: bool = True

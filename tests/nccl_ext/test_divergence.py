@@ -19,10 +19,10 @@ def _log(strict=False, **kw):
     return DivergenceLog(0, ReplayStats(), strict=strict, **kw)
 
 
-def _issued_from(path: str, fn, *args):
-    """Call ``fn`` from a frame whose file is ``path`` (as a collective issued from that module)."""
+def _issued_from(path: str, fn, *args, function: str = "caller"):
+    """Call ``fn`` from ``function`` in a file ``path`` (as a collective issued from that module)."""
     scope = {"fn": fn, "args": args}
-    exec(compile("out = fn(*args)", path, "exec"), scope)
+    exec(compile(f"def {function}():\n    return fn(*args)\nout = {function}()", path, "exec"), scope)
     return scope["out"]
 
 
@@ -66,6 +66,14 @@ def test_host_scalars_are_told_by_size_and_call_site_not_by_value():
     # and a large tensor from the timers' module is not a host scalar either
     big = torch.ones(65)
     assert _issued_from("/x/megatron/core/timers.py", log.classify, [big * 2], [big])[0] is Kind.value
+
+
+def test_a_site_can_name_the_function_megatron_all_reduces_start_times_but_not_losses_from():
+    log, path = _log(), "/x/megatron/training/training.py"
+    start, other = torch.tensor([1.7e9], dtype=torch.float64), torch.tensor([1.7e9 + 3], dtype=torch.float64)
+    assert _issued_from(path, log.classify, [other], [start], function="pretrain")[0] is Kind.host_scalar
+    loss = torch.tensor([2.5, 4096.0])  # train_step's loss sum and token count
+    assert _issued_from(path, log.classify, [loss * 1.5], [loss], function="train_step")[0] is Kind.value
 
 
 def test_strict_fails_on_values_only_and_counts_every_kind():
