@@ -83,7 +83,10 @@ class DeviceChecks:
                 self._flush_pending()
             slot = self.slots[len(self._checks)]
             if t.dtype.is_floating_point:  # one reduction kernel, no temporary beside its 0-d result
-                norm = torch.linalg.vector_norm(t.detach(), 1)
+                # half/bf16 on CUDA accumulate and return float32 without a cast copy of the input
+                # (torch's reduction kernels read low precision into a float32 output directly)
+                low = t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+                norm = torch.linalg.vector_norm(t.detach(), 1, dtype=torch.float32 if low else None)
                 self.norms[len(self._checks)].copy_(norm if norm.device == slot.device else norm.to(slot.device))
             if w.device != slot.device:  # an op on host tensors while the pool is on the GPU
                 v = word_sum(t)
