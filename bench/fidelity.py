@@ -1,7 +1,7 @@
 """CPU fidelity harness: real jobs and their predictions side by side, interleaved and repeated.
 
     python bench/fidelity.py [--ranks 2,4,8] [--jobs dense,moe] [--pairs 5] [--pairs-large 1]
-                             [--iters 8] [--cluster cpu_local] [--compute cpu] [--check]
+                             [--iters 8] [--cluster cpu_local] [--compute calibrated] [--check]
 
 For each case (the bundled Megatron recipe, ``examples/megatron_gpt.py``: dense TP2 at 2 ranks,
 TP2·PP2 at 4, TP2·PP2·DP2 at 8; MoE EP2 at 2 ranks, EP2·DP2 at 4) it runs ``--pairs`` pairs
@@ -12,8 +12,11 @@ TP2·PP2 at 4, TP2·PP2·DP2 at 8; MoE EP2 at 2 ranks, EP2·DP2 at 4) it runs ``
   (``memory.json``, allocator level);
 * ``mode=auto`` in a fresh trace directory: capture, then emulate rank 0 as the sandbox; the
   report's global replay on ``--cluster`` gives the predicted iteration time (compute spans:
-  ``replay.compute``, the capture's per-rank thread CPU time by default on CPU) and every
-  rank's predicted peak (virtual ranks: the capture's peak; the sandbox: its own),
+  ``--compute calibrated``, the default: slices of one rank per core run for real against the
+  bare trace and their measured spans replace the capture's — they include what a running
+  thread loses to its neighbours and the host; ``--compute cpu``: the capture's per-rank
+  thread CPU time, which does not) and every rank's predicted peak (virtual ranks: the
+  capture's peak; the sandbox: its own),
 
 alternating which of the two goes first. It prints the machine, the load, the cluster and
 the compute method, then per case the mean and spread of both times, the mean, largest and
@@ -79,7 +82,8 @@ def real(flags: list, job: list, work: Path) -> tuple[float, dict[int, int]]:
 
 def predicted(flags: list, job: list, work: Path, cluster: str, compute: str) -> tuple[float, dict[int, int]]:
     _run([*flags, "--log-dir", work / "logs", "mode=auto", f"cluster={cluster}", f"trace.dir={work / 'trace'}",
-          "sandbox.ranks=[0]", f"replay.compute={compute}", *job], work.parent)
+          "sandbox.ranks=[0]", f"replay.compute={compute}",
+          *(["calibrate.in_auto=true"] if compute == "calibrated" else []), *job], work.parent)
     report = json.loads((work / "trace" / "report" / "report.json").read_text())
     peaks = {int(r): v["peak_memory_bytes"] for r, v in report["ranks"].items() if v.get("peak_memory_bytes")}
     return report["predicted"]["iteration_time_s"], peaks
@@ -110,19 +114,27 @@ def main() -> int:
     ap.add_argument("--pairs-large", type=int, default=1, help="pairs of each 4- and 8-rank case")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--cluster", default="cpu_local")
-    ap.add_argument("--compute", default="cpu", help="replay.compute: cpu | calibrated | wall")
+    ap.add_argument("--compute", default="calibrated", help="replay.compute: calibrated | cpu | wall")
     ap.add_argument("--check", action="store_true", help="exit 1 when a case misses its goal")
     a = ap.parse_args()
+    how = {"calibrated": "slices of one rank per core, run for real", "cpu": "the capture's thread CPU time"}
     print(f"machine: {machine()}; {load()}\ncluster: {a.cluster}; compute spans: replay.compute={a.compute} "
-          f"(measured on this machine's CPU); iterations {a.iters}", flush=True)
+          f"({how.get(a.compute, a.compute)}, measured on this machine's CPU); iterations {a.iters}", flush=True)
     rows = []
     for ranks in map(int, a.ranks.split(",")):
         for job in a.jobs.split(","):
             if (job, ranks) in CASES:
-                rows.append(run_case(job, ranks, a.pairs if ranks == 2 else a.pairs_large, a.iters, a.cluster,
-                                     a.compute))
+                try:
+                    rows.append(run_case(job, ranks, a.pairs if ranks == 2 else a.pairs_large, a.iters, a.cluster,
+                                         a.compute))
+                except SystemExit as e:  # a failed run: the case's row says so, the others still run
+                    print(f"{job} {ranks} ranks: {str(e)[-2000:]}", file=sys.stderr, flush=True)
+                    rows.append(summarize(f"{job} {CASES[(job, ranks)][0]} ({ranks} ranks) FAILED", []))
     print(f"\nmachine: {machine()}; {load()}; cluster {a.cluster}; compute {a.compute}")
-    print(table(rows))
+    print(table([r for r in rows if r["pairs"]]))
+    for r in rows:
+        if not r["pairs"]:
+            print(f"{r['case']}: no pair completed")
     print(json.dumps(rows, indent=1))
     bad = failures([r if a.check else {**r, "time_goal_pct": None, "memory_goal_pct": None} for r in rows])
     for b in bad:
