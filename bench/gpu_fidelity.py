@@ -90,13 +90,18 @@ def _prism(args: list, cwd: Path) -> None:
 def real(script: Path, job: list, work: Path) -> tuple[float, dict[int, int]]:
     _prism(["--nproc-per-node", "1", "--log-dir", work, "mode=real", "device=cuda", script, *job], work.parent)
     text = "".join(p.read_text() for p in work.glob("*/0/stdout.log"))
-    [mem] = list(work.glob("*/0/memory.json"))
-    return iteration_s(text), {0: json.loads(mem.read_text())["peak_bytes"]}
+    mem = list(work.glob("*/0/memory.json"))
+    if len(mem) != 1:
+        raise SystemExit(f"real run under {work}: expected one memory.json for rank 0, found {len(mem)}")
+    return iteration_s(text), {0: json.loads(mem[0].read_text())["peak_bytes"]}
 
 
 def predict(script: Path, job: list, work: Path, cluster: str, nproc: int = 1) -> dict:
+    """``mode=auto`` with rank 0 as the sandbox; a data-parallel world is folded (only rank 0 is
+    captured and calibrated: its replicas are its stand-ins)."""
     _prism(["--nproc-per-node", str(nproc), "--log-dir", work / "logs", "mode=auto", "device=cuda",
-            f"cluster={cluster}", f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]", script, *job], work.parent)
+            f"cluster={cluster}", f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]",
+            *(["capture.fold=true"] if nproc > 1 else []), script, *job], work.parent)
     return json.loads((work / "trace" / "report" / "report.json").read_text())
 
 
