@@ -73,6 +73,7 @@ def main() -> int:
             f"trace.dir={trace}", f"cluster={a.cluster}"]
     results: dict = {"machine": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
                      "world": a.world, "cluster": a.cluster, "iters": a.iters}
+    print(f"machine: {results['machine']} x {results['gpus']}; cluster {a.cluster}; world {a.world}", flush=True)
     try:
         _r, results["capture_s"] = prism([*base, "mode=capture", script, *job], work)
         results["trace_bytes"] = sum(p.stat().st_size for p in trace.rglob("*") if p.is_file())
