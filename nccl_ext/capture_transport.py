@@ -21,7 +21,7 @@ from multiprocessing.connection import Client
 
 import torch
 
-from nccl_ext import wire
+from nccl_ext import synth, wire
 from nccl_ext.groups import GroupInfo
 from nccl_ext.pending import CommDeadlineError, Pending
 from nccl_ext.process_group import CollectiveCall
@@ -30,8 +30,14 @@ from nccl_ext.spans import ComputeClock
 
 class CaptureTransport:
     def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
-                 captured: frozenset[int] | None = None):
+                 captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0):
         self.rank = rank
+        self.synthesize = payload == "none"
+        """``payload=none``: results are synthesized here (:mod:`nccl_ext.synth`); the coordinator
+        gets metadata, and the payloads of broadcasts up to ``carry_bytes``."""
+        self.carry_bytes = carry_bytes
+        self.synthesized = 0
+        self._alive = time.monotonic()
         self.timeout_s = timeout_s
         self._conn = Client(address, family="AF_UNIX", authkey=authkey)
         self._send_lock = threading.Lock()
@@ -58,7 +64,9 @@ class CaptureTransport:
         while not self._go.acquire(timeout=0.5):
             if self._closed.is_set():
                 raise RuntimeError(f"{what}: the capture coordinator closed the connection")
-            if time.monotonic() - t0 > self.timeout_s:
+            # the coordinator's heartbeat says this rank is still queued (ranks of payload=none run
+            # one after another, so a rank may wait longer than one op's deadline for its turn)
+            if time.monotonic() - max(t0, self._alive) > self.timeout_s:
                 raise CommDeadlineError(
                     f"deadline exceeded: {what} ({self.timeout_s:g}s; the coordinator never resumed this rank; "
                     "raise comm.timeout_s= or capture.slots=)"
@@ -93,6 +101,8 @@ class CaptureTransport:
 
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
+        if self.synthesize and not synth.carried(call, self.carry_bytes):
+            return self._synthesized(group, seq, call, what)
         op_id, p = self._new_pending(what)
         t, wall, cpu = self._span()
         tensors, contributes = call.tensors, call.tensors is not None
@@ -105,13 +115,32 @@ class CaptureTransport:
         self._send(header, tensors or ())
         return p
 
+    def _synthesized(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
+        t, wall, cpu = self._span()
+        mine = call.tensors or ()
+        self._send(("meta", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
+                    call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
+                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine)))
+        self.synthesized += 1
+        return Pending.done(what, synth.results(call, group.size, group.group_rank(self.rank)))
+
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
         t, wall, cpu = self._span()
+        if self.synthesize:
+            self._send(("psend", group.key, dst, tag, seq, self.unit, t, wall, cpu, list(tensor.shape),
+                        wire.dtype_name(tensor.dtype), tensor.numel() * tensor.element_size()))
+            return Pending.done("send")
         self._send(("send", -1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
         return Pending.done("send")
 
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
         what = f"rank {self.rank}: recv from rank {src} tag {tag} on group {group.key} seq {seq}"
+        if self.synthesize:
+            t, wall, cpu = self._span()
+            self._send(("precv", group.key, src, tag, seq, self.unit, t, wall, cpu, list(like.shape),
+                        wire.dtype_name(like.dtype), like.numel() * like.element_size()))
+            self.synthesized += 1
+            return Pending.done(what, [synth.fill(like)])
         op_id, p = self._new_pending(what)
         t, wall, cpu = self._span()
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
@@ -163,8 +192,11 @@ class CaptureTransport:
                     self._fail_all("the capture coordinator closed the connection")
                     return
                 kind = header[0]
+                self._alive = time.monotonic()
                 if kind == "go":
                     self._go.release()
+                    continue
+                if kind == "alive":
                     continue
                 op_id = header[1]
                 with self._pending_lock:

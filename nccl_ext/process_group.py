@@ -48,6 +48,10 @@ class CollectiveCall:
     standin: list[torch.Tensor] | None = None
     """A non-root's own buffers of a broadcast: what a folded capture uses as the root's data
     when the root is not captured and this member stands in for it."""
+    outputs: list[torch.Tensor] | None = None
+    """The caller's output tensors where they are not its inputs (reduce-scatter, all-to-all
+    pieces by source, scatter): where a transport that computes results on the spot
+    (:mod:`nccl_ext.synth`) writes them."""
 
 
 class Transport(Protocol):
@@ -125,9 +129,17 @@ class PrismWorld:
         return cls(self, info, name=name)
 
 
+def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """``src`` already is ``dst``'s memory (a result written in place)."""
+    return dst.data_ptr() == src.data_ptr() and dst.numel() == src.numel() and dst.dtype == src.dtype \
+        and src.is_contiguous() and dst.is_contiguous()
+
+
 def _no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.numel() != src.numel():
         raise RuntimeError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
+    if _same(dst, src):
+        return
     with torch.no_grad():
         dst.copy_(src.reshape(dst.shape))
 
@@ -296,7 +308,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             for t, r in zip(outputs, res, strict=True):
                 _no_grad_copy(t, r, "reduce_scatter")
 
-        return self._submit(CollectiveCall("reduce_scatter", Collective.REDUCE_SCATTER, pieces, reduce=red), apply, opts)
+        return self._submit(CollectiveCall("reduce_scatter", Collective.REDUCE_SCATTER, pieces, reduce=red,
+                                           outputs=list(outputs)), apply, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_tensors("reduce_scatter_single", [output], [input], opts)
@@ -323,7 +336,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             for t, r in zip(outputs, res, strict=True):
                 _no_grad_copy(t, r, api)
 
-        return self._submit(CollectiveCall(api, Collective.REDUCE_SCATTER, pieces, reduce=red), apply, opts)
+        return self._submit(CollectiveCall(api, Collective.REDUCE_SCATTER, pieces, reduce=red, outputs=list(outputs)),
+                            apply, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._all_to_all_single("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
@@ -335,18 +349,21 @@ class PrismProcessGroup(dist.ProcessGroup):
         n = self._group_size()
         in_splits = [int(s) for s in in_splits] if len(in_splits) else [input.shape[0] // n] * n
         pieces = list(input.split(in_splits, dim=0)) if input.dim() else [input]
+        out_splits = [int(s) for s in out_splits] if len(out_splits) else [output.shape[0] // n] * n
+        outs = list(output.split(out_splits, dim=0)) if output.dim() and output.is_contiguous() else None
 
         def apply(res):
             _copy_pieces(output, res, api)
 
-        return self._submit(CollectiveCall(api, Collective.ALL_TO_ALL, pieces), apply, opts)
+        return self._submit(CollectiveCall(api, Collective.ALL_TO_ALL, pieces, outputs=outs), apply, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         def apply(res):
             for t, r in zip(outputs, res, strict=True):
                 _no_grad_copy(t, r, "alltoall")
 
-        return self._submit(CollectiveCall("alltoall", Collective.ALL_TO_ALL, list(inputs)), apply, opts)
+        return self._submit(CollectiveCall("alltoall", Collective.ALL_TO_ALL, list(inputs), outputs=list(outputs)),
+                            apply, opts)
 
     def gather(self, output_lists, inputs, opts=None):
         root = opts.rootRank
@@ -365,7 +382,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         def apply(res):
             _no_grad_copy(outputs[0], res[0], "scatter")
 
-        return self._submit(CollectiveCall("scatter", Collective.SCATTER, mine, root=root), apply, opts)
+        return self._submit(CollectiveCall("scatter", Collective.SCATTER, mine, root=root, outputs=[outputs[0]]),
+                            apply, opts)
 
     def barrier(self, opts=None):
         return self._submit(CollectiveCall("barrier", Collective.BARRIER, None), None, None)

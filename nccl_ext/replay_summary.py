@@ -61,7 +61,7 @@ def write_summary(path: Path, rank: int, stats: ReplayStats, *, ring_groups: int
     atomic_write_text(path, json.dumps({
         "rank": rank, "ops": stats.ops, "p2p": stats.p2p,
         "physical_exchanges": stats.physical_exchanges, "folded_ops": stats.folded_ops, "waited_s": stats.waited_s,
-        "own_s": stats.own_s,
+        "own_s": stats.own_s, "synthesized": stats.synthesized, "carried": stats.carried,
         "helper_threads": stats.helper_threads, "in_flight_at_close": stats.in_flight_at_close,
         "ring_groups": ring_groups,
         "divergences": stats.divergences,

@@ -25,14 +25,13 @@ import contextlib
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nccl_ext import wire
+from nccl_ext import synth_replay, wire
 from nccl_ext.assistant import awaited, unpack
 from nccl_ext.device_path import DevicePath, eligible, result_of
 from nccl_ext.divergence import HOST_SCALAR_MAX_ELEMENTS, HOST_SCALAR_SITES, DivergenceLog, Kind
@@ -43,6 +42,7 @@ from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
 from nccl_ext.pruning import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
 from nccl_ext.recording import RecordedOp, Recording
+from nccl_ext.replay_exchange import exchange, tag
 from nccl_ext.replay_summary import ReplayStats, own_time, write_summary
 from nccl_ext.spans import ComputeClock
 
@@ -53,8 +53,7 @@ class DivergenceError(RuntimeError):
     """The live program no longer matches the recorded one."""
 
 
-def _tag(*parts: int) -> int:
-    return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
+_tag = tag
 
 
 class ReplayTransport:
@@ -76,11 +75,16 @@ class ReplayTransport:
         device_path: DevicePath | None = None,
         pruned: bool = False,
         rings: RingChannels | None = None,
+        payload: str = "exact",
+        carry_bytes: int = 0,
         divergence_rtol: float | None = None,
         host_scalar_sites: tuple[str, ...] = HOST_SCALAR_SITES,
         host_scalar_max_elements: int = HOST_SCALAR_MAX_ELEMENTS,
     ):
         self.rank = rank
+        self.synthesize = payload == "none"
+        """The trace holds no payloads: every result is synthesized (``nccl_ext/synth_replay.py``)."""
+        self.carry_bytes = carry_bytes
         self.sandbox = sandbox
         self.recording = recording
         self.timeout_s = timeout_s
@@ -199,6 +203,8 @@ class ReplayTransport:
             )
         if own.op != call.api:
             raise DivergenceError(f"{what}: the capture recorded {own.op} here; the program diverged")
+        if self.synthesize:
+            return synth_replay.collective(self, group, gid, seq, call, own, what, DivergenceError)
         if self.device_path is not None and eligible(self.sandbox, self.rank, group.ranks):
             return self._device_collective(group, gid, seq, call, own, what)
         if self.recording.folded(gid):
@@ -416,25 +422,8 @@ class ReplayTransport:
 
     def _exchange(self, group, gid, seq, call, me, needed, live_peers, contributions) -> list:
         """Swap live contributions with the other sandbox members of ``group`` over gloo."""
-        works = []
         self.stats.physical_exchanges += 1
-        if me in needed and call.tensors is not None:
-            for m in live_peers:
-                dst = self._phys_rank(group.ranks[m])
-                for i, t in enumerate(call.tensors):
-                    works.append(self.physical.send([t.detach().contiguous().cpu()], dst, _tag(gid, seq, me, i)))
-        for m in live_peers:
-            if m not in needed:
-                continue
-            rec = self.recording.collective(group.ranks[m], gid, seq)
-            shapes = rec.shapes if rec else ()
-            bufs = [wire.untracked_empty(s, wire.dtype_from_name(d)) for s, d in zip(shapes, rec.dtypes)] \
-                if rec else []
-            contributions[m] = bufs
-            src = self._phys_rank(group.ranks[m])
-            for i, b in enumerate(bufs):
-                works.append(self.physical.recv([b], src, _tag(gid, seq, m, i)))
-        return works
+        return exchange(self, group, gid, seq, call, me, needed, live_peers, contributions)
 
     @own_time
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
@@ -442,6 +431,8 @@ class ReplayTransport:
         gid = self._gid(group)
         self.stats.p2p += 1
         self._note_unit_start()
+        if self.synthesize:
+            return synth_replay.send(self, group, gid, dst, tag, seq, tensor, DivergenceError)
         if self.device_path is not None and dst not in self.sandbox:
             return self._device_send(group, gid, dst, tag, seq, tensor)
         if dst in self.sandbox:
@@ -466,6 +457,8 @@ class ReplayTransport:
         gid = self._gid(group)
         self.stats.p2p += 1
         what = f"rank {self.rank}: recv #{seq} from rank {src} tag {tag} on group {group.desc or group.key}"
+        if self.synthesize:
+            return synth_replay.recv(self, group, gid, src, tag, seq, like, what, DivergenceError)
         pending = Pending(what, self.timeout_s)
         if src in self.sandbox:
             buf = wire.untracked_empty(like.shape, like.dtype)

@@ -20,6 +20,7 @@ import torch
 
 from nccl_ext import wire
 from nccl_ext.ops import Collective, ReduceKind, compute, fold
+from prism_launch.capture.slots import SlotScheduler
 
 
 class CaptureError(RuntimeError):
@@ -28,6 +29,11 @@ class CaptureError(RuntimeError):
 
 class CaptureDeadlineError(CaptureError):
     """A rank waited on a peer that never arrived."""
+
+
+class PayloadBudgetError(CaptureError):
+    """An exact capture's tensors passed the payload budget (``payload=auto`` records again
+    with ``none``)."""
 
 
 @dataclass(slots=True)
@@ -113,12 +119,19 @@ class Coordinator:
     """Serves ``world_size`` capture ranks; collects events and tensors for the trace."""
 
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
-                 slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None):
+                 slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,
+                 payload: str = "exact", budget_bytes: int | None = None, admission=None):
         self.world_size = world_size
+        self.payload = payload
+        """``exact``: every contribution arrives here; ``none``: ranks synthesize results and
+        send metadata (``meta``/``psend``/``precv``), and carried broadcasts."""
+        self.budget_bytes = budget_bytes
+        """Tensor bytes this capture may hold (None: no limit); past it, :class:`PayloadBudgetError`."""
+        self.bytes_recorded = 0
         self.fold = fold
         """A :class:`prism_launch.capture.fold.FoldPlan` when only representative ranks run."""
         self.timeout_s = timeout_s
-        self.scheduler = SlotScheduler(slots, parker=parker, stall_s=stall_s)
+        self.scheduler = SlotScheduler(slots, parker=parker, stall_s=stall_s, admission=admission)
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self.address = address
         self._new_conns: list[Connection] = []
@@ -221,7 +234,14 @@ class Coordinator:
                             self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
                 self._groups[key] = g
         elif kind == "coll":
-            self._on_collective(conn, header, tensors)
+            if self.payload == "none" and header[5] == str(Collective.BROADCAST):
+                self._on_carried_broadcast(conn, header, tensors)
+            else:
+                self._on_collective(conn, header, tensors)
+        elif kind == "meta":
+            self._on_meta(conn, header)
+        elif kind in ("psend", "precv"):
+            self._on_p2p_meta(conn, header)
         elif kind == "send":
             self._on_send(conn, header, tensors[0])
         elif kind == "recv":
@@ -241,6 +261,8 @@ class Coordinator:
                       None, extra)
         elif kind == "memory":
             self.memory[header[1]] = header[2]
+            if self.scheduler.admission is not None:
+                self.scheduler.admission.report(header[1], header[2])
         elif kind == "bye":
             self.finished.add(header[1])
             self.scheduler.gone(header[1])
@@ -304,6 +326,7 @@ class Coordinator:
             store = self.tensors[rank]
             for i, tensor in enumerate(contribution):
                 store[f"{tkey}/{i}"] = tensor
+            self._count(row["nbytes"])
         self.scheduler.issued(rank, op_id)
         pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
         if len(pc.arrivals) == group.present:
@@ -338,10 +361,87 @@ class Coordinator:
                 store = self.tensors[arrival.rank]
                 for i, t in enumerate(results[grank]):
                     store[f"r/{group.id}/{pc.seq}/{i}"] = t
+                self._count(sum(t.numel() * t.element_size() for t in results[grank]))
             arrival.row["t_end"] = now
             wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
             self.scheduler.answered(arrival.rank, arrival.op_id)
         self.ops_completed += 1
+
+    def _count(self, nbytes: int) -> None:
+        self.bytes_recorded += nbytes
+        if self.budget_bytes is not None and self.bytes_recorded > self.budget_bytes:
+            raise PayloadBudgetError(
+                f"the trace's tensors passed {self.budget_bytes / 2**30:.2f} GiB "
+                f"({self.bytes_recorded / 2**30:.2f} GiB after {self.ops_completed} ops)")
+
+    # -- payload none: metadata, and the broadcasts that keep their payload ----------------
+    def _on_meta(self, conn, header) -> None:
+        """A collective the rank synthesized: its event, no tensors, nothing to wait for."""
+        _, key, seq, api, kind, reduce, root, unit, t, wall, cpu, shapes, dtypes, nbytes = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        extra = {"kind": kind, "reduce": reduce, "root": root, "n": len(shapes), "shapes": shapes,
+                 "dtypes": dtypes, "digests": [], "synthesized": True}
+        row = self._row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None, extra)
+        row["dtype"], row["shape"], row["nbytes"] = (dtypes[0] if dtypes else ""), (shapes[0] if shapes else []), nbytes
+        self.ops_completed += 1
+
+    def _on_p2p_meta(self, conn, header) -> None:
+        kind, key, peer, tag, seq, unit, t, wall, cpu, shape, dtype, nbytes = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        op = "send" if kind == "psend" else "recv"
+        extra = {"tag": tag, "kind": op, "n": 1, "shapes": [shape], "dtypes": [dtype], "digests": [],
+                 "synthesized": True}
+        row = self._row(rank, unit, "p2p", op, group, seq, peer, None, t, t, wall, cpu, None, extra)
+        row["dtype"], row["shape"], row["nbytes"] = dtype, shape, nbytes
+        self.ops_completed += 1
+
+    def _on_carried_broadcast(self, conn, header, tensors) -> None:
+        """``payload=none``: a broadcast small enough to keep its payload. The root (or, when the
+        root is not captured, its stand-in) is answered at once; every other member when the
+        payload is here — so ranks that run one after another in rank order never wait for a
+        peer that has not started. Each receiver's result is stored for its emulation."""
+        _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        grank = group.ranks.index(rank)
+        pc = self._collectives.get((key, seq))
+        if pc is None:
+            pc = _PendingCollective(group, seq, api, Collective.BROADCAST, None, root, time.monotonic(),
+                                    [None] * len(group.ranks))
+            self._collectives[(key, seq)] = pc
+        contribution = list(tensors) if contributes is True else None
+        source = root if group.sources is None else group.ranks.index(group.sources[root])
+        if grank == root or (contributes == "standin" and grank == source):
+            pc.standins[-1] = list(tensors)  # the payload every receiver takes
+        extra = {"kind": kind, "reduce": None, "root": root, "n": len(contribution or ()),
+                 "shapes": [list(x.shape) for x in contribution or ()],
+                 "dtypes": [wire.dtype_name(x.dtype) for x in contribution or ()],
+                 "digests": [wire.digest(x) for x in contribution or ()], "carried": True}
+        row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu, None, extra)
+        self.scheduler.issued(rank, op_id)
+        pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
+        payload = pc.standins.get(-1)
+        if payload is None:  # the members here wait for the root (or its stand-in): it should run next
+            self.scheduler.awaits(group.ranks[source] if group.sources is None else group.sources[root])
+            return
+        now = time.monotonic() - self.t0
+        for g, arrival in list(pc.arrivals.items()):
+            result = [] if g == root else payload
+            if g != root:
+                store = self.tensors[arrival.rank]
+                for i, x in enumerate(result):
+                    store[f"r/{group.id}/{seq}/{i}"] = x
+            arrival.row["t_end"] = now
+            wire.send(arrival.conn, ("ok", arrival.op_id), result)
+            self.scheduler.answered(arrival.rank, arrival.op_id)
+            del pc.arrivals[g]
+            pc.contributions[g] = []  # answered
+        if all(c is not None for i, c in enumerate(pc.contributions) if self.fold is None or
+               self.fold.is_captured(group.ranks[i])):
+            del self._collectives[(key, seq)]
+            self.ops_completed += 1
 
     # -- point to point -----------------------------------------------------------------
     def _on_send(self, conn, header, tensor) -> None:
@@ -351,6 +451,7 @@ class Coordinator:
         self._check_p2p_peer(src, dst, group, "send to")
         tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
         self.tensors[src][tkey] = tensor
+        self._count(tensor.numel() * tensor.element_size())
         self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey,
                   {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
                    "dtypes": [wire.dtype_name(tensor.dtype)], "digests": [wire.digest(tensor)]})
@@ -403,6 +504,8 @@ class Coordinator:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for pc in self._collectives.values():
+            if -1 in pc.standins and not pc.arrivals:
+                continue  # a carried broadcast's payload is here: members still to come wait for nobody
             if now - pc.first_t > self.timeout_s:
                 arrived = sorted(a.rank for a in pc.arrivals.values())
                 missing = [r for r in pc.group.ranks if r not in arrived
@@ -438,106 +541,3 @@ class Coordinator:
         if any(self._recvs.values()):
             return "a recv never completed"
         return None
-
-
-class SlotScheduler:
-    """Context switching of capture ranks: at most ``slots`` ranks run at once.
-
-    A rank gets a slot when it connects; it hands the slot back when it blocks on an op
-    that is not complete yet (``park``), and joins the ready queue (FIFO) once the op it
-    blocked on is answered. A ``parker`` (e.g. the CUDA checkpoint parker) may move a
-    parked rank's device state to host memory and bring it back before the rank resumes.
-
-    A rank that blocks somewhere the prism group cannot see (not in a ``Work.wait``) keeps
-    its slot; if nothing at all happens for ``stall_s`` while ranks are ready, one more slot
-    is opened (with a warning) rather than letting the capture deadlock.
-    """
-
-    def __init__(self, slots: int | None, *, parker=None, stall_s: float = 30.0):
-        self.slots = slots if slots and slots > 0 else None
-        self.parker = parker
-        self.stall_s = stall_s
-        self.extra = 0
-        self._conn: dict[int, Connection] = {}
-        self._pid: dict[int, int] = {}
-        self.running: set[int] = set()
-        self.ready: deque[int] = deque()
-        self._parked_on: dict[int, int] = {}
-        self._outstanding: dict[int, set[int]] = {}
-        self._last_progress = time.monotonic()
-        self.max_running = 0
-        self.switches = 0
-        """How many times a parked rank was resumed."""
-
-    @property
-    def capacity(self) -> int | None:
-        return None if self.slots is None else self.slots + self.extra
-
-    def arrive(self, rank: int, pid: int, conn: Connection) -> None:
-        self._conn[rank], self._pid[rank] = conn, pid
-        self._outstanding[rank] = set()
-        self.ready.append(rank)
-        self._progress()
-
-    def issued(self, rank: int, op_id: int) -> None:
-        if op_id >= 0:
-            self._outstanding.setdefault(rank, set()).add(op_id)
-        self._progress()
-
-    def answered(self, rank: int, op_id: int) -> None:
-        self._outstanding.get(rank, set()).discard(op_id)
-        if self._parked_on.get(rank) == op_id:
-            del self._parked_on[rank]
-            self.ready.append(rank)
-        self._progress()
-
-    def park(self, rank: int, op_id: int) -> None:
-        self.running.discard(rank)
-        if op_id in self._outstanding.get(rank, ()):
-            self._parked_on[rank] = op_id
-            if self.parker is not None:
-                self.parker.parked(rank, self._pid[rank])
-        else:  # answered while the park message was in flight
-            self.ready.append(rank)
-        self._progress()
-
-    def gone(self, rank: int) -> None:
-        self.running.discard(rank)
-        self._parked_on.pop(rank, None)
-        self._conn.pop(rank, None)
-        if self.parker is not None:
-            self.parker.gone(rank)
-        self._progress()
-
-    def _progress(self) -> None:
-        self._last_progress = time.monotonic()
-
-    def schedule(self) -> None:
-        cap = self.capacity
-        while self.ready and (cap is None or len(self.running) < cap):
-            rank = self.ready.popleft()
-            conn = self._conn.get(rank)
-            if conn is None:
-                continue
-            if self.parker is not None:
-                self.parker.resume(rank, self._pid[rank], running=self.running)
-            self.running.add(rank)
-            self.switches += 1
-            self.max_running = max(self.max_running, len(self.running))
-            try:
-                wire.send(conn, ("go",))
-            except OSError:
-                self.gone(rank)
-        if self.ready and cap is not None and time.monotonic() - self._last_progress > self.stall_s:
-            import warnings
-
-            self.extra += 1
-            self._progress()
-            warnings.warn(
-                f"capture: ranks {sorted(self.running)} hold every slot and none communicated for "
-                f"{self.stall_s:g}s while ranks {list(self.ready)[:8]} are ready; opening slot #{self.capacity} "
-                "(a rank may be blocked outside a prism wait)", stacklevel=2)
-
-    def close(self) -> None:
-        if self.parker is not None:
-            self.parker.close()

@@ -8,7 +8,7 @@ through Hydra. :func:`resolve` turns every ``auto`` into a concrete value, once;
 :mod:`prism_launch.config.plan` is what the launcher hands each rank.
 """
 
-from prism_launch.config.capture import CaptureConfig, Park, TraceConfig
+from prism_launch.config.capture import CaptureConfig, Park, Payload, TraceConfig
 from prism_launch.config.cluster import ClusterSpec, LinkSpec
 from prism_launch.config.emulate import DataPath, EmulateConfig, PrefetchConfig, PrefetchMode, RingBackend, Timing, VirtualHost
 from prism_launch.config.errors import ConfigError
@@ -21,7 +21,7 @@ from prism_launch.config.target import Device, ParallelConfig, SandboxConfig, Ta
 __all__ = [
     "CalibrateConfig", "CaptureConfig", "ClusterSpec", "CommConfig", "CompatConfig", "ComputeSource", "ConfigError",
     "DataPath", "Device", "EmulateConfig", "FlagNames", "IntegrationConfig", "LaunchConfig", "LinkSpec", "Measure",
-    "MemoryConfig", "Mode", "Park", "ParallelConfig", "PhysicalConfig", "PrefetchConfig", "PrefetchMode",
+    "MemoryConfig", "Mode", "Park", "Payload", "ParallelConfig", "PhysicalConfig", "PrefetchConfig", "PrefetchMode",
     "PrismConfig", "ReplayConfig", "ReportConfig", "RingBackend", "SandboxConfig", "ScriptConfig", "StartMethod",
     "SweepConfig", "TargetConfig", "TraceConfig", "Timing", "VirtualHost", "compose", "config_dir",
     "normalize_overrides", "register", "resolve", "validate",

@@ -32,6 +32,23 @@ class Park(StrEnum):
     (``cuCheckpointProcess*``) and back before they resume."""
 
 
+class Payload(StrEnum):
+    auto = "auto"
+    """``exact`` while the trace stays within ``capture.payload_budget_gib`` and the free space
+    where it is written; a capture that would pass it stops and records again with ``none``
+    (the run says so and why)."""
+    exact = "exact"
+    """Every value a sandbox can consume is recorded: sandbox outputs bit-identical to the capture."""
+    none = "none"
+    """No tensor payloads: the trace holds the op sequence, groups, shapes, dtypes, bytes,
+    timings, memory and MoE routing counts. Every collective's result is synthesized on the
+    rank's own device, in capture and emulation alike, as if each other member contributed what
+    this rank contributes (``nccl_ext/synth.py``); broadcasts up to ``capture.carry_bytes``
+    keep their real payload (they carry control flow: flags, batch metadata). Nothing but
+    metadata reaches the launcher; ranks never wait on each other, so captured ranks run at
+    the job's speed, ``capture.slots`` at a time (admitted by memory)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class CaptureConfig:
     warm_imports: list[str] = field(default_factory=lambda: ["torch", "megatron.core"])
@@ -50,6 +67,13 @@ class CaptureConfig:
     fold when the world has more than ``fold_threshold`` ranks."""
     fold_threshold: int = 64
     """World size above which ``fold`` (when unset) turns on."""
+    payload: Payload = Payload.auto
+    """What the trace records of the tensors ranks exchange (see :class:`Payload`)."""
+    payload_budget_gib: float = 32.0
+    """``payload=auto``: the most tensor data an exact trace may hold before the capture
+    switches to ``none`` (also capped by the free space at the trace directory, less 10%)."""
+    carry_bytes: int = 64 * 1024
+    """``payload=none``: broadcasts and scatters up to this size keep their real payload."""
     replicated_groups: list[str] = field(default_factory=lambda: [
         "DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg"])
     """Substrings of group descriptions (``group_desc``) that mark groups spanning
@@ -59,5 +83,9 @@ class CaptureConfig:
     def validate(self) -> None:
         if self.slots is not None and self.slots < 0:
             raise ConfigError(f"capture.slots must be >= 0 (got {self.slots}; 0 means no limit)")
+        if self.payload_budget_gib <= 0:
+            raise ConfigError(f"capture.payload_budget_gib must be > 0 (got {self.payload_budget_gib})")
+        if self.carry_bytes < 0:
+            raise ConfigError(f"capture.carry_bytes must be >= 0 (got {self.carry_bytes})")
         if self.fold_threshold < 1:
             raise ConfigError(f"capture.fold_threshold must be >= 1 (got {self.fold_threshold})")

@@ -36,6 +36,11 @@ class CapturePlan:
     """Folded capture: the logical ranks that run (a broadcast from any other root needs a stand-in)."""
     discover_file: str | None = None
     """Group discovery: run to the first communication op and write every ``new_group`` call here."""
+    payload: str = "exact"
+    """``exact`` (every contribution goes to the coordinator) or ``none`` (results synthesized
+    on the rank; only metadata and carried broadcasts go to the coordinator)."""
+    carry_bytes: int = 0
+    """``payload=none``: broadcasts up to this size keep their real payload."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +84,10 @@ class EmulatePlan:
     host_scalar_sites: tuple[str, ...] = ()
     host_scalar_max_elements: int = 64
     assistant_summary: str | None = None
+    payload: str = "exact"
+    """The trace's payload policy (its manifest's): ``none`` synthesizes every result on the
+    sandbox's device (no assistant, no device data path)."""
+    carry_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

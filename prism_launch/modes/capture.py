@@ -64,26 +64,105 @@ def parker(ctx: RunContext, slots: int | None):
     return CudaCheckpointParker(cap.resident or slots or 1)
 
 
+def payload_budget(ctx: RunContext) -> tuple[int, str]:
+    """``payload=auto``'s limit on an exact trace's tensors, and what set it: the configured
+    cap, the free space where the trace is written (less 10%), or the launcher's free memory
+    (an exact capture holds its tensors until it commits)."""
+    cap = int(ctx.cfg.capture.payload_budget_gib * 2**30)
+    where = ctx.trace.root.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    disk = int(shutil.disk_usage(where).free * 0.9)
+    mem = _available_memory()
+    limits = [(cap, f"capture.payload_budget_gib={ctx.cfg.capture.payload_budget_gib:g}"),
+              (disk, f"the free space at {where}")]
+    if mem is not None:
+        limits.append((mem // 2, "half the launcher's available memory"))
+    return min(limits)
+
+
+def _peak_rss() -> int | None:
+    """The launcher's own peak resident memory so far (VmHWM)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def admission(ctx: RunContext, ranks: list[int]):
+    """Admission by device memory for a ``payload=none`` capture on CUDA with more than one
+    slot (None otherwise: one rank at a time needs none)."""
+    from prism_launch.capture.slots import MemoryAdmission, free_gpu_memory
+
+    if not ctx.cfg.on_cuda or (ctx.cfg.capture.slots or 0) == 1:
+        return None
+    free = free_gpu_memory()
+    if not free:
+        return None
+    order = {r: i for i, r in enumerate(ranks)}
+    return MemoryAdmission([int(f * 0.92) for f in free], lambda r: order.get(r, 0))
+
+
 def capture(ctx: RunContext) -> Path:
-    """Record the trace into ``ctx.trace``; returns the capture's log directory."""
-    from prism_launch.capture.coordinator import CaptureError, Coordinator
+    """Record the trace into ``ctx.trace``; returns the capture's log directory. With
+    ``capture.payload=auto`` an exact capture that passes its budget records again with
+    ``none``, and says so."""
+    from prism_launch.capture.coordinator import PayloadBudgetError
+    from prism_launch.config import Payload
+
+    policy = ctx.cfg.capture.payload
+    fold = fold_plan(ctx)
+    if policy is not Payload.auto:
+        return _capture(ctx, fold, str(policy), None)
+    budget, why = payload_budget(ctx)
+    try:
+        return _capture(ctx, fold, "exact", budget)
+    except PayloadBudgetError as e:
+        print(f"prism-launch: capture.payload=auto: {e}, past the budget set by {why} "
+              f"({budget / 2**30:.2f} GiB); recording again with payload=none (no tensor payloads; "
+              "results synthesized on each rank's device)", file=sys.stderr)
+        return _capture(ctx, fold, "none", None)
+
+
+def _capture(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None) -> Path:
+    from prism_launch.capture.coordinator import CaptureError, Coordinator, PayloadBudgetError
 
     ws = ctx.topo.world_size
-    fold = fold_plan(ctx)
     ranks = list(fold.captured)
     slots = ctx.cfg.capture.slots or None  # 0: no limit
     park = parker(ctx, slots)
+    admit = admission(ctx, ranks) if payload == "none" else None
     sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
     authkey = os.urandom(16)
     coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
-                        parker=park, fold=fold if fold.folded else None)
+                        parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
+                        admission=admit)
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
-        coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None))
+        coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
+        payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes))
+    from prism_launch.capture.monitor import CaptureMonitor
+
+    monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress)
     t0 = time.monotonic()
     try:
         try:
-            log_dir = ctx.agent.run(plan, log_dir=ctx.log_dir(Mode.capture), on_tick=lambda: coord.pump(0.02),
-                                    on_start=coord.start)
+            log_dir = ctx.agent.run(plan, log_dir=ctx.log_dir(Mode.capture),
+                                    on_tick=lambda: (coord.pump(0.02), monitor.tick()), on_start=coord.start)
+        except PayloadBudgetError:
+            raise
         except CaptureError as e:
             raise RunFailedError(f"capture failed: {e}") from None
         for _ in range(50):  # drain what ranks sent right before exiting
@@ -92,6 +171,7 @@ def capture(ctx: RunContext) -> Path:
         if left:
             raise RunFailedError(f"capture incomplete: {left}")
     finally:
+        monitor.close()
         coord.close()
         for p in sock_dir.iterdir():
             p.unlink(missing_ok=True)
@@ -101,7 +181,9 @@ def capture(ctx: RunContext) -> Path:
     sched = coord.scheduler
     stats = {"wall_s": wall, "slots": slots, "max_running": sched.max_running, "resumes": sched.switches,
              "extra_slots": sched.extra, "parking": park.stats.to_dict() if park is not None else None,
-             "ranks": len(ranks), "folded": fold.folded}
+             "ranks": len(ranks), "folded": fold.folded, "payload": payload,
+             "admission": admit.to_dict() if admit is not None else None,
+             "launcher_peak_rss_bytes": _peak_rss(), "tensor_bytes": coord.bytes_recorded}
     program = ctx.program
     with TraceWriter(ctx.trace.root) as writer:
         writer.add_events(coord.events)
@@ -120,11 +202,12 @@ def capture(ctx: RunContext) -> Path:
             groups=coord.groups(), ranks_captured=ranks,
             extra={"script": program.script, "script_args": list(program.args), "module": program.module,
                    "program_config": program_config(ctx.cfg), "capture_wall_s": wall,
-                   "ops": coord.ops_completed, "log_dir": str(log_dir), "capture": stats},
+                   "ops": coord.ops_completed, "log_dir": str(log_dir), "capture": stats, "payload": payload,
+                   "carry_bytes": ctx.cfg.capture.carry_bytes},
         )
     nbytes = sum(t.numel() * t.element_size() for d in coord.tensors for t in d.values())
     what = f"{len(ranks)} of {ws} logical ranks (folded)" if fold.folded else f"{ws} logical ranks"
-    print(f"prism-launch: captured {what}, {coord.ops_completed} ops, {len(coord.events)} events, "
+    print(f"prism-launch: captured {what}, payload {payload}, {coord.ops_completed} ops, {len(coord.events)} events, "
           f"{nbytes / 2**20:.1f} MiB of tensors in {wall:.1f}s ({slots or 'unlimited'} slots, "
           f"{sched.switches} resumes) -> {ctx.trace.root}", file=sys.stderr)
     return log_dir

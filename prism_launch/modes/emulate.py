@@ -58,19 +58,29 @@ def local_sandbox(ctx: RunContext) -> list[int]:
     return sandbox[start : start + k + (ph.node_rank < extra)]
 
 
-def emulate_plan(ctx: RunContext, local: list[int], store: str | None, schedule: Path | None) -> RankPlan:
+def trace_payload(reader: TraceReader) -> tuple[str, int]:
+    """The trace's payload policy and carried-broadcast limit (traces before the policy: exact)."""
+    extra = reader.manifest.extra or {}
+    return str(extra.get("payload", "exact")), int(extra.get("carry_bytes", 0))
+
+
+def emulate_plan(ctx: RunContext, local: list[int], store: str | None, schedule: Path | None,
+                 payload: tuple[str, int] = ("exact", 0)) -> RankPlan:
     cfg, node = ctx.cfg, ctx.cfg.physical.node_rank
     em, pf = cfg.emulate, cfg.emulate.prefetch
-    assistant = em.virtual_host is VirtualHost.assistant
+    synthesized = payload[0] == "none"  # nothing recorded to serve: no assistant, no device data path
+    assistant = em.virtual_host is VirtualHost.assistant and not synthesized
     section = EmulatePlan(
         trace_dir=str(ctx.trace.root), sandbox=tuple(cfg.sandbox.ranks), timing=str(em.timing),
-        time_scale=em.time_scale, strict=em.strict, check=em.check_divergence, data_path=str(em.data_path),
+        time_scale=em.time_scale, strict=em.strict, check=em.check_divergence,
+        data_path="host" if synthesized else str(em.data_path),
         prefetch=PrefetchPlan(mode=str(pf.mode), pool_bytes=pf.pool_mib << 20, grow=pf.grow,
                               reserve_bytes=int(pf.reserve_gib * 2**30), threads=pf.threads,
                               host_tier_bytes=int(pf.host_tier_gib * 2**30)),
-        pruned=em.pruned_rings, ring_backend=str(em.ring_backend), ring_tags=em.ring_tags, assistant=assistant,
+        pruned=em.pruned_rings and not synthesized, ring_backend=str(em.ring_backend), ring_tags=em.ring_tags, assistant=assistant,
         window=em.window, store=store, schedule_file=str(schedule) if schedule else None,
-        summary_files={r: str(ctx.report.summary(r, node)) for r in local},
+        summary_files={r: str(ctx.report.summary(r, node)) for r in local}, payload=payload[0],
+        carry_bytes=payload[1],
         assistant_summary=str(ctx.report.assistant_summary(node)) if assistant else None,
         divergence_rtol=em.divergence_rtol, host_scalar_sites=tuple(em.host_scalar_sites),
         host_scalar_max_elements=em.host_scalar_max_elements,
@@ -97,7 +107,8 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
     ph = cfg.physical
     local = local_sandbox(ctx)
     summaries = ctx.report.summaries(ph.node_rank)
-    assistant = cfg.emulate.virtual_host is VirtualHost.assistant
+    payload = trace_payload(reader)
+    assistant = cfg.emulate.virtual_host is VirtualHost.assistant and payload[0] != "none"
     timeout = datetime.timedelta(seconds=cfg.comm.timeout_s)
     store, endpoint = None, None
     if ph.nodes > 1:  # node 0 hosts the store every node's sandbox ranks rendezvous through
@@ -118,7 +129,7 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
         schedule.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(schedule, json.dumps(predicted_schedule(cfg, reader, ctx.trace)))
     log_dir = ctx.log_dir(Mode.emulate)
-    plan = emulate_plan(ctx, local, endpoint, schedule)
+    plan = emulate_plan(ctx, local, endpoint, schedule, payload)
     extra = [ctx.agent.assistant_spec(plan, log_dir)] if assistant and ph.node_rank == 0 else []
     t0 = time.monotonic()
     oom = None

@@ -21,7 +21,8 @@ def capture(plan: RankPlan) -> MakeTransport:
 
     def make(rank: int, world_size: int, timeout_s: float):
         captured = frozenset(cp.captured) if cp.captured is not None else None
-        return CaptureTransport(cp.coordinator, bytes.fromhex(cp.authkey), rank, timeout_s, captured=captured)
+        return CaptureTransport(cp.coordinator, bytes.fromhex(cp.authkey), rank, timeout_s, captured=captured,
+                                payload=cp.payload, carry_bytes=cp.carry_bytes)
 
     return make
 
@@ -162,7 +163,7 @@ def replay(plan: RankPlan) -> MakeTransport:
             rank=rank, sandbox=sandbox, recording=recording, timeout_s=timeout_s, device_path=device_path,
             pruned=e.pruned, rings=rings, physical=physical, assistant=len(sandbox) if e.assistant else None,
             on_close=on_close, timing=e.timing, time_scale=e.time_scale, strict=e.strict, check=e.check,
-            summary_path=plan.summary_file(rank), divergence_rtol=e.divergence_rtol,
+            summary_path=plan.summary_file(rank), payload=e.payload, carry_bytes=e.carry_bytes, divergence_rtol=e.divergence_rtol,
             host_scalar_sites=e.host_scalar_sites, host_scalar_max_elements=e.host_scalar_max_elements,
         )
 

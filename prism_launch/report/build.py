@@ -50,6 +50,8 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
             "replay_wait_s": summary.get("waited_s"),
             "divergences": summary.get("divergences", []),
             "divergence_counts": summary.get("divergence_counts", {}),
+            "synthesized": summary.get("synthesized", 0),
+            "carried": summary.get("carried", 0),
             "peak_memory_bytes": (summary.get("memory") or {}).get("peak_bytes"),
             "memory_method": ((summary.get("memory") or {}).get("method") or {}).get("name"),
         }
@@ -65,6 +67,7 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
         "virtual_host": str(cfg.emulate.virtual_host),
         "assistant": json.loads(out.assistant_summary().read_text()) if out.assistant_summary().exists() else None,
         "ranks": ranks,
+        "payload": _payload(reader),
     }
     if TraceLayout.FOLD in reader.json_files():
         fold = reader.read_json(TraceLayout.FOLD)
@@ -114,6 +117,23 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
     atomic_write_text(out.report_json, json.dumps(report, indent=1))
     print_report(report, out.report_json)
     return report
+
+
+def _payload(reader: TraceReader) -> dict:
+    """The trace's payload policy and what it means for the values the sandbox saw."""
+    extra = reader.manifest.extra or {}
+    policy = extra.get("payload", "exact")
+    out = {"policy": policy}
+    if policy == "none":
+        out["synthesized"] = (
+            "every collective's and receive's result, in capture and emulation alike: computed on the "
+            "rank's device as if each other member contributed what this rank contributes (sums scaled by "
+            "the group size; gathers repeat this rank's piece; received buffers filled with uniform values "
+            "in [0.5, 1.5), integers 0), except broadcasts up to "
+            f"{extra.get('carry_bytes', 0)} bytes, which carry their recorded payload. Op sequence, shapes "
+            "of dense layers, timings and memory are the job's; values, MoE routing (hence all-to-all "
+            "sizes) and losses are the synthesized run's, not the target's")
+    return out
 
 
 def _compute_label(pred: dict) -> str:
@@ -174,6 +194,10 @@ def print_report(report: dict, path: Path) -> None:
                    None: "no loss lines to compare"}[r["losses_match_capture"]]
         if r.get("peak_memory_bytes") is not None:
             console.print(f"  peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r.get('memory_method')})")
+        if r.get("synthesized"):
+            console.print(f"  payload none: {r['synthesized']} results synthesized on the sandbox's device "
+                          f"({r.get('carried', 0)} broadcasts carried their recorded payload); values are not the "
+                          "target's (report.json: payload)")
         console.print(f"  losses: {verdict}; ops replayed {r['ops']} (+{r['p2p']} p2p), "
                       f"divergences {_divergence_kinds(r)}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
     pred = report.get("predicted")

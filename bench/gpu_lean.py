@@ -1,0 +1,187 @@
+"""A real-size job on one GPU with a lean trace: upstream Megatron-LM ``pretrain_gpt.py``
+(unchanged) with a Llama-3-8B shape — 32 layers, hidden 4096, 32 heads in 8 query groups, FFN
+14336 (SwiGLU), vocab 128,256, RMSNorm, RoPE, bf16, distributed optimizer, no sequence
+parallelism (megatron-core's local layer norm refuses it without Transformer Engine) — in an
+8,192-rank world, TP8·PP4 (the folded capture runs the 32 ranks of the sandbox's model
+replica), one sandbox rank, ``capture.payload=none``: capture, then emulation and report.
+
+    source .mlm/activate.sh && python bench/gpu_lean.py [--seq 4096] [--iters 3] [--slots 4]
+
+Prints: the trace's size (and per rank-step), capture wall time and seconds per iteration
+(Megatron's own "elapsed time per iteration" of the captured last rank, and the capture's wall
+time over iterations), the admission by memory (peaks measured, most ranks on the card at
+once), the launcher's host peak, the sandbox's GPU peak, the predicted iteration time on
+``--cluster`` and the OOM verdict at its memory (80 GiB for h100_ib). Exits non-zero when a
+phase fails or a figure is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+SHAPES = {  # layers, hidden, heads, query groups, FFN, vocab
+    "llama8b": ("32", "4096", "32", "8", "14336", "128256"),
+    "small": ("4", "1024", "16", "8", "4096", "32000"),  # a quick check of the same path
+}
+
+
+def llama8b(seq: int, tp: int, pp: int, world: int, iters: int, micro_batches: int, shape: str = "llama8b") -> list[str]:
+    dp = world // (tp * pp)
+    layers, hidden, heads, groups, ffn, vocab = SHAPES[shape]
+    return ["--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads, "--group-query-attention",
+            "--num-query-groups", groups, "--ffn-hidden-size", ffn, "--swiglu", "--normalization", "RMSNorm",
+            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "1",
+            "--global-batch-size", str(dp * micro_batches), "--train-iters", str(iters), "--bf16", "--lr", "1e-4",
+            "--use-distributed-optimizer", "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", vocab, "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+            "--no-persist-layer-norm", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--log-interval", "1",
+            "--eval-interval", "100000", "--eval-iters", "0"]
+
+
+def prism(args: list, cwd: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "prism_launch", *map(str, args)], cwd=cwd, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        print(f"  prism-launch timed out after {timeout:.0f}s; its stderr ends:\n{err[-5000:]}", flush=True)
+        logs = sorted(Path(cwd).glob("cap-logs/*/*/stdout.log"))
+        for log in logs[-3:]:
+            print(f"  --- {log}:\n{log.read_text()[-1500:]}", flush=True)
+        raise SystemExit(1) from None
+    wall = time.monotonic() - t0
+    print(f"  [{wall:.0f}s] prism-launch ... {' '.join(str(a) for a in args if str(a).startswith('mode='))} "
+          f"-> {r.returncode}", flush=True)
+    for line in r.stderr.splitlines():
+        if line.startswith("prism-launch:"):
+            print("   ", line[:300], flush=True)
+    if r.returncode != 0:
+        print(r.stderr[-8000:], flush=True)
+        raise SystemExit(1)
+    return r, wall
+
+
+def iteration_ms(log: Path) -> list[float]:
+    """Megatron's own "elapsed time per iteration (ms)" lines of one rank's log."""
+    if not log.exists():
+        return []
+    return [float(m.group(1)) for m in re.finditer(r"elapsed time per iteration \(ms\): ([0-9.]+)", log.read_text())]
+
+
+def need(value, what: str):
+    if value is None:
+        print(f"missing: {what}", file=sys.stderr)
+        raise SystemExit(1)
+    return value
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama8b")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--world", type=int, default=8192)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=4, help="captured ranks computing at once (admitted by memory)")
+    ap.add_argument("--cluster", default="h100_ib")
+    ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
+    ap.add_argument("--timeout", type=float, default=560.0, help="seconds for capture + emulation together")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    script = Path(a.mlm) / "pretrain_gpt.py"
+    if not script.exists():
+        print(f"no {script}: prepare Megatron-LM's training code with ../shared/tools/gpu-stack.sh", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    tp, pp = 8, 4
+    work = Path(tempfile.mkdtemp(prefix="prism-lean-"))
+    trace = work / "trace"
+    sandbox = a.world - 1  # Megatron prints its iteration line on the last rank only
+    job = llama8b(a.seq, tp, pp, a.world, a.iters, a.micro_batches, a.shape)
+    base = ["--nnodes", str(a.world // 8), "--nproc-per-node", "8", "device=cuda", f"sandbox.ranks=[{sandbox}]",
+            f"trace.dir={trace}", f"cluster={a.cluster}", "capture.payload=none", f"capture.slots={a.slots}",
+            "comm.timeout_s=600", "launch.progress=true"]
+    res: dict = {"machine": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "world": a.world,
+                 "layout": f"TP{tp}·PP{pp}", "seq": a.seq, "iters": a.iters, "cluster": a.cluster,
+                 "model": "Llama-3-8B shape" if a.shape == "llama8b" else f"{a.shape} shape"}
+    print(f"{res['machine']}: {res['model']}, seq {a.seq}, {a.world} ranks {res['layout']}, sandbox {sandbox}, "
+          f"{a.iters} iterations, payload none, cluster {a.cluster}", flush=True)
+    t_start = time.monotonic()
+    try:
+        _r, res["capture_s"] = prism([*base, "--log-dir", work / "cap-logs", "mode=capture", script, *job], work,
+                                     a.timeout)
+        files = [p for p in trace.rglob("*") if p.is_file()]
+        res["trace_bytes"] = sum(p.stat().st_size for p in files)
+        manifest = json.loads((trace / "manifest.json").read_text())
+        stats = json.loads((trace / "capture.json").read_text())
+        ranks = len(manifest["ranks_captured"])
+        res["captured_ranks"] = ranks
+        res["trace_bytes_per_rank_step"] = res["trace_bytes"] / (ranks * a.iters)
+        res["launcher_peak_rss_bytes"] = need(stats.get("launcher_peak_rss_bytes"), "launcher peak RSS")
+        res["admission"] = stats.get("admission")
+        logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
+        per_iter = iteration_ms(logs[0]) if logs else []
+        res["capture_megatron_ms_per_iteration"] = per_iter
+        res["capture_wall_s_per_iteration"] = stats["wall_s"] / a.iters
+        left = a.timeout - (time.monotonic() - t_start)
+        _r, res["emulate_s"] = prism([*base, "--log-dir", work / "emu-logs", "mode=emulate",
+                                      f"report.dir={work / 'report'}", script, *job], work, max(60.0, left))
+        rep = json.loads((work / "report" / "report.json").read_text())
+        pred, me = rep["predicted"], rep["ranks"][str(sandbox)]
+        res["predicted_iteration_ms"] = need(pred.get("iteration_time_s"), "predicted iteration time") * 1e3
+        res["calibration"] = pred.get("calibration")
+        res["oom_ranks"] = pred.get("oom_ranks")
+        res["gpu_memory_gib"] = rep.get("cluster", {}).get("gpu_memory_gib") if isinstance(rep.get("cluster"), dict) \
+            else None
+        res["sandbox_peak_bytes"] = need(me.get("peak_memory_bytes"), "sandbox GPU peak")
+        res["sandbox_step_times_s"] = me.get("step_times_s")
+        res["synthesized_ops"] = me.get("synthesized")
+        peaks = {int(r): v.get("peak_memory_bytes") for r, v in rep["ranks"].items() if v.get("peak_memory_bytes")}
+        res["max_rank_peak_bytes"] = max(peaks.values()) if peaks else None
+        emu_iter = iteration_ms(next(iter(sorted((work / "emu-logs").glob(f"*/{sandbox}/stdout.log"))), Path("-")))
+        res["emulate_megatron_ms_per_iteration"] = emu_iter
+    finally:
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+        shutil.rmtree(work, ignore_errors=True)
+    gib = 2**30
+    adm = res.get("admission") or {}
+    print(f"trace: {res['trace_bytes'] / 2**20:.2f} MiB for {res['captured_ranks']} captured ranks x {a.iters} steps "
+          f"({res['trace_bytes_per_rank_step'] / 1024:.1f} KiB per rank-step)")
+    print(f"capture: {res['capture_s']:.0f}s wall; {res['capture_wall_s_per_iteration']:.1f}s of capture per "
+          f"iteration (all {res['captured_ranks']} ranks); Megatron's own time per iteration on rank {sandbox}: "
+          f"{', '.join(f'{x:.0f}' for x in res['capture_megatron_ms_per_iteration'])} ms; "
+          f"most ranks on the card at once {adm.get('max_admitted')}, measured peaks "
+          f"{sorted({round(v / gib, 2) for v in (adm.get('measured_peaks') or {}).values()})} GiB")
+    print(f"launcher host peak: {res['launcher_peak_rss_bytes'] / gib:.2f} GiB")
+    print(f"emulation: {res['emulate_s']:.0f}s; sandbox rank {sandbox} GPU peak {res['sandbox_peak_bytes'] / gib:.3f} GiB; "
+          f"Megatron's time per iteration {', '.join(f'{x:.0f}' for x in res['emulate_megatron_ms_per_iteration'])} ms")
+    print(f"predicted iteration time on {a.cluster}: {res['predicted_iteration_ms']:.1f} ms ({res['calibration']}); "
+          f"largest rank peak {res['max_rank_peak_bytes'] / gib:.2f} GiB; OOM ranks at the cluster's memory: "
+          f"{res['oom_ranks'][:8] if res['oom_ranks'] else 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Context switching of capture ranks: execution slots, and admission by device memory."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+
+from nccl_ext import wire
+
+
+class SlotScheduler:
+    """Context switching of capture ranks: at most ``slots`` ranks run at once.
+
+    A rank gets a slot when it connects; it hands the slot back when it blocks on an op
+    that is not complete yet (``park``), and joins the ready queue (FIFO) once the op it
+    blocked on is answered. A ``parker`` (e.g. the CUDA checkpoint parker) may move a
+    parked rank's device state to host memory and bring it back before the rank resumes.
+
+    A rank that blocks somewhere the prism group cannot see (not in a ``Work.wait``) keeps
+    its slot; if nothing at all happens for ``stall_s`` while ranks are ready, one more slot
+    is opened (with a warning) rather than letting the capture deadlock.
+    """
+
+    def __init__(self, slots: int | None, *, parker=None, stall_s: float = 30.0,
+                 admission: MemoryAdmission | None = None, heartbeat_s: float = 5.0):
+        self.slots = slots if slots and slots > 0 else None
+        self.parker = parker
+        self.stall_s = stall_s
+        self.admission = admission
+        """Admits a rank to its first slot only while the device's memory holds it beside the
+        ranks already admitted (None: slots alone decide)."""
+        self.heartbeat_s = heartbeat_s
+        self._last_beat = time.monotonic()
+        self._started: set[int] = set()
+        self._awaited: set[int] = set()
+        self.extra = 0
+        self._conn: dict[int, Connection] = {}
+        self._pid: dict[int, int] = {}
+        self.running: set[int] = set()
+        self.ready: deque[int] = deque()
+        self._parked_on: dict[int, int] = {}
+        self._outstanding: dict[int, set[int]] = {}
+        self._last_progress = time.monotonic()
+        self.max_running = 0
+        self.switches = 0
+        """How many times a parked rank was resumed."""
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self.slots is None else self.slots + self.extra
+
+    def arrive(self, rank: int, pid: int, conn: Connection) -> None:
+        self._conn[rank], self._pid[rank] = conn, pid
+        self._outstanding[rank] = set()
+        # ranks that have not run yet start in rank order (a broadcast's root, the lowest rank of
+        # its group, then runs before the members that wait for its payload)
+        i = len(self.ready)
+        while i > 0 and self.ready[i - 1] not in self._started and self.ready[i - 1] > rank:
+            i -= 1
+        self.ready.insert(i, rank)
+        self._progress()
+
+    def issued(self, rank: int, op_id: int) -> None:
+        if op_id >= 0:
+            self._outstanding.setdefault(rank, set()).add(op_id)
+        self._progress()
+
+    def answered(self, rank: int, op_id: int) -> None:
+        self._outstanding.get(rank, set()).discard(op_id)
+        if self._parked_on.get(rank) == op_id:
+            del self._parked_on[rank]
+            self.ready.append(rank)
+        self._progress()
+
+    def park(self, rank: int, op_id: int) -> None:
+        self.running.discard(rank)
+        if op_id in self._outstanding.get(rank, ()):
+            self._parked_on[rank] = op_id
+            if self.parker is not None:
+                self.parker.parked(rank, self._pid[rank])
+        else:  # answered while the park message was in flight
+            self.ready.append(rank)
+        self._progress()
+
+    def awaits(self, rank: int) -> None:
+        """A parked rank waits for ``rank`` (the source of a broadcast's payload)."""
+        self._awaited.add(rank)
+
+    def _unblocking(self) -> int:
+        """The ready rank to start when every admitted rank is blocked: one they wait for."""
+        for r in self.ready:
+            if r in self._awaited and r not in self._started:
+                return r
+        return self.ready[0]
+
+    def gone(self, rank: int) -> None:
+        if self.admission is not None:
+            self.admission.release(rank)
+        self.running.discard(rank)
+        self._parked_on.pop(rank, None)
+        self._conn.pop(rank, None)
+        if self.parker is not None:
+            self.parker.gone(rank)
+        self._progress()
+
+    def _progress(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def schedule(self) -> None:
+        cap = self.capacity
+        while self.ready and (cap is None or len(self.running) < cap):
+            rank = self.ready[0]
+            # the device cannot hold it yet: it starts when an admitted rank ends — unless every
+            # admitted rank is blocked on a peer (none runs), when waiting would never end: then
+            # the rank they wait for starts first (a broadcast's root), or else the next one
+            if rank not in self._started and self.admission is not None and not self.admission.admit(rank):
+                if self.running:
+                    break
+                rank = self._unblocking()
+                self.admission.admit(rank, force=True)
+                self.ready.remove(rank)
+                self.ready.appendleft(rank)
+            self.ready.popleft()
+            conn = self._conn.get(rank)
+            if conn is None:
+                continue
+            self._started.add(rank)
+            if self.parker is not None:
+                self.parker.resume(rank, self._pid[rank], running=self.running)
+            self.running.add(rank)
+            self.switches += 1
+            self.max_running = max(self.max_running, len(self.running))
+            try:
+                wire.send(conn, ("go",))
+            except OSError:
+                self.gone(rank)
+        now = time.monotonic()
+        if now - self._last_beat > self.heartbeat_s:  # ranks waiting for a slot know the coordinator lives
+            self._last_beat = now
+            for rank in self.ready:
+                conn = self._conn.get(rank)
+                if conn is not None:
+                    try:
+                        wire.send(conn, ("alive",))
+                    except OSError:
+                        pass
+        if self.admission is not None and self.admission.waiting:
+            self._progress()  # waiting for memory is progress being made elsewhere, not a stall
+        if self.ready and cap is not None and time.monotonic() - self._last_progress > self.stall_s:
+            import warnings
+
+            self.extra += 1
+            self._progress()
+            warnings.warn(
+                f"capture: ranks {sorted(self.running)} hold every slot and none communicated for "
+                f"{self.stall_s:g}s while ranks {list(self.ready)[:8]} are ready; opening slot #{self.capacity} "
+                "(a rank may be blocked outside a prism wait)", stacklevel=2)
+
+    def close(self) -> None:
+        if self.parker is not None:
+            self.parker.close()
+
+
+class MemoryAdmission:
+    """Which capture ranks may be on the device together.
+
+    A rank's need is its measured peak (reserved by the caching allocator, reported when it
+    ends) plus ``overhead`` (its CUDA context and libraries); a rank not measured yet is
+    expected to need the largest peak measured so far. Until a first rank has been measured,
+    one rank is admitted at a time (the probe). ``budget`` is the device memory free when the
+    capture began, per GPU; a rank goes to GPU ``gpu_of(rank)``."""
+
+    def __init__(self, budget: list[int], gpu_of, overhead: int = 1 << 30):
+        self.budget = list(budget)
+        self.gpu_of = gpu_of
+        self.overhead = overhead
+        self.measured: dict[int, int] = {}
+        self.admitted: dict[int, int] = {}
+        """rank -> bytes set aside for it."""
+        self.waiting = False
+        self.max_admitted = 0
+        self.forced = 0
+        """Ranks started beyond the budget because every admitted rank was blocked on a peer."""
+
+    def need(self, rank: int) -> int | None:
+        if rank in self.measured:
+            return self.measured[rank] + self.overhead
+        if not self.measured:
+            return None
+        return max(self.measured.values()) + self.overhead
+
+    def admit(self, rank: int, force: bool = False) -> bool:
+        """Whether ``rank`` may start now (``force``: it must, every admitted rank is blocked)."""
+        gpu = self.gpu_of(rank) % len(self.budget)
+        on_gpu = [r for r in self.admitted if self.gpu_of(r) % len(self.budget) == gpu]
+        need = self.need(rank)
+        if need is None:
+            ok = not on_gpu  # the probe: one rank until a peak is known
+            need = 0
+        else:
+            ok = not on_gpu or sum(self.admitted[r] for r in on_gpu) + need <= self.budget[gpu]
+        if force and not ok:
+            ok = True
+            self.forced += 1
+        self.waiting = not ok
+        if ok:
+            self.admitted[rank] = need
+            self.max_admitted = max(self.max_admitted, len(self.admitted))
+        return ok
+
+    def report(self, rank: int, summary: dict) -> None:
+        """A rank's memory summary (peak reserved bytes on CUDA)."""
+        peak = summary.get("peak_reserved_bytes") or summary.get("peak_bytes")
+        if peak:
+            self.measured[rank] = int(peak)
+            if rank in self.admitted:
+                self.admitted[rank] = int(peak) + self.overhead
+
+    def release(self, rank: int) -> None:
+        self.admitted.pop(rank, None)
+
+    def to_dict(self) -> dict:
+        return {"budget_bytes": self.budget, "overhead_bytes": self.overhead, "max_admitted": self.max_admitted,
+                "forced": self.forced,
+                "measured_peaks": {str(r): p for r, p in sorted(self.measured.items())}}
+
+
+def free_gpu_memory() -> list[int] | None:
+    """Free bytes of every visible GPU, from ``nvidia-smi`` (the launcher itself never creates a
+    CUDA context: its ranks are forked from it); None when it cannot tell."""
+    import os
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    free = {int(i): int(f) << 20 for i, f in (line.split(",") for line in out.strip().splitlines() if "," in line)}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        try:
+            return [free[int(v)] for v in visible.split(",") if v.strip()]
+        except (KeyError, ValueError):
+            return None
+    return [free[i] for i in sorted(free)] or None

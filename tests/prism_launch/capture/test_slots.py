@@ -1,0 +1,79 @@
+"""Admission by device memory: a capture never puts more ranks on a GPU than its free memory
+holds (from measured peaks), runs a probe first, and when every admitted rank is blocked
+starts the rank they wait for, not an arbitrary one."""
+
+from prism_launch.capture.slots import MemoryAdmission, SlotScheduler
+
+GIB = 1 << 30
+
+
+class _Conn:
+    def __init__(self):
+        self.sent = []
+
+    def send_bytes(self, *a, **k):
+        self.sent.append(a)
+
+
+def _sched(budget_gib, slots=8):
+    adm = MemoryAdmission([budget_gib * GIB], lambda r: 0, overhead=GIB)
+    s = SlotScheduler(slots, admission=adm)
+    sent = {}
+
+    def arrive(rank):
+        conn = _Conn()
+        sent[rank] = conn
+        s.arrive(rank, 1000 + rank, conn)
+
+    return s, adm, arrive
+
+
+def _started(s):
+    return set(s.running)
+
+
+def test_a_probe_runs_alone_then_ranks_are_admitted_by_their_measured_peak(monkeypatch):
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    s, adm, arrive = _sched(20)
+    for r in (7, 3, 5, 4, 6):
+        arrive(r)
+    s.schedule()
+    assert _started(s) == {3}  # rank order; one until a peak is known
+    adm.report(3, {"peak_reserved_bytes": 5 * GIB})
+    s.gone(3)
+    s.schedule()
+    assert _started(s) == {4, 5, 6}  # 3 x (5 + 1) GiB fit in 20, a fourth does not
+    assert not adm.admit(7)
+    s.gone(4)
+    s.schedule()
+    assert 7 in _started(s)
+    assert adm.max_admitted == 3 and adm.forced == 0
+
+
+def test_when_every_admitted_rank_is_blocked_the_awaited_rank_starts(monkeypatch):
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    s, adm, arrive = _sched(10)
+    for r in (0, 1, 2, 3):
+        arrive(r)
+    s.schedule()
+    assert _started(s) == {0}
+    s.issued(0, 11)
+    s.awaits(3)  # rank 0 waits for a broadcast whose payload rank 3 holds
+    s.park(0, 11)
+    s.schedule()
+    assert _started(s) == {3}  # not rank 1: it would not unblock anyone
+    assert adm.forced == 1
+
+
+def test_a_measured_rank_that_does_not_fit_waits_while_others_run(monkeypatch):
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    s, adm, arrive = _sched(10)
+    adm.report(9, {"peak_bytes": 6 * GIB})  # a peak known from before
+    for r in (1, 2):
+        arrive(r)
+    s.schedule()
+    assert _started(s) == {1}  # 2 x 7 GiB > 10 GiB
+    assert adm.waiting
+    s.gone(1)
+    s.schedule()
+    assert _started(s) == {2}
