@@ -149,14 +149,39 @@ def run_point(cfg_node: Any, args: LaunchArgs, out: Path, num: int | None, overr
 class PointTask:
     """Hydra's task function for a sweep (picklable: joblib, submitit and ray ship it)."""
 
-    def __init__(self, args: LaunchArgs):
+    def __init__(self, args: LaunchArgs, total: int | None = None):
         self.args = args
+        self.total = total
+        """Points in the sweep (None: the sweeper's own, not known here)."""
 
     def __call__(self, cfg) -> dict:
         from hydra.core.hydra_config import HydraConfig
 
         hc = HydraConfig.get()
-        return run_point(cfg, self.args, Path(hc.runtime.output_dir), hc.job.get("num"), list(hc.overrides.task))
+        num = hc.job.get("num")
+        row = run_point(cfg, self.args, Path(hc.runtime.output_dir), num, list(hc.overrides.task))
+        of = f"/{self.total}" if self.total else ""
+        # one line per point, in batch logs too: how far the sweep is (points run one after another
+        # in the launcher unless a parallel Hydra launcher runs them)
+        print(f"prism-launch: sweep point {(num or 0) + 1}{of} {' '.join(row['overrides'])}: {row['status']} "
+              f"({row['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+        return row
+
+
+def sweep_size(overrides: list[str]) -> int | None:
+    """How many points the basic sweeper makes of ``overrides`` (the product of the sweep
+    overrides' choices), or None when a range or another sweeper makes it unknowable here."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("hydra.")])
+        n = 1
+        for o in parsed:
+            if o.is_sweep_override():
+                n *= len(list(o.sweep_string_iterator()))
+        return n
+    except Exception:  # noqa: BLE001 - only a progress figure
+        return None
 
 
 # -- the sweep ----------------------------------------------------------------------------------
@@ -193,7 +218,8 @@ def run_sweep(args: LaunchArgs) -> int:
         pinned = [o for o in overrides if not o.lstrip("+").startswith("hydra.sweep.dir=")]
         pinned += [f"hydra.sweep.dir={_quote(sweep_dir)}", "hydra.job.chdir=False", "hydra.mode=MULTIRUN"]
         print(f"prism-launch: sweep into {sweep_dir}", file=sys.stderr)
-        ret = hydra.multirun(config_name="config", task_function=PointTask(args), overrides=pinned)
+        ret = hydra.multirun(config_name="config", task_function=PointTask(args, sweep_size(overrides)),
+                             overrides=pinned)
     except (HydraException, OmegaConfBaseException) as e:
         print(f"prism-launch: error: invalid sweep: {e}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ def _sweep(cwd: Path, sweep_dir: Path, *extra: str):
 
 def test_basic_launcher_two_points(cwd):
     sweep_dir = cwd / "basic"
-    rows, _ = _sweep(cwd, sweep_dir)
+    rows, r = _sweep(cwd, sweep_dir)
+    assert "sweep point 1/2 " in r.stderr and "sweep point 2/2 " in r.stderr  # progress in batch logs
     traces = set()
     for n, row in enumerate(rows):
         report = json.loads((sweep_dir / str(n) / "report" / "report.json").read_text())
