@@ -23,7 +23,8 @@ class SlotScheduler:
     """
 
     def __init__(self, slots: int | None, *, parker=None, stall_s: float = 30.0,
-                 admission: MemoryAdmission | None = None, heartbeat_s: float = 5.0):
+                 admission: MemoryAdmission | None = None, heartbeat_s: float = 5.0, expected: int = 0,
+                 gather_s: float = 120.0):
         self.slots = slots if slots and slots > 0 else None
         self.parker = parker
         self.stall_s = stall_s
@@ -33,6 +34,10 @@ class SlotScheduler:
         self.heartbeat_s = heartbeat_s
         self._last_beat = time.monotonic()
         self._started: set[int] = set()
+        self.expected = expected
+        """Ranks that will connect (admission waits for them, up to ``gather_s``, before the first starts)."""
+        self.gather_s = gather_s
+        self._first_hello = float("inf")
         self._awaited: set[int] = set()
         self.extra = 0
         self._conn: dict[int, Connection] = {}
@@ -52,6 +57,7 @@ class SlotScheduler:
 
     def arrive(self, rank: int, pid: int, conn: Connection) -> None:
         self._conn[rank], self._pid[rank] = conn, pid
+        self._first_hello = min(self._first_hello, time.monotonic())
         self._outstanding[rank] = set()
         # ranks that have not run yet start in rank order (a broadcast's root, the lowest rank of
         # its group, then runs before the members that wait for its payload)
@@ -87,11 +93,14 @@ class SlotScheduler:
         """A parked rank waits for ``rank`` (the source of a broadcast's payload)."""
         self._awaited.add(rank)
 
-    def _unblocking(self) -> int:
-        """The ready rank to start when every admitted rank is blocked: one they wait for."""
+    def _unblocking(self) -> int | None:
+        """The ready rank to start when every admitted rank is blocked: one they wait for; None
+        while such a rank has not connected yet (it will: starting another would not help)."""
         for r in self.ready:
             if r in self._awaited and r not in self._started:
                 return r
+        if any(r not in self._started and r not in self._conn for r in self._awaited):
+            return None
         return self.ready[0]
 
     def gone(self, rank: int) -> None:
@@ -109,6 +118,9 @@ class SlotScheduler:
 
     def schedule(self) -> None:
         cap = self.capacity
+        if self.admission is not None and not self._started and len(self._conn) < self.expected \
+                and time.monotonic() - self._first_hello < self.gather_s:
+            return  # admission starts ranks in rank order: wait until they have all connected
         while self.ready and (cap is None or len(self.running) < cap):
             rank = self.ready[0]
             # the device cannot hold it yet: it starts when an admitted rank ends — unless every
@@ -118,6 +130,8 @@ class SlotScheduler:
                 if self.running:
                     break
                 rank = self._unblocking()
+                if rank is None:
+                    break
                 self.admission.admit(rank, force=True)
                 self.ready.remove(rank)
                 self.ready.appendleft(rank)

@@ -77,3 +77,32 @@ def test_a_measured_rank_that_does_not_fit_waits_while_others_run(monkeypatch):
     s.gone(1)
     s.schedule()
     assert _started(s) == {2}
+
+
+def test_admission_waits_for_every_rank_to_connect_then_starts_in_rank_order(monkeypatch):
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    adm = MemoryAdmission([10 * GIB], lambda r: 0, overhead=GIB)
+    s = SlotScheduler(8, admission=adm, expected=3)
+    s.arrive(5, 1, _Conn())  # the first to connect is not the lowest rank
+    s.schedule()
+    assert not s.running
+    s.arrive(4, 2, _Conn())
+    s.arrive(6, 3, _Conn())
+    s.schedule()
+    assert s.running == {4}
+
+
+def test_a_blocked_rank_waits_for_an_awaited_rank_that_has_not_connected(monkeypatch):
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    s, adm, arrive = _sched(10)
+    arrive(1)
+    arrive(2)
+    s.schedule()
+    s.issued(1, 5)
+    s.awaits(0)  # rank 0 holds the payload but has not connected yet
+    s.park(1, 5)
+    s.schedule()
+    assert not s.running and adm.forced == 0  # starting rank 2 would not unblock anyone
+    arrive(0)
+    s.schedule()
+    assert s.running == {0}
