@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_stats import Pair, failures, load, machine, summarize, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+from upstream import pretrain_gpt  # noqa: E402
+
 BASE = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--max-position-embeddings",
         "1024", "--bf16", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192",
         "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
@@ -156,15 +158,11 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directories")
     ap.add_argument("--out")
     a = ap.parse_args()
-    script = Path(a.mlm) / "pretrain_gpt.py"
-    if not script.exists():
-        print(f"no {script}: source .mlm/activate.sh (Megatron-LM's training code)", file=sys.stderr)
+    script = pretrain_gpt(a.mlm)
+    if script is None:
         return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
-        return 2
     print(f"machine: {machine()}; {load()}\ncluster: {a.cluster}; real: mode=real; predicted: mode=auto "
           f"(calibrated on this GPU), world 1 and DP{a.dp}", flush=True)
     rows = [run_case(n, script, a.pairs, a.iters, a.cluster, a.dp, a.keep) for n in a.cases.split(",")]

@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from upstream import pretrain_gpt  # noqa: E402
+
 
 
 SHAPES = {  # layers, hidden, heads, query groups, FFN, vocab
@@ -105,15 +108,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds for capture + emulation together")
     ap.add_argument("--out")
     a = ap.parse_args()
-    script = Path(a.mlm) / "pretrain_gpt.py"
-    if not script.exists():
-        print(f"no {script}: prepare Megatron-LM's training code with ../shared/tools/gpu-stack.sh", file=sys.stderr)
+    script = pretrain_gpt(a.mlm)
+    if script is None:
         return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
-        return 2
     tp, pp = 8, 4
     work = Path(tempfile.mkdtemp(prefix="prism-lean-"))
     trace = work / "trace"

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from upstream import pretrain_gpt  # noqa: E402
+
 # 84M-parameter GPT (4 layers, hidden 1024, seq 1024, bf16), TP2·PP2, 4 micro-batches of 2 per replica
 MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
          "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--bf16", "--lr", "1e-4",
@@ -55,15 +58,11 @@ def main() -> int:
     ap.add_argument("--cluster", default="h100_ib")
     ap.add_argument("--out")
     a = ap.parse_args()
-    script = Path(a.mlm) / "pretrain_gpt.py"
-    if not script.exists():
-        print(f"no {script}: prepare Megatron-LM's training code with ../shared/tools/gpu-stack.sh", file=sys.stderr)
+    script = pretrain_gpt(a.mlm)
+    if script is None:
         return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
-        return 2
     work = Path(tempfile.mkdtemp(prefix="prism-upstream-"))
     dp = a.world // 4
     job = [*MODEL, "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(a.iters)]
