@@ -492,6 +492,13 @@ _PATCHES = {
 }
 
 
+EXPLICIT_CUDA_INDICES = True
+"""DeepSpeed recipes name their GPU as ``cuda:LOCAL_RANK`` in torch calls (``module.to(...)``,
+``torch.device("cuda", local_rank)``): on CUDA the rank's bootstrap maps such indices onto the
+physical GPU with a TorchFunctionMode (``prism_launch/launch/devices.py``). Megatron-style
+code selects its GPU with ``torch.cuda.set_device`` and pays nothing for it."""
+
+
 def install() -> None:
     """Patch DeepSpeed's modules now (those already imported) or as they are imported."""
     global _INSTALLED

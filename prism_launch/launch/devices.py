@@ -16,7 +16,10 @@ torchrun, so every CUDA index it names — ``LOCAL_RANK`` or any other — means
   here), :class:`LogicalCudaMode`, a global ``TorchFunctionMode``, maps explicit indices in
   torch calls: ``device=`` keyword arguments (``torch.device("cuda", 5)``, ``"cuda:5"``, ``5``),
   the positional device of ``Tensor.to`` (so ``module.to(f"cuda:{local_rank}")``) and of
-  ``Tensor.cuda``. A rank whose ``LOCAL_RANK`` is its physical index does not pay for the mode.
+  ``Tensor.cuda``. A rank whose ``LOCAL_RANK`` is its physical index does not pay for the mode,
+  nor does a rank whose integrations do not ask for it (``EXPLICIT_CUDA_INDICES`` in a
+  compatibility module: DeepSpeed's): the mode runs Python on every torch call, which a
+  launch-bound Megatron step would feel in its step time and its calibrated spans.
 
 What a ``torch.device("cuda", 5)`` object itself prints is unchanged (it is not a torch call);
 tensors made with it are on the physical GPU. Frameworks that pick their device elsewhere

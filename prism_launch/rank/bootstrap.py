@@ -88,12 +88,16 @@ def activate(plan: RankPlan) -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))
+    compat = [importlib.import_module(name) for name in plan.compat]
     if plan.device == "cuda" and plan.mode != "real":
         from prism_launch.launch import devices
 
-        devices.install(plan.device_slot(rank))
-    for name in plan.compat:
-        importlib.import_module(name).install()
+        # the TorchFunctionMode that maps explicit ``cuda:N`` in torch calls costs Python on every
+        # torch call: only for recipes whose integration says they name devices so (DeepSpeed's)
+        explicit = any(getattr(m, "EXPLICIT_CUDA_INDICES", False) for m in compat)
+        devices.install(plan.device_slot(rank), mode=None if explicit else False)
+    for module in compat:
+        module.install()
     if plan.mode == "real":
         tracker = _start_memory(plan) if plan.memory_dir else None
         if tracker is not None:

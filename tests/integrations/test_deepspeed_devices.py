@@ -254,3 +254,11 @@ def test_deepspeeds_compat_layer_is_activated_on_cuda():
     cpu = compat_modules(SimpleNamespace(on_cuda=False, compat=SimpleNamespace(integrations=names)))
     assert cuda == ("integrations.deepspeed_compat",)
     assert cpu == ("integrations.cpu_compat", "integrations.megatron_compat", "integrations.deepspeed_compat")
+
+
+def test_only_integrations_that_name_explicit_indices_pay_for_the_mode():
+    import importlib
+
+    assert importlib.import_module("integrations.deepspeed_compat").EXPLICIT_CUDA_INDICES is True
+    for name in ("integrations.megatron_compat", "integrations.cpu_compat"):
+        assert not getattr(importlib.import_module(name), "EXPLICIT_CUDA_INDICES", False), name
