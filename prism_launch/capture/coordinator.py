@@ -4,7 +4,9 @@ members' real contributions and records what replay needs.
 It runs in the launcher process, pumped between polls of the rank processes. Ranks
 connect over a Unix socket (:mod:`nccl_ext.capture_transport`); results are computed
 with :func:`nccl_ext.ops.compute` — the same function emulation uses — so replayed
-results are bit-identical to captured ones.
+results are bit-identical to captured ones. Every tensor it records goes to its ``sink``
+at once (the trace writer's :meth:`~prism_launch.trace.TraceWriter.record_tensor`, which
+spills them to disk as they come), so the launcher holds no step's tensors past the op.
 """
 
 from __future__ import annotations
@@ -115,13 +117,26 @@ def _describe(ranks: tuple[int, ...]) -> str:
     return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
+class MemorySink:
+    """Keeps recorded tensors in memory (``tensors[rank][key]``): for tests and tools that want
+    them at hand; a capture gives the coordinator the trace writer instead."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+
+    def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
+        self.tensors.setdefault(rank, {})[key] = tensor
+
+
 class Coordinator:
-    """Serves ``world_size`` capture ranks; collects events and tensors for the trace."""
+    """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
+    (anything with ``record_tensor(rank, key, tensor)``; default a :class:`MemorySink`)."""
 
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
                  slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,
-                 payload: str = "exact", budget_bytes: int | None = None, admission=None):
+                 payload: str = "exact", budget_bytes: int | None = None, admission=None, sink=None):
         self.world_size = world_size
+        self.sink = sink if sink is not None else MemorySink()
         self.payload = payload
         """``exact``: every contribution arrives here; ``none``: ranks synthesize results and
         send metadata (``meta``/``psend``/``precv``), and carried broadcasts."""
@@ -131,7 +146,8 @@ class Coordinator:
         self.fold = fold
         """A :class:`prism_launch.capture.fold.FoldPlan` when only representative ranks run."""
         self.timeout_s = timeout_s
-        self.scheduler = SlotScheduler(slots, parker=parker, stall_s=stall_s, admission=admission)
+        self.scheduler = SlotScheduler(slots, parker=parker, stall_s=stall_s, admission=admission,
+                                       expected=len(fold.captured) if fold is not None else world_size)
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self.address = address
         self._new_conns: list[Connection] = []
@@ -144,7 +160,6 @@ class Coordinator:
         self._recvs: dict[tuple[str, int, int, int], deque] = {}
         self._next_idx = [0] * world_size
         self.events: list[dict] = []
-        self.tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
         self.finished: set[int] = set()
         self.approximated_groups: list[dict] = []
         """Folded capture: model-parallel groups (by description) created after group discovery
@@ -323,9 +338,8 @@ class Coordinator:
         row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
                         f"{tkey}/0" if contribution else None, extra)
         if contribution is not None:
-            store = self.tensors[rank]
             for i, tensor in enumerate(contribution):
-                store[f"{tkey}/{i}"] = tensor
+                self.sink.record_tensor(rank, f"{tkey}/{i}", tensor)
             self._count(row["nbytes"])
         self.scheduler.issued(rank, op_id)
         pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
@@ -358,9 +372,8 @@ class Coordinator:
         for grank, arrival in pc.arrivals.items():
             if group.sources is not None and results[grank] is not None:
                 # replay cannot recompute a folded result without O(replicas) work: keep it
-                store = self.tensors[arrival.rank]
                 for i, t in enumerate(results[grank]):
-                    store[f"r/{group.id}/{pc.seq}/{i}"] = t
+                    self.sink.record_tensor(arrival.rank, f"r/{group.id}/{pc.seq}/{i}", t)
                 self._count(sum(t.numel() * t.element_size() for t in results[grank]))
             arrival.row["t_end"] = now
             wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
@@ -430,9 +443,8 @@ class Coordinator:
         for g, arrival in list(pc.arrivals.items()):
             result = [] if g == root else payload
             if g != root:
-                store = self.tensors[arrival.rank]
                 for i, x in enumerate(result):
-                    store[f"r/{group.id}/{seq}/{i}"] = x
+                    self.sink.record_tensor(arrival.rank, f"r/{group.id}/{seq}/{i}", x)
             arrival.row["t_end"] = now
             wire.send(arrival.conn, ("ok", arrival.op_id), result)
             self.scheduler.answered(arrival.rank, arrival.op_id)
@@ -450,7 +462,7 @@ class Coordinator:
         group = self._group(key)
         self._check_p2p_peer(src, dst, group, "send to")
         tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
-        self.tensors[src][tkey] = tensor
+        self.sink.record_tensor(src, tkey, tensor)
         self._count(tensor.numel() * tensor.element_size())
         self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey,
                   {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],

@@ -1,13 +1,15 @@
 """What the launcher watches while a capture runs: the coordinator's counters on the live
 progress line (ranks, ops, ops/s, bytes recorded, and an ETA when an earlier capture of the
 same run said how many ops to expect), and the free disk space at the trace's place against
-what the trace will need — the contributions recorded so far — so a disk that cannot hold it
-ends the capture at once with a plain message (needed vs free, where) instead of after it."""
+what the trace still has to write — the next spill file of tensors (they go to disk as they
+are recorded) — so a disk that cannot hold it ends the capture at once with a plain message
+(needed vs free, where) instead of a failed write after it."""
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack
+from collections.abc import Callable
 from pathlib import Path
 
 from prism_launch.launch.progress import phase
@@ -20,8 +22,10 @@ class CaptureMonitor:
     """Called on every tick of the capture's wait (``tick``); ``close`` ends its progress line."""
 
     def __init__(self, coord, trace_root: Path, *, ranks: int, setting: bool | None = None,
-                 expected_ops: int | None = None):
+                 expected_ops: int | None = None, still_to_write: Callable[[], int] | None = None):
         self.coord, self.trace_root = coord, Path(trace_root)
+        self.still_to_write = still_to_write or (lambda: coord.bytes_recorded)
+        """Bytes the trace has yet to write (default: every tensor recorded, none written yet)."""
         self.ranks, self.expected_ops = ranks, expected_ops
         self._stack = ExitStack()
         self.phase = self._stack.enter_context(phase(f"capturing {ranks} ranks", setting=setting, total=expected_ops))
@@ -35,7 +39,7 @@ class CaptureMonitor:
         now = time.monotonic()
         if now >= self._next_space:
             self._next_space = now + SPACE_CHECK_S
-            require_space(self.trace_root.parent, self.coord.bytes_recorded, during=True)
+            require_space(self.trace_root.parent, self.still_to_write(), during=True)
         if self.phase.live and now >= self._next_draw:
             self._next_draw = now + 0.25
             c = self.coord

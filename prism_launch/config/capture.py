@@ -72,6 +72,9 @@ class CaptureConfig:
     payload_budget_gib: float = 32.0
     """``payload=auto``: the most tensor data an exact trace may hold before the capture
     switches to ``none`` (also capped by the free space at the trace directory, less 10%)."""
+    spill_mib: float = 64.0
+    """``payload=exact``: distinct tensors the launcher holds before writing them into the
+    trace's next spill file (its memory for tensors, whatever the number of steps)."""
     carry_bytes: int = 64 * 1024
     """``payload=none``: broadcasts and scatters up to this size keep their real payload."""
     replicated_groups: list[str] = field(default_factory=lambda: [
@@ -85,6 +88,8 @@ class CaptureConfig:
             raise ConfigError(f"capture.slots must be >= 0 (got {self.slots}; 0 means no limit)")
         if self.payload_budget_gib <= 0:
             raise ConfigError(f"capture.payload_budget_gib must be > 0 (got {self.payload_budget_gib})")
+        if self.spill_mib <= 0:
+            raise ConfigError(f"capture.spill_mib must be > 0 (got {self.spill_mib})")
         if self.carry_bytes < 0:
             raise ConfigError(f"capture.carry_bytes must be >= 0 (got {self.carry_bytes})")
         if self.fold_threshold < 1:

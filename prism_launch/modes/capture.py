@@ -29,8 +29,12 @@ def discover_groups(ctx: RunContext) -> list[tuple[list[int], str]]:
     out = out_dir / "groups.json"
     rank = ctx.cfg.sandbox.ranks[0]
     plan = replace(ctx.base_plan(Mode.capture, [rank]), capture=CapturePlan(discover_file=str(out)))
+    from prism_launch.launch.progress import phase
+
     try:
-        ctx.agent.run(plan, log_dir=out_dir / "logs")
+        with phase(f"discovering the group layout (rank {rank} up to its first communication op)",
+                   setting=ctx.cfg.launch.progress):
+            ctx.agent.run(plan, log_dir=out_dir / "logs")
     except RunFailedError as e:  # its logs stay for the user to read
         raise RunFailedError(f"group discovery for the folded capture failed (capture.fold=false skips it): {e}") from None
     if not out.exists():
@@ -66,19 +70,15 @@ def parker(ctx: RunContext, slots: int | None):
 
 def payload_budget(ctx: RunContext) -> tuple[int, str]:
     """``payload=auto``'s limit on an exact trace's tensors, and what set it: the configured
-    cap, the free space where the trace is written (less 10%), or the launcher's free memory
-    (an exact capture holds its tensors until it commits)."""
+    cap or the free space where the trace is written (less 10%). The launcher's memory sets
+    none: tensors are spilled to disk as they are recorded."""
     cap = int(ctx.cfg.capture.payload_budget_gib * 2**30)
     where = ctx.trace.root.parent
     while not where.exists() and where != where.parent:
         where = where.parent
     disk = int(shutil.disk_usage(where).free * 0.9)
-    mem = _available_memory()
-    limits = [(cap, f"capture.payload_budget_gib={ctx.cfg.capture.payload_budget_gib:g}"),
-              (disk, f"the free space at {where}")]
-    if mem is not None:
-        limits.append((mem // 2, "half the launcher's available memory"))
-    return min(limits)
+    return min([(cap, f"capture.payload_budget_gib={ctx.cfg.capture.payload_budget_gib:g}"),
+                (disk, f"the free space at {where}")])
 
 
 def _peak_rss() -> int | None:
@@ -86,16 +86,6 @@ def _peak_rss() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -138,24 +128,34 @@ def capture(ctx: RunContext) -> Path:
 
 
 def _capture(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None) -> Path:
-    from prism_launch.capture.coordinator import CaptureError, Coordinator, PayloadBudgetError
-
-    ws = ctx.topo.world_size
     ranks = list(fold.captured)
     slots = ctx.cfg.capture.slots or None  # 0: no limit
     park = parker(ctx, slots)
     admit = admission(ctx, ranks) if payload == "none" else None
+    spill = int(ctx.cfg.capture.spill_mib * 2**20)
+    with TraceWriter(ctx.trace.root, spill_bytes=spill) as writer:
+        return _record(ctx, fold, payload, budget, writer, ranks, slots, park, admit, spill)
+
+
+def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, writer: TraceWriter,
+            ranks: list[int], slots: int | None, park, admit, spill: int) -> Path:
+    """Run the captured ranks against a coordinator that streams their tensors into ``writer``,
+    then commit it (an exception leaves the writer to discard its staging directory)."""
+    from prism_launch.capture.coordinator import CaptureError, Coordinator, PayloadBudgetError
+
+    ws = ctx.topo.world_size
     sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
     authkey = os.urandom(16)
     coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
                         parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
-                        admission=admit)
+                        admission=admit, sink=writer)
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes))
     from prism_launch.capture.monitor import CaptureMonitor
 
-    monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress)
+    monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress,
+                             still_to_write=lambda: max(writer.tensor_stats()["pending_bytes"], spill))
     t0 = time.monotonic()
     try:
         try:
@@ -179,35 +179,34 @@ def _capture(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None) 
     wall = time.monotonic() - t0
     steps = {r: parse_rank_log(RankLogs(log_dir).stdout(r), ctx.cfg.report) for r in ranks}
     sched = coord.scheduler
+    tensors = writer.tensor_stats()
     stats = {"wall_s": wall, "slots": slots, "max_running": sched.max_running, "resumes": sched.switches,
              "extra_slots": sched.extra, "parking": park.stats.to_dict() if park is not None else None,
              "ranks": len(ranks), "folded": fold.folded, "payload": payload,
              "admission": admit.to_dict() if admit is not None else None,
-             "launcher_peak_rss_bytes": _peak_rss(), "tensor_bytes": coord.bytes_recorded}
+             "launcher_peak_rss_bytes": _peak_rss(), "tensor_bytes": coord.bytes_recorded,
+             "tensor_bytes_stored": tensors["stored_bytes"], "tensor_bytes_peak_pending": tensors["peak_pending_bytes"]}
     program = ctx.program
-    with TraceWriter(ctx.trace.root) as writer:
-        writer.add_events(coord.events)
-        for r in ranks:
-            if coord.tensors[r]:
-                writer.add_tensors(r, coord.tensors[r])
-        writer.write_json(TraceLayout.STEPS, {str(r): s for r, s in steps.items()})
-        writer.write_json(TraceLayout.MEMORY, {str(r): m for r, m in coord.memory.items()})
-        writer.write_json(TraceLayout.CAPTURE, stats)
-        if fold.folded:
-            writer.write_json(TraceLayout.FOLD, {**fold.to_dict(), "approximated_groups": coord.approximated_groups})
-        from prism_launch.modes.context import program_config
+    writer.add_events(coord.events)
+    writer.write_json(TraceLayout.STEPS, {str(r): s for r, s in steps.items()})
+    writer.write_json(TraceLayout.MEMORY, {str(r): m for r, m in coord.memory.items()})
+    writer.write_json(TraceLayout.CAPTURE, stats)
+    if fold.folded:
+        writer.write_json(TraceLayout.FOLD, {**fold.to_dict(), "approximated_groups": coord.approximated_groups})
+    from prism_launch.modes.context import program_config
 
-        writer.commit(
-            fingerprint=ctx.fingerprint, versions=fp.versions(), world_size=ws, topology=ctx.topo.to_dict(),
-            groups=coord.groups(), ranks_captured=ranks,
-            extra={"script": program.script, "script_args": list(program.args), "module": program.module,
-                   "program_config": program_config(ctx.cfg), "capture_wall_s": wall,
-                   "ops": coord.ops_completed, "log_dir": str(log_dir), "capture": stats, "payload": payload,
-                   "carry_bytes": ctx.cfg.capture.carry_bytes},
-        )
-    nbytes = sum(t.numel() * t.element_size() for d in coord.tensors for t in d.values())
+    writer.commit(
+        fingerprint=ctx.fingerprint, versions=fp.versions(), world_size=ws, topology=ctx.topo.to_dict(),
+        groups=coord.groups(), ranks_captured=ranks,
+        extra={"script": program.script, "script_args": list(program.args), "module": program.module,
+               "program_config": program_config(ctx.cfg), "capture_wall_s": wall,
+               "ops": coord.ops_completed, "log_dir": str(log_dir), "capture": stats, "payload": payload,
+               "carry_bytes": ctx.cfg.capture.carry_bytes},
+    )
     what = f"{len(ranks)} of {ws} logical ranks (folded)" if fold.folded else f"{ws} logical ranks"
+    stored = (f" ({tensors['stored_bytes'] / 2**20:.1f} MiB stored, identical ones once)"
+              if tensors["logical_bytes"] else "")
     print(f"prism-launch: captured {what}, payload {payload}, {coord.ops_completed} ops, {len(coord.events)} events, "
-          f"{nbytes / 2**20:.1f} MiB of tensors in {wall:.1f}s ({slots or 'unlimited'} slots, "
-          f"{sched.switches} resumes) -> {ctx.trace.root}", file=sys.stderr)
+          f"{tensors['logical_bytes'] / 2**20:.1f} MiB of tensors{stored} in {wall:.1f}s "
+          f"({slots or 'unlimited'} slots, {sched.switches} resumes) -> {ctx.trace.root}", file=sys.stderr)
     return log_dir

@@ -5,12 +5,13 @@ A PrismTrace is a directory::
     <trace>/
         manifest.json                    # written last; lists every other file with its sha256
         events.parquet                   # one row per communication event of every captured rank
-        tensors/rank000000.safetensors   # tensors a rank contributed (only ranks that added some)
+        tensors/index.parquet            # (rank, key) -> spill file and content address
+        tensors/blob000000.safetensors   # distinct tensors, written as the capture records them
         <name>.json                      # optional JSON files added by the caller
 
 Its modules, one job each: :mod:`.layout` (every path of a trace and of a report),
-:mod:`.schema` (the event table), :mod:`.manifest` (``manifest.json``), :mod:`.tensors`
-(the tensor files), :mod:`.checksums` (sha256 sums and the cache of files found intact),
+:mod:`.schema` (the event table), :mod:`.manifest` (``manifest.json``), :mod:`.spill`
+(content-addressed spill files while recording), :mod:`.tensors` (reading tensor files), :mod:`.checksums` (sha256 sums and the cache of files found intact),
 :mod:`.durable` (fsync, staging names, the atomic swap), :mod:`.writer` (:class:`TraceWriter`),
 :mod:`.reader` (:class:`TraceReader`) and :mod:`.errors`.
 """
@@ -31,10 +32,12 @@ from .layout import (
     RankLogs,
     EVENTS_NAME,
     MANIFEST_NAME,
+    TENSOR_INDEX_NAME,
     TENSORS_DIR,
     VERIFIED_NAME,
     ReportLayout,
     TraceLayout,
+    tensor_blob_name,
     tensor_file_name,
 )
 from .manifest import Manifest
@@ -57,6 +60,7 @@ __all__ = [
     "EVENTS_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "TENSOR_INDEX_NAME",
     "TENSORS_DIR",
     "VERIFIED_NAME",
     "Manifest",
@@ -75,5 +79,6 @@ __all__ = [
     "TraceUnwritableError",
     "cleanup_stale_partials",
     "is_staging_name",
+    "tensor_blob_name",
     "tensor_file_name",
 ]

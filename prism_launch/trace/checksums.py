@@ -63,15 +63,17 @@ def _remember_verified(root: Path, stamps: Mapping[str, list]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def seal_files(root: Path, rels: Iterable[str]) -> dict[str, str]:
+def seal_files(root: Path, rels: Iterable[str], sums: Mapping[str, str] | None = None) -> dict[str, str]:
     """fsync and hash the files ``rels`` (relative to ``root``) just written; returns their
-    sums. They are remembered as intact: what was just hashed needs no hashing at the first
-    check."""
+    sums. ``sums``: files whose sums the writer took from the bytes it wrote (fsynced, not
+    read again). They are remembered as intact: what was just hashed needs no hashing at the
+    first check."""
     rels = list(rels)
+    sums = dict(sums or {})
 
     def seal(rel: str) -> str:
         fsync_file(root / rel)
-        return sha256_file(root / rel)
+        return sums[rel] if rel in sums else sha256_file(root / rel)
 
     files = dict(zip(rels, _in_parallel(seal, rels)))
     _remember_verified(root, {rel: _stamp(root, rel, sha) for rel, sha in files.items()})

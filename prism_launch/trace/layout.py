@@ -2,7 +2,8 @@
 its report directory. No other module spells a file name of either.
 
 A trace directory holds the bare trace (``manifest.json`` written last, ``events.parquet``,
-``tensors/rankNNNNNN.safetensors``, the JSON side files below), a calibrated version under
+``tensors/index.parquet`` and ``tensors/blobNNNNNN.safetensors`` — format 2; format 1 had
+``tensors/rankNNNNNN.safetensors`` — the JSON side files below), a calibrated version under
 ``calibrated/`` (events and manifest only) and, by default, the report directory
 ``report/``. The report directory holds ``report.json``, ``timeline.json``, the PNG plots,
 ``sandbox/`` (one summary per sandbox rank, the assistant's, the predicted schedule) and
@@ -20,8 +21,17 @@ TENSORS_DIR = "tensors"
 VERIFIED_NAME = ".verified.json"
 
 
+TENSOR_INDEX_NAME = f"{TENSORS_DIR}/index.parquet"
+"""Format 2: where every (rank, key) of the trace's tensors is stored (:mod:`.spill`)."""
+
+
+def tensor_blob_name(n: int) -> str:
+    """Format 2: relative path (POSIX) of spill file ``n``, distinct tensors named by content."""
+    return f"{TENSORS_DIR}/blob{int(n):06d}.safetensors"
+
+
 def tensor_file_name(rank: int) -> str:
-    """Relative path (POSIX) of the tensor file of ``rank`` inside a trace."""
+    """Format 1: relative path (POSIX) of the tensor file of ``rank`` inside a trace."""
     return f"{TENSORS_DIR}/rank{int(rank):06d}.safetensors"
 
 

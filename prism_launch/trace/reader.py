@@ -1,7 +1,10 @@
 """Reading a committed PrismTrace: :class:`TraceReader` validates the manifest and the files it
 lists (their sums through :mod:`.checksums`) at open, then serves the events (whole, or per
-rank), the tensors (:mod:`.tensors`) and the caller-added JSON files, each read lazily and
-kept until :meth:`~TraceReader.close`."""
+rank), the tensors (:mod:`.tensors`; in format 2 each (rank, key) resolved through the
+index to the spill file and content address it is stored under, :mod:`.spill`, so one stored
+tensor serves every rank and key that recorded it) and the caller-added JSON files, each
+read lazily and kept until :meth:`~TraceReader.close`. Format 1 traces (a file per rank)
+are read too."""
 
 from __future__ import annotations
 
@@ -18,9 +21,19 @@ import torch
 from .checksums import verify_files
 from .durable import is_staging_name
 from .errors import TraceCorruptError, TraceKeyError, TraceMissingError, TraceVersionError
-from .layout import EVENTS_NAME, MANIFEST_NAME, TraceLayout, is_reserved, safe_relpath, tensor_file_name
+from .layout import (
+    EVENTS_NAME,
+    MANIFEST_NAME,
+    TENSOR_INDEX_NAME,
+    TENSORS_DIR,
+    TraceLayout,
+    is_reserved,
+    safe_relpath,
+    tensor_file_name,
+)
 from .manifest import Manifest
-from .schema import EVENT_FIELDS, EVENT_SCHEMA, FORMAT_VERSION, conform_table, sorted_by_rank
+from .schema import EVENT_FIELDS, EVENT_SCHEMA, FORMAT_VERSION, READABLE_VERSIONS, conform_table, sorted_by_rank
+from .spill import read_index
 from .tensors import TensorFile
 
 __all__ = ["TraceReader"]
@@ -69,7 +82,9 @@ class TraceReader:
         self._events: pa.Table | None = None
         self._rank_slices: dict[int, tuple[int, int]] | None = None
         self._sorted_events: pa.Table | None = None
-        self._files: dict[int, TensorFile | None] = {}
+        self._files: dict[str, TensorFile] = {}
+        self._index: dict[int, dict[str, tuple[str, str]]] | None = None
+        """rank -> key -> (tensor file, name in it)."""
 
     def _read_manifest(self, manifest_path: Path) -> Manifest:
         try:
@@ -79,7 +94,7 @@ class TraceReader:
         if not isinstance(raw, dict):
             raise TraceCorruptError(self.path, MANIFEST_NAME, None, None, reason="manifest is not a JSON object")
         version = raw.get("format_version")
-        if isinstance(version, bool) or not isinstance(version, int) or version != FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
             raise TraceVersionError(self.path, version, FORMAT_VERSION)
         try:
             return Manifest.from_dict(raw)
@@ -101,9 +116,9 @@ class TraceReader:
         """Drop cached tables and tensor-file handles."""
         with self._lock:
             for f in self._files.values():
-                if f is not None:
-                    f.close()
+                f.close()
             self._files.clear()
+            self._index = None
             self._events = None
             self._sorted_events = None
             self._rank_slices = None
@@ -163,50 +178,70 @@ class TraceReader:
 
     # -- tensors ---------------------------------------------------------------------
 
-    def _tensor_file(self, rank: int) -> TensorFile | None:
-        """The open tensor file of ``rank``; None when that rank stored no tensors."""
+    def _open(self, rel: str) -> TensorFile:
+        """The open tensor file ``rel`` (caller holds the lock)."""
+        f = self._files.get(rel)
+        if f is None:
+            try:
+                f = self._files[rel] = TensorFile(self.path / rel)
+            except Exception as e:  # safetensors raises its own error types
+                raise TraceCorruptError(self.path, rel, None, None, reason=f"unreadable safetensors file: {e}") from e
+        return f
+
+    def _keys(self, rank: int) -> dict[str, tuple[str, str]]:
+        """Where each tensor of ``rank`` is stored: key -> (tensor file, name in it)."""
         with self._lock:
-            if rank in self._files:
-                return self._files[rank]
-            rel = tensor_file_name(rank)
-            f = None
-            if rel in self.manifest.files:
-                try:
-                    f = TensorFile(self._layout.tensor_file(rank))
-                except Exception as e:  # safetensors raises its own error types
-                    raise TraceCorruptError(
-                        self.path, rel, None, None, reason=f"unreadable safetensors file: {e}"
-                    ) from e
-            self._files[rank] = f
-            return f
+            if self._index is None:
+                if TENSOR_INDEX_NAME in self.manifest.files:
+                    try:
+                        self._index = read_index(self._layout)
+                    except (OSError, pa.ArrowException) as e:
+                        raise TraceCorruptError(self.path, TENSOR_INDEX_NAME, None, None,
+                                                reason=f"unreadable tensor index: {e}") from e
+                else:  # format 1 (a file per rank), or no tensors at all
+                    self._index = {}
+                    for rel in self.manifest.files:
+                        name = rel.removeprefix(TENSORS_DIR + "/rank").removesuffix(".safetensors")
+                        if rel.startswith(TENSORS_DIR + "/rank") and name.isdigit() and tensor_file_name(int(name)) == rel:
+                            self._index[int(name)] = {k: (rel, k) for k in self._open(rel).keys}
+            return self._index.get(rank, {})
+
+    def _locate(self, rank: int, key: str) -> tuple[TensorFile, str, str]:
+        where = self._keys(rank).get(key)
+        if where is None:
+            n = len(self._keys(rank))
+            detail = f"that rank stored {n} other tensors" if n else "that rank stored no tensors"
+            raise TraceKeyError(
+                f"no tensor {key!r} for rank {rank} in PrismTrace {self.path} ({detail}); "
+                f"re-capture the trace if the job changed since it was recorded"
+            )
+        rel, name = where
+        with self._lock:
+            f = self._open(rel)
+        if name not in f.keys:
+            raise TraceCorruptError(self.path, rel, None, None,
+                                    reason=f"the index places tensor {key!r} of rank {rank} here as {name!r}, "
+                                           "which the file does not hold")
+        return f, rel, name
 
     def tensor_keys(self, rank: int) -> frozenset[str]:
         """Keys of all tensors stored for ``rank``."""
-        f = self._tensor_file(int(rank))
-        return f.keys if f is not None else frozenset()
+        return frozenset(self._keys(int(rank)))
 
     def has_tensor(self, rank: int, key: str) -> bool:
-        return key in self.tensor_keys(rank)
+        return key in self._keys(int(rank))
 
     def tensor(self, rank: int, key: str) -> torch.Tensor:
         """Load tensor ``key`` of ``rank``; raises ``TraceKeyError`` (a ``KeyError``) if absent.
 
         The tensor is a view of the file's copy-on-write mapped pages (see :mod:`.tensors`):
-        read when used, and changing it never changes the trace."""
-        rank = int(rank)
-        f = self._tensor_file(rank)
-        if f is None or key not in f.keys:
-            detail = "that rank stored no tensors" if f is None else f"that rank stored {len(f.keys)} other tensors"
-            raise TraceKeyError(
-                f"no tensor {key!r} for rank {rank} in PrismTrace {self.path} ({detail}); "
-                f"re-capture the trace if the job changed since it was recorded"
-            )
+        read when used, and changing it never changes the trace. Keys stored under one
+        content address return views of the same stored tensor."""
+        f, rel, name = self._locate(int(rank), key)
         try:
-            return f.get(key)
+            return f.get(name)
         except Exception as e:
-            raise TraceCorruptError(
-                self.path, tensor_file_name(rank), None, None, reason=f"cannot read tensor {key!r}: {e}"
-            ) from e
+            raise TraceCorruptError(self.path, rel, None, None, reason=f"cannot read tensor {key!r}: {e}") from e
 
     def tensor_view(self, rank: int, key: str) -> torch.Tensor:
         """Tensor ``key`` of ``rank`` as a view of the file's pages (copy-on-write mapping; read
@@ -217,11 +252,8 @@ class TraceReader:
 
     def tensor_meta(self, rank: int, key: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of tensor ``key`` of ``rank``, without reading its data."""
-        rank = int(rank)
-        f = self._tensor_file(rank)
-        if f is None or key not in f.keys:
-            raise TraceKeyError(f"no tensor {key!r} for rank {rank} in PrismTrace {self.path}")
-        return f.meta(key)
+        f, _rel, name = self._locate(int(rank), key)
+        return f.meta(name)
 
     # -- json ------------------------------------------------------------------------
 

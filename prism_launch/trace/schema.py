@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "EVENT_SCHEMA",
     "EVENT_KINDS",
     "EVENT_REQUIRED_FIELDS",
@@ -24,7 +25,10 @@ __all__ = [
     "sorted_by_rank",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: tensors in content-addressed spill files resolved through ``tensors/index.parquet``;
+1: one ``tensors/rankNNNNNN.safetensors`` per rank (still read)."""
+READABLE_VERSIONS = (1, 2)
 
 #: Fixed schema of ``events.parquet``.
 EVENT_SCHEMA = pa.schema(

@@ -1,10 +1,13 @@
-"""Writing a PrismTrace: :class:`TraceWriter` gathers events, tensors and JSON files in memory
-and on :meth:`~TraceWriter.commit` writes them into a hidden staging directory beside the
-trace (:mod:`.durable`), seals every file with its sha256 (:mod:`.checksums`), writes the
-manifest last and swaps the directory into place, so a reader sees either the previous
-complete trace or the new complete one, never a half-written directory. Free space for the
-estimated size is checked first, and a full disk while writing (``ENOSPC``) discards the
-staging directory and raises :class:`~.errors.TraceSpaceError` (needed vs free, where)."""
+"""Writing a PrismTrace: :class:`TraceWriter` takes events, tensors and JSON files; tensors go
+to disk as they come (:mod:`.spill`: content-addressed spill files in a hidden staging
+directory beside the trace, :mod:`.durable`), the rest waits in memory. On
+:meth:`~TraceWriter.commit` the writer adds the events, the JSON files and the tensor index,
+seals every file with its sha256 (:mod:`.checksums`), writes the manifest last and swaps the
+directory into place, so a reader sees either the previous complete trace or the new
+complete one, never a half-written directory (a staging directory left by a killed writer
+has no manifest and a name readers refuse). Free space for what is still to write is
+checked first, and a full disk while writing (``ENOSPC``) discards the staging directory and
+raises :class:`~.errors.TraceSpaceError` (needed vs free, where)."""
 
 from __future__ import annotations
 
@@ -27,10 +30,11 @@ from .checksums import seal_files
 from .durable import fsync_dir, staging_path, swap_into_place, write_bytes_durable
 from .errors import TraceError, TraceSpaceError
 from .space import free_bytes, is_no_space, needed_bytes, require_space
-from .layout import EVENTS_NAME, MANIFEST_NAME, TraceLayout, is_reserved, safe_relpath, tensor_file_name
+from .layout import EVENTS_NAME, MANIFEST_NAME, TraceLayout, is_reserved, safe_relpath
 from .manifest import Manifest, manifest_fields
 from .schema import EVENT_SCHEMA, FORMAT_VERSION, check_kinds, conform_table, rows_to_table, sorted_by_rank
-from .tensors import snapshot_tensors, write_tensor_file
+from .spill import SPILL_BYTES, TensorSpill
+from .tensors import snapshot_tensors
 
 __all__ = ["TraceWriter"]
 
@@ -38,13 +42,14 @@ __all__ = ["TraceWriter"]
 class TraceWriter:
     """Builds a PrismTrace and publishes it atomically at ``final_dir`` on :meth:`commit`.
 
-    Events, tensors and JSON files are held in memory until :meth:`commit`, which
-    writes them into a hidden staging directory beside ``final_dir`` and then
-    swaps it into place.  Used as a context manager, an exception (or leaving the
-    block without committing) discards everything.
+    Tensors are written into a hidden staging directory beside ``final_dir`` as soon as
+    ``spill_bytes`` of distinct ones wait; events and JSON files are held in memory until
+    :meth:`commit`, which writes them there too and then swaps the directory into place.
+    Used as a context manager, an exception (or leaving the block without committing)
+    discards everything.
     """
 
-    def __init__(self, final_dir: str | Path) -> None:
+    def __init__(self, final_dir: str | Path, *, spill_bytes: int = SPILL_BYTES) -> None:
         self.final_dir = Path(os.path.abspath(os.fspath(final_dir)))
         if not self.final_dir.name:
             raise ValueError(f"cannot write a PrismTrace at {final_dir!r}: it has no directory name")
@@ -52,7 +57,8 @@ class TraceWriter:
         self._check_target()
         self.staging_dir = staging_path(self.final_dir)
         self._tables: list[pa.Table] = []
-        self._tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self._spill_bytes = spill_bytes
+        self._spill: TensorSpill | None = None
         self._json: dict[str, bytes] = {}
         self._state = "open"  # "open" | "committed" | "aborted"
         self._lock = threading.Lock()
@@ -103,11 +109,34 @@ class TraceWriter:
         rank, staged = snapshot_tensors(rank, tensors)
         with self._lock:
             self._require_open()
-            existing = self._tensors.setdefault(rank, {})
-            dup = sorted(k for k in staged if k in existing)
+            spill = self._spill_locked()
+            dup = sorted(k for k in staged if spill.has(rank, k))
             if dup:
                 raise ValueError(f"rank {rank} already has tensors with keys {dup} in this trace")
-            existing.update(staged)
+            for key, t in staged.items():
+                spill.put(rank, key, t)
+
+    def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
+        """Store one tensor of ``rank`` without copying it: it must be a contiguous CPU tensor
+        the caller never changes (the capture coordinator's received and computed tensors)."""
+        with self._lock:
+            self._require_open()
+            self._spill_locked().put(int(rank), key, tensor)
+
+    def tensor_stats(self) -> dict[str, int]:
+        """Bytes put (``logical_bytes``), bytes of the distinct tensors (``stored_bytes``), the
+        most waiting in memory at once (``peak_pending_bytes``) and now (``pending_bytes``)."""
+        s = self._spill
+        if s is None:
+            return {"logical_bytes": 0, "stored_bytes": 0, "peak_pending_bytes": 0, "pending_bytes": 0}
+        return {"logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes,
+                "peak_pending_bytes": s.peak_pending_bytes, "pending_bytes": s.pending_bytes}
+
+    def _spill_locked(self) -> TensorSpill:
+        if self._spill is None:
+            self.staging_dir.mkdir(mode=0o755)
+            self._spill = TensorSpill(self.staging_dir, spill_bytes=self._spill_bytes, space_path=self.final_dir.parent)
+        return self._spill
 
     def write_json(self, name: str, obj: Any) -> None:
         """Add a JSON file ``name`` (relative path) to the trace; it is checksummed like the rest."""
@@ -176,8 +205,9 @@ class TraceWriter:
         ``allow_missing_tensors``: events may name tensors this trace does not hold (a
         derived version, e.g. the calibrated graph, whose tensors stay in the bare trace).
 
-        Argument problems raise ``TypeError``/``ValueError`` before anything touches
-        the disk and leave the writer open.  Failures while writing abort the writer.
+        Argument problems raise ``TypeError``/``ValueError`` before anything more touches
+        the disk and leave the writer open.  Too little free space and failures while
+        writing abort the writer.
         """
         self._require_open()
         with self._lock:
@@ -186,7 +216,8 @@ class TraceWriter:
             ranks = fields["ranks_captured"]
             events = self._events_table()
             event_ranks = set(pc.unique(events.column("rank")).to_pylist())
-            stray = sorted((event_ranks | set(self._tensors)) - set(ranks))
+            tensor_ranks = set(self._spill.ranks()) if self._spill is not None else set()
+            stray = sorted((event_ranks | tensor_ranks) - set(ranks))
             if stray:
                 raise ValueError(
                     f"ranks {stray} have events or tensors but are not in ranks_captured={ranks}"
@@ -195,7 +226,11 @@ class TraceWriter:
                 self._check_tensor_refs(events)
             self._check_target()
             estimate = self.estimated_bytes(events)
-            require_space(self.final_dir.parent, estimate)
+            try:
+                require_space(self.final_dir.parent, estimate)
+            except TraceSpaceError:  # tensors may be spilled already: nothing of them is kept
+                self._abort_locked()
+                raise
 
             try:
                 files = self._write_staging(events)
@@ -215,9 +250,10 @@ class TraceWriter:
             return manifest
 
     def estimated_bytes(self, events: pa.Table | None = None) -> int:
-        """What the files will take on disk, at most: tensors as stored, events uncompressed."""
+        """What the files still to write will take on disk, at most: tensors waiting as stored,
+        events uncompressed (the tensors already spilled are on the disk)."""
         events = self._events_table() if events is None else events
-        tensors = sum(t.numel() * t.element_size() for d in self._tensors.values() for t in d.values())
+        tensors = self._spill.pending_bytes if self._spill is not None else 0
         return tensors + events.nbytes + sum(len(b) for b in self._json.values())
 
     def _check_tensor_refs(self, events: pa.Table) -> None:
@@ -226,7 +262,7 @@ class TraceWriter:
             return
         missing: list[tuple[int, str]] = []
         for rank, key in zip(keyed.column("rank").to_pylist(), keyed.column("tensor_key").to_pylist()):
-            if key not in self._tensors.get(rank, ()):
+            if self._spill is None or not self._spill.has(rank, key):
                 missing.append((rank, key))
         if missing:
             shown = ", ".join(f"rank {r}: {k!r}" for r, k in missing[:5])
@@ -237,20 +273,16 @@ class TraceWriter:
         """Write every file but the manifest into the staging directory; returns their sums."""
         staging = self.staging_dir
         staged = TraceLayout(staging)
-        staging.mkdir(mode=0o755)
+        staging.mkdir(mode=0o755, exist_ok=self._spill is not None)
         written: list[str] = []
 
         pq.write_table(events, staged.events, compression="zstd")
         written.append(EVENTS_NAME)
 
-        if self._tensors:
-            staged.tensors_dir.mkdir()
-            for rank in sorted(self._tensors):
-                tensors = self._tensors[rank]
-                if not tensors:
-                    continue
-                write_tensor_file(staged.tensor_file(rank), rank, tensors)
-                written.append(tensor_file_name(rank))
+        sums: dict[str, str] = {}
+        if self._spill is not None:
+            written += self._spill.close()
+            sums = self._spill.sums
 
         for rel, data in self._json.items():
             target = staging / rel
@@ -258,7 +290,7 @@ class TraceWriter:
             target.write_bytes(data)
             written.append(rel)
 
-        files = seal_files(staging, written)
+        files = seal_files(staging, written, sums=sums)
         dirs = {(staging / rel).parent for rel in written}
         for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
             fsync_dir(d)
@@ -268,7 +300,9 @@ class TraceWriter:
 
     def _release_memory(self) -> None:
         self._tables = []
-        self._tensors = {}
+        if self._spill is not None:
+            self._spill.discard()
+        self._spill = None
         self._json = {}
 
     def _abort_locked(self) -> None:

@@ -1,6 +1,6 @@
 import pytest
 
-from prism_launch.trace import TraceCorruptError, TraceReader, TraceLayout, tensor_file_name
+from prism_launch.trace import TraceCorruptError, TraceReader, TraceLayout, tensor_blob_name
 from tests.prism_launch.trace.sample_trace import write_sample
 
 
@@ -8,7 +8,7 @@ from tests.prism_launch.trace.sample_trace import write_sample
 def test_flipped_byte_is_detected(tmp_path, target):
     path = tmp_path / "trace"
     write_sample(path)
-    rel = "events.parquet" if target == "events.parquet" else tensor_file_name(0)
+    rel = "events.parquet" if target == "events.parquet" else tensor_blob_name(0)
     f = path / rel
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -44,13 +44,13 @@ def test_files_found_intact_are_not_hashed_again_until_they_change(tmp_path, has
     hashed.clear()
     TraceReader(path)
     assert hashed == []  # nothing changed since
-    f = path / tensor_file_name(0)
+    f = path / tensor_blob_name(0)
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))  # same size, new modification time
     with pytest.raises(TraceCorruptError) as ei:
         TraceReader(path)
-    assert hashed == [f.name] and ei.value.file == tensor_file_name(0)
+    assert hashed == [f.name] and ei.value.file == tensor_blob_name(0)
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))  # repaired: hashed once more, then remembered again
     TraceReader(path)

@@ -13,7 +13,8 @@ from prism_launch.trace import (
     TraceKeyError,
     TraceMissingError,
     TraceReader,
-    tensor_file_name,
+    TENSOR_INDEX_NAME,
+    tensor_blob_name,
 )
 from tests.prism_launch.trace.sample_trace import leftovers, write_sample
 
@@ -22,7 +23,7 @@ def test_round_trip(tmp_path):
     path = tmp_path / "trace"
     m, tensors = write_sample(path)
     assert isinstance(m, Manifest) and m.format_version == FORMAT_VERSION
-    assert set(m.files) == {"events.parquet", tensor_file_name(0), "config.json"}
+    assert set(m.files) == {"events.parquet", tensor_blob_name(0), TENSOR_INDEX_NAME, "config.json"}
     assert leftovers(tmp_path) == []
 
     r = TraceReader(path)
@@ -64,7 +65,7 @@ def test_round_trip(tmp_path):
     r.close()
 
 
-@pytest.mark.parametrize("rel", ["events.parquet", "tensors/rank000000.safetensors", "config.json"])
+@pytest.mark.parametrize("rel", ["events.parquet", "tensors/blob000000.safetensors", "tensors/index.parquet", "config.json"])
 def test_deleted_file_is_detected(tmp_path, rel):
     path = tmp_path / "trace"
     write_sample(path)

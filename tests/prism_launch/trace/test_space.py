@@ -28,17 +28,37 @@ def test_free_space_is_checked_before_writing(tmp_path, monkeypatch):
 
 
 def test_enospc_while_writing_leaves_nothing(tmp_path, monkeypatch):
-    import prism_launch.trace.writer as writer
+    import pyarrow.parquet as pq
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path))
 
-    monkeypatch.setattr(writer, "write_tensor_file", full)
+    monkeypatch.setattr(pq, "write_table", full)
     w = _writer(tmp_path / "t")
     with pytest.raises(TraceSpaceError, match="the disk filled up: not enough free space left for the PrismTrace") as e:
         w.commit(**COMMIT_KW)
     assert e.value.during and e.value.needed > 0 and "trace.dir=" in str(e.value)
     assert list(tmp_path.iterdir()) == []  # no staging directory left behind
+
+
+def test_enospc_while_spilling_ends_with_the_same_message_and_leaves_nothing(tmp_path, monkeypatch):
+    import builtins
+
+    import torch
+
+    real_open = builtins.open
+
+    def full_for_blobs(path, mode="r", *a, **k):
+        if "blob" in str(path) and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", full_for_blobs)
+    with pytest.raises(TraceSpaceError, match="the disk filled up") as e:
+        with TraceWriter(tmp_path / "t", spill_bytes=1024) as w:
+            w.add_tensors(0, {"a": torch.zeros(1024)})  # 4 KiB: past spill_bytes, written at once
+    assert e.value.during and e.value.needed > 0
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unwritable_parent_is_named(tmp_path):

@@ -3,7 +3,7 @@ import sys
 import pytest
 import torch
 
-from prism_launch.trace import TraceKeyError, TraceReader, TraceWriter, tensor_file_name
+from prism_launch.trace import TraceKeyError, TraceReader, TraceWriter, tensor_blob_name
 from tests.prism_launch.trace.sample_trace import COMMIT_KW, write_sample
 
 
@@ -45,7 +45,7 @@ def test_views_map_the_file_copy_on_write(tmp_path):
     if sys.platform.startswith("linux"):  # no copy: the view's bytes lie in a private mapping of the file
         spans = [line.split() for line in open("/proc/self/maps")]
         assert any(
-            s[-1] == str(path / tensor_file_name(0)) and "p" in s[1]
+            s[-1] == str(path / tensor_blob_name(0)) and "p" in s[1]
             and int(s[0].split("-")[0], 16) <= v.data_ptr() < int(s[0].split("-")[1], 16)
             for s in spans if len(s) >= 6
         )

@@ -34,12 +34,12 @@ def test_exception_inside_with_leaves_nothing(tmp_path):
 def test_failed_commit_keeps_old_trace(tmp_path, monkeypatch):
     path = tmp_path / "trace"
     write_sample(path, extra={"gen": 1})
-    import prism_launch.trace.tensors as tensors
+    import prism_launch.trace.spill as spill
 
     def broken_save(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tensors, "save_file", broken_save)
+    monkeypatch.setattr(spill, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
         write_sample(path, extra={"gen": 2})
     assert TraceReader(path).manifest.extra == {"gen": 1}
