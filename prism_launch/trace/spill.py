@@ -12,21 +12,24 @@ through.
 Each spill file's sha256 is taken from the bytes written, so sealing the trace only fsyncs it.
 Compression was measured and left out (the floating-point payloads of the bundled recipes
 shrink by under 10% at zlib level 1, and a compressed file could not be mapped zero-copy
-by the reader and the device data path's host tier)."""
+by the reader and the device data path's host tier). A spill file is written straight from
+the tensors' memory (:func:`safetensors_parts`), so writing it needs no second copy."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from safetensors.torch import save
 
 from .errors import TraceSpaceError
 from .layout import TENSOR_INDEX_NAME, TraceLayout, tensor_blob_name
 from .space import free_bytes, is_no_space, needed_bytes
+from .tensors import DTYPE_NAMES
 
 __all__ = ["TensorSpill", "INDEX_SCHEMA", "content_address"]
 
@@ -114,26 +117,31 @@ class TensorSpill:
             return
         n = self._files
         rel = tensor_blob_name(n)
-        data = save(self._pending, metadata={"format": "pt"})
-        self._write(rel, data)
+        self._write(rel, safetensors_parts(self._pending))
         for addr in self._pending:
             self._where[addr] = (n, addr)
         self._files += 1
         self._pending = {}
         self.pending_bytes = 0
 
-    def _write(self, rel: str, data: bytes) -> None:
+    def _write(self, rel: str, parts: list) -> None:
+        """Write ``parts`` (bytes-like, in order) to ``rel``, hashing them as they go: no copy
+        of the tensors is made, so a flush needs no memory beyond what waits."""
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256()
         try:
             with open(path, "wb") as f:
-                f.write(data)
+                for part in parts:
+                    f.write(part)
+                    h.update(part)
         except OSError as e:
             if is_no_space(e):
-                raise TraceSpaceError(self.space_path, needed_bytes(len(data) + self.pending_bytes),
+                size = sum(len(memoryview(p).cast("B")) for p in parts)
+                raise TraceSpaceError(self.space_path, needed_bytes(size + self.pending_bytes),
                                       free_bytes(self.space_path), during=True) from None
             raise
-        self.sums[rel] = hashlib.sha256(data).hexdigest()
+        self.sums[rel] = h.hexdigest()
 
     def close(self) -> list[str]:
         """Write what is waiting and the index; returns the files written (relative paths)."""
@@ -148,7 +156,7 @@ class TensorSpill:
                 table = pa.table([ranks, keys, files, names], schema=INDEX_SCHEMA)
                 sink = pa.BufferOutputStream()
                 pq.write_table(table, sink, compression="zstd")
-                self._write(TENSOR_INDEX_NAME, sink.getvalue().to_pybytes())
+                self._write(TENSOR_INDEX_NAME, [sink.getvalue().to_pybytes()])
             self._closed = True
             self._pending = {}
         return list(self.sums)
@@ -158,6 +166,24 @@ class TensorSpill:
         self._pending = {}
         self.pending_bytes = 0
         self._closed = True
+
+
+def safetensors_parts(tensors: dict[str, torch.Tensor]) -> list:
+    """A safetensors file of ``tensors`` (contiguous CPU) as its pieces: the length, the JSON
+    header (padded to 8 bytes) and each tensor's own bytes, largest elements first so every
+    tensor starts at an offset aligned for its dtype, as the library's own writer places them
+    (format as of safetensors 0.4-0.6: little-endian u64 header size, then the header)."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)), text, *(_bytes(tensors[name]) for name in order)]
 
 
 def read_index(layout: TraceLayout) -> dict[int, dict[str, tuple[str, str]]]:

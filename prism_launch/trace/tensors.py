@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from .manifest import is_intlike
 
-__all__ = ["snapshot_tensors", "write_tensor_file", "TensorFile"]
+__all__ = ["snapshot_tensors", "write_tensor_file", "TensorFile", "DTYPE_NAMES"]
 
 #: torch dtype of each safetensors dtype name a trace may hold.
 _DTYPES = {
@@ -31,6 +31,8 @@ _DTYPES = {
     "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+#: safetensors dtype name of each torch dtype a trace may hold.
+DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def snapshot_tensors(rank: int, tensors: Mapping[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:

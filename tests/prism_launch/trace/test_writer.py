@@ -39,7 +39,7 @@ def test_failed_commit_keeps_old_trace(tmp_path, monkeypatch):
     def broken_save(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(spill, "save", broken_save)
+    monkeypatch.setattr(spill, "safetensors_parts", broken_save)
     with pytest.raises(OSError, match="disk full"):
         write_sample(path, extra={"gen": 2})
     assert TraceReader(path).manifest.extra == {"gen": 1}
