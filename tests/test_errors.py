@@ -136,7 +136,7 @@ def test_divergence_warns_by_default_and_fails_when_strict(trace, tmp, path):
     r = run_prism([*BASE, "mode=emulate", f"trace.dir={trace}", "sandbox.ranks=[1]", "emulate.strict=true",
                    f"emulate.data_path={path}", f"report.dir={tmp / 'rep2'}", HANG], cwd=tmp, env={"SCALE": "2"})
     assert r.returncode == 1
-    assert "divergence on rank 1 at step 0: allreduce on group default_pg seq 0" in r.stderr
+    assert "divergence (value) on rank 1 at step 0: allreduce on group default_pg seq 0" in r.stderr
 
 
 def test_megatron_world_not_divisible_surfaces_megatron_message(tmp):
