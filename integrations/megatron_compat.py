@@ -25,11 +25,21 @@ Fixes:
   CPU generator, ``CudaRNGStatesTracker.fork`` logs
   "CPU RNG state changed within GPU RNG context" on every fork; that expected
   message is filtered from the module's logger.
+* ``megatron.core.parallel_state``: group creation in a large logical world (not a CPU fix, but
+  this module is active only where ``device=cpu``). ``generate_masked_orthogonal_rank_groups``
+  decomposes every rank of every group in Python (0.5 s a call, 17 calls, in a 65,536-rank
+  world); it is replaced by the same lists built from offsets (identical output, checked
+  against the original in ``tests/integrations/test_megatron_groups.py``), with the original
+  where the world is not the product of the parallel sizes (it asserts there).
+  ``create_group`` parses ``"2.4.0"`` with ``packaging`` on every ``new_group`` call
+  (``is_torch_min_version``); the module's binding is memoized (torch's version does not
+  change in a process).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import sys
 import threading
@@ -116,6 +126,40 @@ def _fix_rng_warning(random_module):
         logger.addFilter(_DropForkRngWarning())
 
 
+def _offsets(dims) -> list[int]:
+    """Every ``sum(i_k * stride_k)`` over ``dims`` = ``[(size_k, stride_k)]``, first dim fastest."""
+    out = [0]
+    for size, stride in dims:
+        out = [o + i * stride for i in range(size) for o in out]
+    return out
+
+
+def _rank_groups_from_offsets(original):
+    def generate_masked_orthogonal_rank_groups(world_size, parallel_size, mask):
+        strides = [1]
+        for size in parallel_size:
+            strides.append(strides[-1] * size)
+        if strides[-1] != world_size or len(mask) != len(parallel_size):
+            return original(world_size, parallel_size, mask)
+        dims = list(zip(parallel_size, strides))
+        inside = _offsets([d for d, m in zip(dims, mask) if m])  # rank in group -> offset
+        bases = _offsets([d for d, m in zip(dims, mask) if not m])  # group index -> first rank
+        return [[base + o for o in inside] for base in bases]
+
+    generate_masked_orthogonal_rank_groups.__wrapped__ = original
+    generate_masked_orthogonal_rank_groups.__doc__ = original.__doc__
+    return generate_masked_orthogonal_rank_groups
+
+
+def _fix_group_creation(parallel_state):
+    original = parallel_state.generate_masked_orthogonal_rank_groups
+    if not hasattr(original, "__wrapped__"):
+        parallel_state.generate_masked_orthogonal_rank_groups = _rank_groups_from_offsets(original)
+    check = getattr(parallel_state, "is_torch_min_version", None)
+    if check is not None and not hasattr(check, "cache_info"):
+        parallel_state.is_torch_min_version = functools.cache(check)
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -135,3 +179,4 @@ def install() -> None:
         after_import("megatron.core.transformer.moe.token_dispatcher", _fix_dispatcher_binding)
         after_import("megatron.core.transformer.torch_norm", _fix_torch_norm)
         after_import("megatron.core.tensor_parallel.random", _fix_rng_warning)
+        after_import("megatron.core.parallel_state", _fix_group_creation)
