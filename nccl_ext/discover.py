@@ -23,8 +23,8 @@ class DiscoverTransport:
         self.groups: list[tuple[list[int], str]] = []
         self._seen: dict[tuple[int, ...], int] = {}
 
-    def observe_group(self, ranks: tuple[int, ...], desc: str) -> None:
-        self.groups.append((list(ranks), desc))
+    def observe_group(self, ranks, desc: str) -> None:
+        self.groups.append((list(map(int, ranks)), desc))
 
     def _finish(self) -> None:
         atomic_write_text(self.out_path, json.dumps({"groups": self.groups}))

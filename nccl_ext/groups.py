@@ -54,11 +54,14 @@ class GroupRegistry:
         """``new_group`` calls seen (members and non-members)."""
         self.materialised = 0
 
-    def make(self, ranks: tuple[int, ...], desc: str = "") -> GroupInfo | None:
-        """The caller's view of a new group; ``None`` when the caller is not a member."""
+    def make(self, ranks, desc: str = "") -> GroupInfo | None:
+        """The caller's view of a new group (``ranks``: global ranks in group-rank order, any
+        sequence of ints); ``None`` when the caller is not a member. A non-member group costs a
+        membership test and a count: its rank list is neither converted nor digested."""
         self.created += 1
         if self.rank not in ranks:
             return None
+        ranks = tuple(map(int, ranks))
         occurrence = self._seen[ranks]
         self._seen[ranks] = occurrence + 1
         self.materialised += 1

@@ -18,6 +18,14 @@ the helper registers its own. ``install(subgroups=...)`` picks the path: ``"auto
 when this torch delegates), ``"delegate"`` (require it), ``"intercept"`` (the older torch's
 path on any torch: the groups then have no ``new_group`` method, so torch creates subgroups
 through the intercepted helper).
+
+On the delegation path ``dist.new_group`` itself is wrapped (:func:`_answer_non_members`): a call
+that does not include this rank — nearly all of them in a large world (393,245 of 393,266 for
+TP2·PP2 at 65,536 ranks) — is answered here with what torch 2.13's ``_new_group_with_tag``
+gives a non-member (``NON_GROUP_MEMBER``; ``None`` under ``use_local_synchronization``), after
+the same checks and the one side effect it has on torch's state (``_world.group_count``, from
+which later groups' names are numbered); the prism world still sees the call. Member calls,
+and any call the wrapper does not recognise as plain, take torch's own path unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from nccl_ext.process_group import PrismProcessGroup, PrismWorld, Transport
+from nccl_ext.process_group import DelegatingPrismProcessGroup, PrismProcessGroup, PrismWorld, Transport
 
 BACKEND = "prism"
 SUBGROUPS = ("auto", "delegate", "intercept")
@@ -99,6 +107,10 @@ def install(
 
     if not delegate:
         _intercept_subgroups()
+    else:
+        fast = _answer_non_members(c10d.new_group)
+        c10d.new_group = fast
+        dist.new_group = fast
 
     init_process_group.__doc__ = real_init.__doc__
     init_process_group.__wrapped__ = real_init
@@ -130,6 +142,69 @@ def _delegates_new_group() -> bool:
         return False
 
 
+def _answer_non_members(real_new_group):
+    """``dist.new_group`` with non-member calls answered without torch's per-call bookkeeping
+    (checked against torch 2.13's ``new_group``/``_new_group_with_tag``: for a non-member on the
+    delegation path they validate the arguments, number the group's name, hand the call to the
+    default group and return ``NON_GROUP_MEMBER``). Whatever is not a plain non-member call —
+    a member, ``ranks=None``, ``device_id``, ``sort_ranks=False``, torchcomms, an argument torch
+    would refuse — goes to ``real_new_group``, which raises torch's own errors."""
+    torchcomms = getattr(c10d, "_use_torchcomms_enabled", lambda: False)
+    backends: dict[tuple[str, str], dist.Backend] = {}  # (asked, default) -> torch's Backend
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                  group_desc=None, *more, **extra):
+        world = _state.get("world")
+        default_pg = c10d.GroupMember.WORLD
+        if ranks is not None and not isinstance(ranks, (list, tuple, range)):
+            try:  # an iterator is read once, here: torch's path then gets the list
+                ranks = list(ranks)
+            except TypeError:
+                pass  # torch's path reports it
+        if (world is not None and ranks is not None and not more and extra.get("device_id") is None
+                and extra.get("sort_ranks", True) is True and isinstance(default_pg, DelegatingPrismProcessGroup)
+                and not torchcomms()):
+            answer = _non_member_answer(world, default_pg, ranks, timeout, backend, use_local_synchronization,
+                                        group_desc, backends)
+            if answer is not _TORCH:
+                return answer
+        return real_new_group(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc,
+                              *more, **extra)
+
+    new_group.__doc__ = real_new_group.__doc__
+    new_group.__wrapped__ = real_new_group
+    return new_group
+
+
+_TORCH = object()
+""":func:`_non_member_answer`'s "take torch's own path"."""
+
+
+def _non_member_answer(world, default_pg, ranks, timeout, backend, use_local_synchronization, group_desc, backends):
+    """What torch 2.13 returns to a non-member, with its side effects, or ``_TORCH``."""
+    try:
+        ordered = sorted(ranks)
+        if not ordered or world.rank in ordered:
+            return _TORCH
+        asked = (backend or "", c10d._world.pg_map[default_pg][0])
+        resolved = backends.get(asked) if isinstance(backend, (str, type(None))) else None
+        if resolved is None:
+            resolved = backends[asked] = dist.Backend(asked[0] or asked[1])
+        limit = c10d._get_default_timeout(resolved) if timeout is None else timeout
+        if not isinstance(limit, datetime.timedelta) or (use_local_synchronization and resolved == dist.Backend.MPI):
+            return _TORCH
+        if use_local_synchronization:
+            return None  # torch returns before naming the group or asking the default group
+        size = world.world_size
+        if len(ordered) > size or ordered[0] < 0 or ordered[-1] >= size or len(set(ordered)) != len(ordered):
+            return _TORCH
+    except (TypeError, ValueError):
+        return _TORCH
+    c10d._process_group_name(ordered, use_hashed_name=False)  # numbers the name: _world.group_count += 1
+    world.make_group(ordered, desc=group_desc or "")
+    return c10d.GroupMember.NON_GROUP_MEMBER
+
+
 def _intercept_subgroups() -> None:
     real_helper = c10d._new_process_group_helper
     names = inspect_params(real_helper)[6:]  # keyword names of the optional parameters
@@ -140,8 +215,7 @@ def _intercept_subgroups() -> None:
             return real_helper(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
                                *args, **kwargs)
         kw = dict(zip(names, args)) | kwargs
-        pg = world.make_group(tuple(int(r) for r in global_ranks_in_group), desc=kw.get("group_desc") or "",
-                              name=str(group_name))
+        pg = world.make_group(global_ranks_in_group, desc=kw.get("group_desc") or "", name=str(group_name))
         if pg is None:
             return c10d.GroupMember.NON_GROUP_MEMBER, None
         prefix_store = dist.PrefixStore(f"{group_name}/", store)

@@ -117,7 +117,9 @@ class PrismWorld:
     def __post_init__(self) -> None:
         self.registry = GroupRegistry(self.rank, self.world_size)
 
-    def make_group(self, ranks: tuple[int, ...], desc: str = "", name: str = "") -> PrismProcessGroup | None:
+    def make_group(self, ranks, desc: str = "", name: str = "") -> PrismProcessGroup | None:
+        """The caller's group of ``ranks`` (global ranks in group-rank order, any sequence of
+        ints), ``None`` when the caller is not a member."""
         observe = getattr(self.transport, "observe_group", None)
         if observe is not None:  # group discovery sees every new_group call, members or not
             observe(ranks, desc)
@@ -478,7 +480,7 @@ class DelegatingPrismProcessGroup(PrismProcessGroup):
 
     def new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None, **_):
         """torch >= 2.13 delegates ``dist.new_group`` here when this is the default group."""
-        ranks = tuple(range(self.world.world_size)) if ranks is None else tuple(int(r) for r in ranks)
+        ranks = range(self.world.world_size) if ranks is None else ranks  # torch's sorted list
         return self.world.make_group(ranks, desc=group_desc or "", name=group_name or "")
 
 
