@@ -146,63 +146,60 @@ def _answer_non_members(real_new_group):
     """``dist.new_group`` with non-member calls answered without torch's per-call bookkeeping
     (checked against torch 2.13's ``new_group``/``_new_group_with_tag``: for a non-member on the
     delegation path they validate the arguments, number the group's name, hand the call to the
-    default group and return ``NON_GROUP_MEMBER``). Whatever is not a plain non-member call —
-    a member, ``ranks=None``, ``device_id``, ``sort_ranks=False``, torchcomms, an argument torch
-    would refuse — goes to ``real_new_group``, which raises torch's own errors."""
+    default group and return ``NON_GROUP_MEMBER``; under ``use_local_synchronization`` they
+    return ``None`` before naming it). Whatever is not a plain non-member call — a member,
+    ``ranks=None``, ``device_id``, ``sort_ranks=False``, torchcomms, an argument torch would
+    refuse — goes to ``real_new_group``, which raises torch's own errors. One function on
+    purpose: it runs ~400,000 times per rank at 65,536 ranks."""
     torchcomms = getattr(c10d, "_use_torchcomms_enabled", lambda: False)
-    backends: dict[tuple[str, str], dist.Backend] = {}  # (asked, default) -> torch's Backend
+    backends: dict[tuple, dist.Backend] = {}  # (asked, default) -> torch's Backend
+    members, timedelta = c10d.GroupMember, datetime.timedelta
 
     def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
                   group_desc=None, *more, **extra):
-        world = _state.get("world")
-        default_pg = c10d.GroupMember.WORLD
         if ranks is not None and not isinstance(ranks, (list, tuple, range)):
             try:  # an iterator is read once, here: torch's path then gets the list
                 ranks = list(ranks)
             except TypeError:
                 pass  # torch's path reports it
-        if (world is not None and ranks is not None and not more and extra.get("device_id") is None
-                and extra.get("sort_ranks", True) is True and isinstance(default_pg, DelegatingPrismProcessGroup)
-                and not torchcomms()):
-            answer = _non_member_answer(world, default_pg, ranks, timeout, backend, use_local_synchronization,
-                                        group_desc, backends)
-            if answer is not _TORCH:
-                return answer
-        return real_new_group(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc,
-                              *more, **extra)
+        world = _state.get("world")
+        default_pg = members.WORLD
+        if (world is None or ranks is None or more
+                or (extra and (extra.get("device_id") is not None or extra.get("sort_ranks", True) is not True))
+                or not isinstance(default_pg, DelegatingPrismProcessGroup) or torchcomms()):
+            return real_new_group(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc,
+                                  *more, **extra)
+        try:
+            ordered = sorted(ranks)
+            plain = bool(ordered) and world.rank not in ordered
+            if plain:
+                asked = (backend, c10d._world.pg_map[default_pg][0])
+                resolved = backends.get(asked) if backend is None or type(backend) is str else None
+                if resolved is None:
+                    resolved = backends[asked] = dist.Backend(backend or asked[1])
+                if timeout is None:
+                    c10d._get_default_timeout(resolved)  # (warns as torch does for nccl on a build without it)
+                else:
+                    plain = isinstance(timeout, timedelta)
+            if plain and use_local_synchronization:
+                if resolved != dist.Backend.MPI:
+                    return None  # torch returns before naming the group or asking the default group
+                plain = False
+            size = world.world_size
+            plain = plain and len(ordered) <= size and ordered[0] >= 0 and ordered[-1] < size \
+                and len(set(ordered)) == len(ordered)
+        except (TypeError, ValueError):
+            plain = False
+        if not plain:
+            return real_new_group(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc,
+                                  *more, **extra)
+        c10d._world.group_count += 1  # torch's _process_group_name: the next group's name is one higher
+        world.make_group(ordered, group_desc or "")
+        return members.NON_GROUP_MEMBER
 
     new_group.__doc__ = real_new_group.__doc__
     new_group.__wrapped__ = real_new_group
     return new_group
-
-
-_TORCH = object()
-""":func:`_non_member_answer`'s "take torch's own path"."""
-
-
-def _non_member_answer(world, default_pg, ranks, timeout, backend, use_local_synchronization, group_desc, backends):
-    """What torch 2.13 returns to a non-member, with its side effects, or ``_TORCH``."""
-    try:
-        ordered = sorted(ranks)
-        if not ordered or world.rank in ordered:
-            return _TORCH
-        asked = (backend or "", c10d._world.pg_map[default_pg][0])
-        resolved = backends.get(asked) if isinstance(backend, (str, type(None))) else None
-        if resolved is None:
-            resolved = backends[asked] = dist.Backend(asked[0] or asked[1])
-        limit = c10d._get_default_timeout(resolved) if timeout is None else timeout
-        if not isinstance(limit, datetime.timedelta) or (use_local_synchronization and resolved == dist.Backend.MPI):
-            return _TORCH
-        if use_local_synchronization:
-            return None  # torch returns before naming the group or asking the default group
-        size = world.world_size
-        if len(ordered) > size or ordered[0] < 0 or ordered[-1] >= size or len(set(ordered)) != len(ordered):
-            return _TORCH
-    except (TypeError, ValueError):
-        return _TORCH
-    c10d._process_group_name(ordered, use_hashed_name=False)  # numbers the name: _world.group_count += 1
-    world.make_group(ordered, desc=group_desc or "")
-    return c10d.GroupMember.NON_GROUP_MEMBER
 
 
 def _intercept_subgroups() -> None:
