@@ -32,8 +32,9 @@ Fixes:
   against the original in ``tests/integrations/test_megatron_groups.py``), with the original
   where the world is not the product of the parallel sizes (it asserts there).
   ``create_group`` parses ``"2.4.0"`` with ``packaging`` on every ``new_group`` call
-  (``is_torch_min_version``); the module's binding is memoized (torch's version does not
-  change in a process).
+  (``is_torch_min_version``) and asks ``torch.distributed.get_rank()`` (1.6 us) whether to keep
+  the group in ``_global_process_group_list``; with torch >= 2.4 it is replaced by the same
+  steps with the version check gone and the rank read once per default group.
 """
 
 from __future__ import annotations
@@ -151,13 +152,42 @@ def _rank_groups_from_offsets(original):
     return generate_masked_orthogonal_rank_groups
 
 
+def _create_group_with_rank_once(parallel_state, original):
+    """megatron-core 0.16.1's ``create_group`` on torch >= 2.4, the caller's rank read once per
+    default group instead of once per call."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    known: list = [None, None]  # the default group, the caller's rank in it
+
+    def create_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                     group_desc=None):
+        group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                               use_local_synchronization=use_local_synchronization, group_desc=group_desc)
+        if parallel_state._global_process_group_list is None:
+            parallel_state._global_process_group_list = [None]  # None stands for the default group
+        if known[0] is not c10d.GroupMember.WORLD:
+            known[:] = [c10d.GroupMember.WORLD, dist.get_rank()]
+        if known[1] in ranks:
+            parallel_state._global_process_group_list.append(group)
+        return group
+
+    create_group.__wrapped__ = original
+    create_group.__doc__ = original.__doc__
+    return create_group
+
+
 def _fix_group_creation(parallel_state):
     original = parallel_state.generate_masked_orthogonal_rank_groups
     if not hasattr(original, "__wrapped__"):
         parallel_state.generate_masked_orthogonal_rank_groups = _rank_groups_from_offsets(original)
     check = getattr(parallel_state, "is_torch_min_version", None)
     if check is not None and not hasattr(check, "cache_info"):
-        parallel_state.is_torch_min_version = functools.cache(check)
+        parallel_state.is_torch_min_version = check = functools.cache(check)
+    create = getattr(parallel_state, "create_group", None)
+    if (create is not None and not hasattr(create, "__wrapped__") and check is not None and check("2.4.0")
+            and hasattr(parallel_state, "_global_process_group_list")):
+        parallel_state.create_group = _create_group_with_rank_once(parallel_state, create)
 
 
 # --------------------------------------------------------------------------- public API

@@ -41,3 +41,55 @@ def test_a_world_that_is_not_the_product_of_the_sizes_takes_the_original_path():
         ORIGINAL(12, [2, 2, 2], [True, False, False])
     with pytest.raises(AssertionError):
         FAST(12, [2, 2, 2], [True, False, False])
+
+
+INIT = """
+import json, sys
+import torch.distributed as dist
+from nccl_ext import install
+if sys.argv[2] == "fixed":
+    from integrations import megatron_compat
+    megatron_compat.install()
+from megatron.core import parallel_state as ps
+
+
+class Transport:
+    timeout_s = 30.0
+
+    def register_group(self, group):
+        pass
+
+    def close(self):
+        pass
+
+
+install.install(rank=int(sys.argv[1]), world_size=32, make_transport=lambda *_: Transport(), timeout_s=30.0)
+dist.init_process_group("gloo")
+ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                             context_parallel_size=2)
+key = lambda g: None if g is None else g.info.key  # noqa: E731
+print(json.dumps({"fixed": hasattr(ps.create_group, "__wrapped__"),
+                  "global": [key(g) for g in ps._global_process_group_list],
+                  "getters": [key(f()) for f in (ps.get_tensor_model_parallel_group, ps.get_pipeline_model_parallel_group,
+                                                 ps.get_data_parallel_group, ps.get_context_parallel_group,
+                                                 ps.get_model_parallel_group, ps.get_embedding_group)]}))
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 13])
+def test_initialize_model_parallel_makes_the_same_groups_with_the_fix(rank):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, _env
+
+    out = {}
+    for how in ("fixed", "original"):
+        r = subprocess.run([sys.executable, "-c", INIT, str(rank), how], cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[how] = json.loads(r.stdout.splitlines()[-1])
+    assert out["fixed"].pop("fixed") and not out["original"].pop("fixed")
+    assert out["fixed"] == out["original"]
+    assert len(out["fixed"]["global"]) > 10 and None not in out["fixed"]["getters"]
