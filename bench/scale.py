@@ -1,11 +1,14 @@
 """Scale on CPU: one sandbox process of the bundled Megatron recipe in 1,024- and 8,192-rank
 virtual worlds, captured with symmetry folding.
 
-    python bench/scale.py [--only dense,moe,step]
+    python bench/scale.py [--only dense,moe,step,init] [--worlds 1024,8192]
+    python bench/scale.py --only init --worlds 65536    # the 65,536-rank TP2·PP2 row alone
 
 Prints, per layout and world size: the folded capture (ranks captured, wall time), the
-sandbox's ``initialize_model_parallel`` time and ``new_group`` calls, its memory (VmRSS before
-init, growth through init, VmHWM at exit), and its emulated step time. ``step`` compares the
+sandbox's init (``init_process_group`` through ``initialize_model_parallel``; ``init`` in the
+default run is TP2·PP2 at 8,192 and 65,536 ranks, a group-creation benchmark) and its
+``new_group`` calls, its memory (VmRSS before init, growth through init, VmHWM at exit), and
+its emulated step time. ``step`` compares the
 emulated step of rank 0 of a TP2 job at 1,024 and 8,192 ranks with the same rank's step in a
 real 2-rank run (same shard, same micro-batches per rank; one thread per rank).
 """
@@ -34,7 +37,11 @@ LAYOUTS = {
     "step": ("TP2", 0, ["--tensor-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "256",
                         "--num-attention-heads", "8", "--seq-length", "128", "--micro-batch-size", "4",
                         "--train-iters", "6"]),
+    "init": ("TP2·PP2", 0, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *SMALL,
+                            "--train-iters", "2"]),
 }
+INIT_WORLDS = [8192, 65536]
+"""``init``'s worlds when ``--worlds`` is not given (group creation grows with the world)."""
 _STEP = re.compile(r"step (\d+) \| loss \S+ .*step_time_ms (\S+)")
 _CAPTURE = re.compile(r"captured (\d+) of (\d+) logical ranks \(folded\).* in ([\d.]+)s")
 
@@ -73,6 +80,7 @@ def emulated(layout: str, world: int, work: Path) -> dict:
     return {
         "layout": name, "world": world, "captured": int(m.group(1)) if m else None,
         "capture_s": float(m.group(3)) if m else None, "init_s": info.get("init_s"),
+        "model_parallel_s": info.get("model_parallel_s"),
         "new_group_calls": info.get("new_group_calls"), "rss_before_init_mb": info.get("rss_before_init_mb"),
         "init_growth_mb": info["rss_after_init_mb"] - info["rss_before_init_mb"], "hwm_mb": info["hwm_mb"],
         "step_ms": _median_step(out / "logs", sandbox) or (statistics.median(steps[1:]) * 1e3 if len(steps) > 1 else None),
@@ -94,13 +102,13 @@ def _cell(v, width: int, fmt: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="dense,moe,step")
-    ap.add_argument("--worlds", default="1024,8192")
+    ap.add_argument("--only", default="dense,moe,step,init")
+    ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default 1024,8192; init: 8192,65536)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="prism-scale-"))
-    worlds = [int(w) for w in a.worlds.split(",")]
     rows = []
     for layout in a.only.split(","):
+        worlds = [int(w) for w in a.worlds.split(",")] if a.worlds else INIT_WORLDS if layout == "init" else [1024, 8192]
         for world in worlds:
             if layout == "moe" and world < 8192 and world % 512:
                 continue

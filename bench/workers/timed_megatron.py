@@ -3,7 +3,9 @@ process's memory recorded (for ``bench/scale.py``).
 
     python bench/workers/timed_megatron.py --bench-out DIR [recipe args]
 
-Writes ``DIR/rank<R>.json``: init_s, new_group calls, VmRSS before/after init and VmHWM at exit.
+Writes ``DIR/rank<R>.json``: init_s (``init_process_group`` through ``initialize_model_parallel``),
+model_parallel_s (``initialize_model_parallel`` alone), new_group calls, VmRSS before/after init
+and VmHWM at exit.
 """
 
 import json
@@ -29,16 +31,27 @@ if "--bench-out" in argv:
 info: dict = {"rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
               "rss_start_mb": _status_mb("VmRSS")}
 
+import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 _init = parallel_state.initialize_model_parallel
+_init_pg = dist.init_process_group  # prism-launch's, installed before the script runs
+_started: list[float] = []
+
+
+def timed_init_process_group(*a, **k):
+    info["rss_before_init_mb"] = _status_mb("VmRSS")
+    _started.append(time.perf_counter())
+    return _init_pg(*a, **k)
 
 
 def timed_init(*a, **k):
-    info["rss_before_init_mb"] = _status_mb("VmRSS")
+    info.setdefault("rss_before_init_mb", _status_mb("VmRSS"))
     t0 = time.perf_counter()
     result = _init(*a, **k)
-    info["init_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    info["model_parallel_s"] = t1 - t0
+    info["init_s"] = t1 - (_started[0] if _started else t0)
     info["rss_after_init_mb"] = _status_mb("VmRSS")
     try:
         from nccl_ext import install
@@ -53,6 +66,7 @@ def timed_init(*a, **k):
 
 
 parallel_state.initialize_model_parallel = timed_init
+dist.init_process_group = timed_init_process_group
 
 
 def _write() -> None:
