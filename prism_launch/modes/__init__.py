@@ -92,7 +92,8 @@ def locked_capture(ctx: RunContext) -> Path:
 def locked_emulation(ctx: RunContext, reader) -> Path:
     from prism_launch.modes.emulate import emulate
 
-    with DirLock(ctx.report.root, setting="report.dir"), \
+    # node 0 writes the report; another physical node only its ranks' summaries (report/node<k>)
+    with DirLock(ctx.report.summaries(ctx.cfg.physical.node_rank).parent, setting="report.dir"), \
             phase(f"emulating sandbox ranks {list(ctx.cfg.sandbox.ranks)} of {ctx.topo.world_size}",
                   setting=ctx.cfg.launch.progress):
         return emulate(ctx, reader)
