@@ -67,7 +67,10 @@ def _normalize_group(g: Any, i: int) -> dict[str, Any]:
     ranks = g["ranks"]
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
         raise TypeError(f"groups[{i}].ranks must be a list of ints, got {ranks!r}")
-    out["ranks"] = [_as_int(f"groups[{i}].ranks[]", r) for r in ranks]
+    if isinstance(ranks, list) and set(map(type, ranks)) <= {int}:
+        out["ranks"] = list(ranks)  # plain ints (every JSON-read manifest): checked at C speed
+    else:
+        out["ranks"] = [_as_int(f"groups[{i}].ranks[]", r) for r in ranks]
     backend = g.get("backend", "")
     desc = g.get("desc", "")
     if not isinstance(backend, str) or not isinstance(desc, str):
