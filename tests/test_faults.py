@@ -185,15 +185,19 @@ def test_full_disk_before_capture_starts_no_rank(tmp):
 
 
 def test_full_disk_at_the_writer_in_auto_mode_is_plain(tmp):
-    """Room for the launcher's floor, not for the trace: the capture runs, the writer refuses
-    before writing; auto mode says so plainly and emulates nothing."""
+    """Room for the launcher's floor, not for the trace: the capture starts, its free-space
+    check refuses the next spill file before writing it; auto mode says so plainly and
+    emulates nothing."""
     from prism_launch.trace.space import SLACK_BYTES
 
     r = run_prism([*BASE, f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp, timeout=120,
                   env={"PYTHONPATH": str(FAKE_DISK), "PRISM_FAKE_FREE_BYTES": str(SLACK_BYTES + 100)})
     assert r.returncode == 1, r.stderr[-3000:]
     err = r.stderr.split("prism-launch: error:", 1)[1]
-    assert "disk space" in err and "needs about 8.0 MiB" in err and f"{SLACK_BYTES + 100} B" not in err
+    # exact tensors stream to disk: the capture's own check finds that the next spill file
+    # (capture.spill_mib) would not fit, before writing it
+    assert "not enough free" in err and "needs about" in err and "free there" in err, err
+    assert "Nothing was written that emulation would accept" in err
     assert "Traceback" not in r.stderr and "No PrismTrace" not in r.stderr
     assert_no_trace(tmp / "tr")
 

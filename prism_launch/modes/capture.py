@@ -155,7 +155,9 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     from prism_launch.capture.monitor import CaptureMonitor
 
     monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress,
-                             still_to_write=lambda: max(writer.tensor_stats()["pending_bytes"], spill))
+                             # exact: the next spill file may hold up to spill_mib; none records no tensors
+                             still_to_write=lambda: max(writer.tensor_stats()["pending_bytes"],
+                                                        spill if payload == "exact" else 0))
     t0 = time.monotonic()
     try:
         try:
