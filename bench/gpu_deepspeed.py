@@ -46,14 +46,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EX = ROOT / "examples"
-RECIPES = {
-    "zero1": ("deepspeed_gpt.py", "zero1.json"),
-    "zero2": ("deepspeed_gpt.py", "zero2.json"),
-    "zero3": ("deepspeed_gpt.py", "zero3.json"),
-    "pipe": ("deepspeed_pipe.py", "pipe.json"),
-    "moe": ("deepspeed_moe.py", "moe.json"),
-}
+sys.path.insert(0, str(ROOT / "bench"))
+from deepspeed_fidelity import EX, RECIPES  # noqa: E402 - the bundled recipes, one table for both benches
 UPSTREAM = Path("training/bf16_master_weight/train.py")
 UPSTREAM_ARGS = ["--hidden_dim", "512", "--num_layers", "4", "--num_heads", "8", "--vocab_size", "8192",
                  "--batch_size", "2", "--seq_length", "256", "--num_steps", "6", "--warmup_steps", "1",
