@@ -151,6 +151,9 @@ def _answer_non_members(real_new_group):
     ``ranks=None``, ``device_id``, ``sort_ranks=False``, torchcomms, an argument torch would
     refuse — goes to ``real_new_group``, which raises torch's own errors. One function on
     purpose: it runs ~400,000 times per rank at 65,536 ranks."""
+    if not all(hasattr(c10d, n) for n in ("_world", "_get_default_timeout", "GroupMember")) or \
+            not hasattr(c10d._world, "group_count"):
+        return real_new_group  # internals this torch does not have: its own path for every call
     torchcomms = getattr(c10d, "_use_torchcomms_enabled", lambda: False)
     backends: dict[tuple, dist.Backend] = {}  # (asked, default) -> torch's Backend
     members, timedelta = c10d.GroupMember, datetime.timedelta
@@ -188,7 +191,7 @@ def _answer_non_members(real_new_group):
             size = world.world_size
             plain = plain and len(ordered) <= size and ordered[0] >= 0 and ordered[-1] < size \
                 and len(set(ordered)) == len(ordered)
-        except (TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - anything unexpected (a newer torch's internals) takes torch's path
             plain = False
         if not plain:
             return real_new_group(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc,
