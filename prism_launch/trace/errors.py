@@ -50,13 +50,14 @@ class TraceMissingError(TraceError):
 class TraceVersionError(TraceError):
     """The trace was written with an unsupported format version."""
 
-    def __init__(self, path: str | Path, found: object, expected: int) -> None:
+    def __init__(self, path: str | Path, found: object, expected: int | tuple[int, ...]) -> None:
         self.path = Path(path)
         self.found = found
         self.expected = expected
+        readable = ", ".join(map(str, expected)) if isinstance(expected, tuple) else str(expected)
         super().__init__(
             f"PrismTrace at {self.path} has format_version={found!r}, but this PrismLLM reads "
-            f"format_version={expected}. Re-capture the trace with this PrismLLM version "
+            f"format_version {readable}. Re-capture the trace with this PrismLLM version "
             f"(run the job with mode=capture), or use the PrismLLM version that wrote it."
         )
 

@@ -32,7 +32,7 @@ from .layout import (
     tensor_file_name,
 )
 from .manifest import Manifest
-from .schema import EVENT_FIELDS, EVENT_SCHEMA, FORMAT_VERSION, READABLE_VERSIONS, conform_table, sorted_by_rank
+from .schema import EVENT_FIELDS, EVENT_SCHEMA, READABLE_VERSIONS, conform_table, sorted_by_rank
 from .spill import read_index
 from .tensors import TensorFile
 
@@ -95,7 +95,7 @@ class TraceReader:
             raise TraceCorruptError(self.path, MANIFEST_NAME, None, None, reason="manifest is not a JSON object")
         version = raw.get("format_version")
         if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
-            raise TraceVersionError(self.path, version, FORMAT_VERSION)
+            raise TraceVersionError(self.path, version, READABLE_VERSIONS)
         try:
             return Manifest.from_dict(raw)
         except (TypeError, ValueError) as e:
