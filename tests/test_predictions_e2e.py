@@ -29,9 +29,12 @@ def test_iteration_time_is_the_hand_computed_critical_path(emulated):
     pred = rep["predicted"]
     assert pred["cluster"] == "cpu_local" and pred["compute_source"] == "bare (cpu)"  # device=cpu's default cluster
     compute_ms = max(COMPUTE_MS) + 10.0 + 15.0  # slowest rank before the all-reduce, then both pipeline stages
-    # cpu_local: ~174 us per hop; one 1 KiB all-reduce over 3 ranks and two 1 KiB transfers cost < 3 ms
+    # cpu_local: ~174 us per hop; one 1 KiB all-reduce over 3 ranks and two 1 KiB transfers cost < 3 ms;
+    # the CPU-time spans also carry each step's own interpreter work beside the burns (up to 5.5 ms
+    # measured on a busy 2-core machine), hence 8%: a prediction that lost the all-reduce's wait or a
+    # pipeline stage would be off by 10 ms or more
     for t in pred["iteration_times_s"][1:]:
-        assert compute_ms <= t * 1e3 <= compute_ms * 1.04 + 3.0, pred["iteration_times_s"]
+        assert compute_ms <= t * 1e3 <= compute_ms * 1.08 + 3.0, pred["iteration_times_s"]
     assert 1 in pred["critical_path"]["ranks"]  # the slowest rank before the all-reduce is on it
 
 
