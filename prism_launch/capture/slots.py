@@ -121,6 +121,8 @@ class SlotScheduler:
         if self.admission is not None and not self._started and len(self._conn) < self.expected \
                 and time.monotonic() - self._first_hello < self.gather_s:
             return  # admission starts ranks in rank order: wait until they have all connected
+        if self.admission is not None and not self._started:
+            self.admission.refresh()  # once: the waiting ranks' own memory (CUDA contexts) is now in use
         while self.ready and (cap is None or len(self.running) < cap):
             rank = self.ready[0]
             # the device cannot hold it yet: it starts when an admitted rank ends — unless every
@@ -185,10 +187,15 @@ class MemoryAdmission:
     one rank is admitted at a time (the probe). ``budget`` is the device memory free when the
     capture began, per GPU; a rank goes to GPU ``gpu_of(rank)``."""
 
-    def __init__(self, budget: list[int], gpu_of, overhead: int = 1 << 30):
+    def __init__(self, budget: list[int], gpu_of, overhead: int = 1 << 30, free=None, fraction: float = 1.0):
         self.budget = list(budget)
         self.gpu_of = gpu_of
         self.overhead = overhead
+        self.free = free
+        """Reads each GPU's free bytes now (None: the budget stays as given); :meth:`refresh`
+        uses it once every rank has connected and before the first starts."""
+        self.fraction = fraction
+        self._refreshed = False
         self.measured: dict[int, int] = {}
         self.admitted: dict[int, int] = {}
         """rank -> bytes set aside for it."""
@@ -196,6 +203,18 @@ class MemoryAdmission:
         self.max_admitted = 0
         self.forced = 0
         """Ranks started beyond the budget because every admitted rank was blocked on a peer."""
+
+    def refresh(self) -> None:
+        """Lower the budget to what is free now, once. Ranks that connected before their first
+        slot already hold memory of their own (a CUDA context: ~0.5 GiB each on an H200 with torch
+        2.11), which the budget read before they started does not count: 32 waiting ranks take
+        ~16 GiB of the card."""
+        if self._refreshed or self.free is None:
+            return
+        self._refreshed = True
+        now = self.free()
+        if now and len(now) == len(self.budget):
+            self.budget = [min(b, int(f * self.fraction)) for b, f in zip(self.budget, now)]
 
     def need(self, rank: int) -> int | None:
         if rank in self.measured:
@@ -235,7 +254,7 @@ class MemoryAdmission:
         self.admitted.pop(rank, None)
 
     def to_dict(self) -> dict:
-        return {"budget_bytes": self.budget, "overhead_bytes": self.overhead, "max_admitted": self.max_admitted,
+        return {"budget_bytes": self.budget, "budget_refreshed": self._refreshed, "overhead_bytes": self.overhead, "max_admitted": self.max_admitted,
                 "forced": self.forced,
                 "measured_peaks": {str(r): p for r, p in sorted(self.measured.items())}}
 

@@ -103,7 +103,8 @@ def admission(ctx: RunContext, ranks: list[int]):
     if not free:
         return None
     order = {r: i for i, r in enumerate(ranks)}
-    return MemoryAdmission([int(f * 0.92) for f in free], lambda r: order.get(r, 0))
+    return MemoryAdmission([int(f * 0.92) for f in free], lambda r: order.get(r, 0), free=free_gpu_memory,
+                           fraction=0.92)
 
 
 def capture(ctx: RunContext) -> Path:

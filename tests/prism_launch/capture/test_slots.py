@@ -106,3 +106,24 @@ def test_a_blocked_rank_waits_for_an_awaited_rank_that_has_not_connected(monkeyp
     arrive(0)
     s.schedule()
     assert s.running == {0}
+
+
+def test_the_budget_is_read_again_once_every_rank_has_connected(monkeypatch):
+    """Ranks waiting for their first slot already hold device memory (their CUDA contexts): the
+    budget is what is free once they have all connected, not what was free before they started."""
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    reads = iter([[14 * GIB]])
+    adm = MemoryAdmission([20 * GIB], lambda r: 0, overhead=GIB, free=lambda: next(reads))
+    s = SlotScheduler(8, admission=adm, expected=4)
+    for r in range(3):
+        s.arrive(r, 1000 + r, _Conn())
+    s.schedule()
+    assert not s.running and adm.budget == [20 * GIB]  # still gathering: nothing read yet
+    s.arrive(3, 1003, _Conn())
+    s.schedule()
+    assert s.running == {0} and adm.budget == [14 * GIB]
+    adm.report(0, {"peak_reserved_bytes": 5 * GIB})
+    s.gone(0)
+    s.schedule()
+    assert s.running == {1, 2}  # 2 x 6 GiB fit in the 14 GiB free, not the 20 read at the start
+    assert adm.to_dict()["budget_refreshed"] is True
