@@ -80,14 +80,28 @@ class SlotScheduler:
         self._progress()
 
     def park(self, rank: int, op_id: int) -> None:
+        if op_id not in self._outstanding.get(rank, ()):
+            # answered while the park message was in flight (a carried broadcast's root is
+            # answered at once): the rank is not blocked and keeps its slot. Handing the slot
+            # on here made every admitted rank look blocked at each of its broadcasts, so the
+            # deadlock guard started one more rank each time, past the device's memory.
+            self._grant(rank)
+            self._progress()
+            return
         self.running.discard(rank)
-        if op_id in self._outstanding.get(rank, ()):
-            self._parked_on[rank] = op_id
-            if self.parker is not None:
-                self.parker.parked(rank, self._pid[rank])
-        else:  # answered while the park message was in flight
-            self.ready.append(rank)
+        self._parked_on[rank] = op_id
+        if self.parker is not None:
+            self.parker.parked(rank, self._pid[rank])
         self._progress()
+
+    def _grant(self, rank: int) -> None:
+        conn = self._conn.get(rank)
+        if conn is None:
+            return
+        try:
+            wire.send(conn, ("go",))
+        except OSError:
+            self.gone(rank)
 
     def awaits(self, rank: int) -> None:
         """A parked rank waits for ``rank`` (the source of a broadcast's payload)."""
@@ -124,7 +138,9 @@ class SlotScheduler:
         if self.admission is not None and not self._started:
             self.admission.refresh()  # once: the waiting ranks' own memory (CUDA contexts) is now in use
         while self.ready and (cap is None or len(self.running) < cap):
-            rank = self.ready[0]
+            # a started rank that can resume goes before ranks that have not started (those need
+            # room on the device; it already has its memory)
+            rank = next((r for r in self.ready if r in self._started), self.ready[0])
             # the device cannot hold it yet: it starts when an admitted rank ends — unless every
             # admitted rank is blocked on a peer (none runs), when waiting would never end: then
             # the rank they wait for starts first (a broadcast's root), or else the next one
@@ -135,9 +151,7 @@ class SlotScheduler:
                 if rank is None:
                     break
                 self.admission.admit(rank, force=True)
-                self.ready.remove(rank)
-                self.ready.appendleft(rank)
-            self.ready.popleft()
+            self.ready.remove(rank)
             conn = self._conn.get(rank)
             if conn is None:
                 continue

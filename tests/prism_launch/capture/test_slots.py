@@ -127,3 +127,40 @@ def test_the_budget_is_read_again_once_every_rank_has_connected(monkeypatch):
     s.schedule()
     assert s.running == {1, 2}  # 2 x 6 GiB fit in the 14 GiB free, not the 20 read at the start
     assert adm.to_dict()["budget_refreshed"] is True
+
+
+def test_a_rank_answered_before_its_park_arrives_keeps_its_slot(monkeypatch):
+    """A carried broadcast's root is answered at once, before its park message is read: the rank
+    is not blocked. It keeps its slot and no other rank is started past the device's memory
+    (the H200 capture of a Llama-3-8B shape ran 32 ranks onto the card this way)."""
+    sent = []
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): sent.append((conn, header)))
+    s, adm, arrive = _sched(20)
+    for r in range(4):
+        arrive(r)
+    s.schedule()
+    assert s.running == {0}
+    for op in range(5):  # five micro-batches, each a broadcast answered before the park
+        s.issued(0, op)
+        s.answered(0, op)
+        s.park(0, op)
+        s.schedule()
+    assert s.running == {0} and adm.forced == 0 and len(adm.admitted) == 1
+    goes = [h for _c, h in sent if h == ("go",)]
+    assert len(goes) == 6  # the first slot, then one at once for each park that found its op done
+
+
+def test_a_started_rank_resumes_before_ranks_that_have_not_started(monkeypatch):
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    s, adm, arrive = _sched(20)
+    for r in range(3):
+        arrive(r)
+    s.schedule()
+    adm.report(0, {"peak_reserved_bytes": 5 * GIB})
+    s.issued(0, 7)
+    s.park(0, 7)  # blocked for real
+    s.schedule()
+    assert 0 not in s.running
+    s.answered(0, 7)
+    s.schedule()
+    assert 0 in s.running and adm.forced == 0
