@@ -126,6 +126,7 @@ class MemoryTracker:
         self._samples: list[MemorySample] = []
         self._peak = 0
         self._final: tuple[int, int] | None = None
+        self._reserved_final: tuple[int, int, int] | None = None
         self._hook: CpuHook | None = None
         self._untracked = (0, 0)
         self._install_s = 0.0
@@ -162,6 +163,8 @@ class MemoryTracker:
         if not self._started or self._stopped:
             return
         self._final = (self.current_bytes(), self.peak_bytes())
+        if self._cuda:
+            self._reserved_final = self._reserved()
         self._stopped = True
         if _ACTIVE_CPU_TRACKER is self:
             _ACTIVE_CPU_TRACKER = None
@@ -182,6 +185,12 @@ class MemoryTracker:
         if self._cuda:
             return max(self._peak, int(torch.cuda.max_memory_allocated(self._index)) - self._comm())
         return int(self._hook.peak()) if self._hook is not None else 0
+
+    def _reserved(self) -> tuple[int, int, int]:
+        """(reserved, peak reserved since start, communication pool) bytes on the device."""
+        comm = self._comm()
+        reserved = int(torch.cuda.memory_reserved(self._index)) - comm
+        return reserved, max(self._peak_reserved, int(torch.cuda.max_memory_reserved(self._index)) - comm), comm
 
     def _comm(self) -> int:
         """Device bytes the communication layer holds (the device path's pool): a real backend's
@@ -281,11 +290,12 @@ class MemoryTracker:
             "samples": [asdict(s) for s in self._samples],
             "overhead": overhead,
         }
-        if self._cuda and self._final is None and self._started:
-            # what the caching allocator holds from the device (fragmentation included)
-            comm = self._comm()
-            out["reserved_bytes"] = int(torch.cuda.memory_reserved(self._index)) - comm
-            out["peak_reserved_bytes"] = max(self._peak_reserved, int(torch.cuda.max_memory_reserved(self._index)) - comm)
+        if self._cuda and self._started:
+            # what the caching allocator holds from the device (fragmentation included): a
+            # capture admits ranks to the device by it, so it is reported after stop() too
+            reserved, peak_reserved, comm = self._reserved_final or self._reserved()
+            out["reserved_bytes"] = reserved
+            out["peak_reserved_bytes"] = peak_reserved
             if comm:
                 out["communication_pool_bytes"] = comm
         limit = _LIMITS.get("cuda" if self._cuda else "cpu")

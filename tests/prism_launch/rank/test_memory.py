@@ -409,3 +409,27 @@ def test_communication_layer_copies_stay_out_of_the_programs_memory(tracker):
         assert bytes(wire.tensor_bytes(v)) == want
         wire.digest(v)
     assert p() == (0, 0)
+
+
+def test_cuda_summary_after_stop_keeps_the_reserved_peak(monkeypatch):
+    """A capture admits ranks to the GPU by their peak *reserved* bytes, read from the summary a
+    rank sends when it ends (after stop()). Without it admission fell back to the allocated
+    peak: a Llama-3-8B-shaped stage measured ~11 GiB allocated against ~20 GiB reserved, and
+    the card ran out of memory. (torch.cuda faked: no GPU here.)"""
+    state = {"alloc": 1 << 30, "max_alloc": 11 << 30, "res": 2 << 30, "max_res": 20 << 30}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda i=None: state["alloc"])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda i=None: state["max_alloc"])
+    monkeypatch.setattr(cuda, "memory_reserved", lambda i=None: state["res"])
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda i=None: state["max_res"])
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda i=None: None)
+    monkeypatch.setattr(memory.MemoryTracker, "_comm", lambda self: 0)
+    tracker = MemoryTracker("cuda:0")
+    tracker.start()
+    tracker.mark_unit(0)
+    tracker.stop()
+    state.update(max_res=0, res=0)  # what the allocator says after the program freed everything
+    out = tracker.summary()
+    assert out["peak_reserved_bytes"] == 20 << 30
+    assert out["peak_bytes"] == 11 << 30
