@@ -40,6 +40,8 @@ class SlotScheduler:
         self._first_hello = float("inf")
         self._awaited: set[int] = set()
         self.extra = 0
+        self._exiting: dict[int, int] = {}
+        """Ranks that ended whose processes still hold device memory: rank -> pid."""
         self._conn: dict[int, Connection] = {}
         self._pid: dict[int, int] = {}
         self.running: set[int] = set()
@@ -119,7 +121,14 @@ class SlotScheduler:
 
     def gone(self, rank: int) -> None:
         if self.admission is not None:
-            self.admission.release(rank)
+            # its device memory is free once its process has exited, not when it said goodbye:
+            # a Megatron rank tears down for seconds after its last op, holding its whole peak
+            # (five finished ranks at 21 GiB each ran a Llama-3-8B-shaped capture out of memory)
+            pid = self._pid.get(rank)
+            if pid is None or _exited(pid):
+                self.admission.release(rank)
+            else:
+                self._exiting[rank] = pid
         self.running.discard(rank)
         self._parked_on.pop(rank, None)
         self._conn.pop(rank, None)
@@ -130,8 +139,18 @@ class SlotScheduler:
     def _progress(self) -> None:
         self._last_progress = time.monotonic()
 
+    def _reap(self) -> None:
+        """Release the device memory of ranks whose processes have exited since they ended."""
+        for rank, pid in list(self._exiting.items()):
+            if _exited(pid):
+                del self._exiting[rank]
+                self.admission.release(rank)
+                self._progress()
+
     def schedule(self) -> None:
         cap = self.capacity
+        if self._exiting:
+            self._reap()
         if self.admission is not None and not self._started and len(self._conn) < self.expected \
                 and time.monotonic() - self._first_hello < self.gather_s:
             return  # admission starts ranks in rank order: wait until they have all connected
@@ -145,7 +164,7 @@ class SlotScheduler:
             # admitted rank is blocked on a peer (none runs), when waiting would never end: then
             # the rank they wait for starts first (a broadcast's root), or else the next one
             if rank not in self._started and self.admission is not None and not self.admission.admit(rank):
-                if self.running:
+                if self.running or self._exiting:  # memory comes free when they end or exit
                     break
                 rank = self._unblocking()
                 if rank is None:
@@ -190,6 +209,20 @@ class SlotScheduler:
     def close(self) -> None:
         if self.parker is not None:
             self.parker.close()
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie has: the driver freed its device memory when
+    its files closed). Without /proc (not Linux) every process counts as exited."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
 
 
 class MemoryAdmission:

@@ -5,6 +5,8 @@ starts the rank they wait for, not an arbitrary one."""
 from prism_launch.capture.slots import MemoryAdmission, SlotScheduler
 
 GIB = 1 << 30
+NO_PID = 1 << 30
+"""Process ids above Linux's pid_max (at most 2**22): no such process, so an ended rank's memory is free at once."""
 
 
 class _Conn:
@@ -23,7 +25,7 @@ def _sched(budget_gib, slots=8):
     def arrive(rank):
         conn = _Conn()
         sent[rank] = conn
-        s.arrive(rank, 1000 + rank, conn)
+        s.arrive(rank, NO_PID + rank, conn)
 
     return s, adm, arrive
 
@@ -83,11 +85,11 @@ def test_admission_waits_for_every_rank_to_connect_then_starts_in_rank_order(mon
     monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
     adm = MemoryAdmission([10 * GIB], lambda r: 0, overhead=GIB)
     s = SlotScheduler(8, admission=adm, expected=3)
-    s.arrive(5, 1, _Conn())  # the first to connect is not the lowest rank
+    s.arrive(5, NO_PID + 5, _Conn())  # the first to connect is not the lowest rank
     s.schedule()
     assert not s.running
-    s.arrive(4, 2, _Conn())
-    s.arrive(6, 3, _Conn())
+    s.arrive(4, NO_PID + 4, _Conn())
+    s.arrive(6, NO_PID + 6, _Conn())
     s.schedule()
     assert s.running == {4}
 
@@ -116,10 +118,10 @@ def test_the_budget_is_read_again_once_every_rank_has_connected(monkeypatch):
     adm = MemoryAdmission([20 * GIB], lambda r: 0, overhead=GIB, free=lambda: next(reads))
     s = SlotScheduler(8, admission=adm, expected=4)
     for r in range(3):
-        s.arrive(r, 1000 + r, _Conn())
+        s.arrive(r, NO_PID + r, _Conn())
     s.schedule()
     assert not s.running and adm.budget == [20 * GIB]  # still gathering: nothing read yet
-    s.arrive(3, 1003, _Conn())
+    s.arrive(3, NO_PID + 3, _Conn())
     s.schedule()
     assert s.running == {0} and adm.budget == [14 * GIB]
     adm.report(0, {"peak_reserved_bytes": 5 * GIB})
@@ -164,3 +166,31 @@ def test_a_started_rank_resumes_before_ranks_that_have_not_started(monkeypatch):
     s.answered(0, 7)
     s.schedule()
     assert 0 in s.running and adm.forced == 0
+
+
+def test_an_ended_rank_holds_its_memory_until_its_process_has_exited(monkeypatch):
+    """A rank that said goodbye still holds its peak while its process tears down: the next rank
+    is admitted once the process is gone (a zombie counts as gone), and nobody is forced in
+    meanwhile."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    adm = MemoryAdmission([10 * GIB], lambda r: 0, overhead=GIB)
+    s = SlotScheduler(8, admission=adm)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        s.arrive(0, proc.pid, _Conn())
+        s.arrive(1, NO_PID + 1, _Conn())
+        s.schedule()
+        assert s.running == {0}
+        adm.report(0, {"peak_reserved_bytes": 8 * GIB})
+        s.gone(0)  # its process lives on
+        s.schedule()
+        assert s.running == set() and adm.forced == 0 and 0 in adm.admitted
+        proc.stdin.close()
+        proc.wait(timeout=30)  # reaped: /proc has no such process
+        s.schedule()
+        assert s.running == {1} and adm.forced == 0
+    finally:
+        proc.kill()
