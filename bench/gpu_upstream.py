@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
     ap.add_argument("--cluster", default="h100_ib")
+    ap.add_argument("--calibrations", default="default,asked_2_per_slice",
+                    help="comma-separated: default, asked_2_per_slice (calibrate.slice_size=2), slice_size_1")
     ap.add_argument("--out")
     a = ap.parse_args()
     script = pretrain_gpt(a.mlm)
@@ -76,7 +78,9 @@ def main() -> int:
     try:
         _r, results["capture_s"] = prism([*base, "mode=capture", script, *job], work)
         results["trace_bytes"] = sum(p.stat().st_size for p in trace.rglob("*") if p.is_file())
-        for label, extra in (("default", []), ("asked_2_per_slice", ["calibrate.slice_size=2"])):
+        runs = {"default": [], "asked_2_per_slice": ["calibrate.slice_size=2"], "slice_size_1": ["calibrate.slice_size=1"]}
+        for label in a.calibrations.split(","):
+            extra = runs[label]
             shutil.rmtree(trace / "calibrated", ignore_errors=True)
             r, cal_s = prism([*base, "mode=calibrate", *extra, script, *job], work)
             notice = [line for line in r.stderr.splitlines() if "share a device" in line]
@@ -95,10 +99,11 @@ def main() -> int:
                   f"({len(me.get('losses') or [])} steps); divergences {len(me.get('divergences') or [])}; "
                   f"sandbox peak {me.get('peak_memory_bytes')} B; calibrate {cal_s:.0f}s, emulate {emu_s:.0f}s"
                   + (f"; {notice[0]}" if notice else ""), flush=True)
-        ratio = results["asked_2_per_slice"]["predicted_iteration_ms"] / results["default"]["predicted_iteration_ms"]
-        results["ratio"] = ratio
-        print(f"capture {results['capture_s']:.0f}s, trace {results['trace_bytes'] / 2**30:.2f} GiB; "
-              f"prediction asked-2-per-slice / default = {ratio:.3f}", flush=True)
+        print(f"capture {results['capture_s']:.0f}s, trace {results['trace_bytes'] / 2**30:.2f} GiB", flush=True)
+        for other in (k for k in runs if k != "default" and k in results and "default" in results):
+            ratio = results[other]["predicted_iteration_ms"] / results["default"]["predicted_iteration_ms"]
+            results[f"ratio_{other}"] = ratio
+            print(f"prediction {other} / default = {ratio:.3f}", flush=True)
     finally:
         if a.out:
             Path(a.out).write_text(json.dumps(results, indent=1))
