@@ -58,6 +58,11 @@ class CaptureTransport:
         self._reader.start()
         self._await_slot(f"rank {rank}: waiting for a first capture slot")
 
+    @property
+    def captured(self) -> frozenset[int] | None:
+        """The ranks a folded capture runs (None: every rank runs)."""
+        return self._captured
+
     # -- context switching ----------------------------------------------------------------
     def _await_slot(self, what: str) -> None:
         t0 = time.monotonic()

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from nccl_ext import object_roots
 from nccl_ext.process_group import DelegatingPrismProcessGroup, PrismProcessGroup, PrismWorld, Transport
 
 BACKEND = "prism"
@@ -98,6 +99,7 @@ def install(
                            transport=make_transport(rank, world_size, timeout_s),
                            backend_name=_physical_backend_name(backend), delegates_new_group=delegate)
         _state["world"] = world
+        object_roots.guard(lambda: getattr(world.transport, "captured", None), lambda: world.rank)
         # device_id is dropped on purpose: it would make NCCL split eagerly for every group.
         real_init(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
                   timeout=timeout or datetime.timedelta(seconds=timeout_s), group_name=group_name)

@@ -5,6 +5,7 @@ capture when data-parallel replicas see the same data, and replays bit-identical
 from __future__ import annotations
 
 import json
+import shutil
 import re
 
 from tests.conftest import EXAMPLES, WORKERS, rank_lines, run_prism
@@ -151,3 +152,36 @@ def test_recipe_failing_before_its_first_collective_under_folding(tmp_path):
     assert r.returncode == 1
     assert "ValueError: bad recipe" in r.stderr and "rank 0 failed" in r.stderr
     assert not (tmp_path / "t").exists()
+
+
+def test_object_collective_from_an_uncaptured_root_names_the_fix(tmp_path):
+    """A torch.distributed.checkpoint save scatters its plan from rank 0 (broadcast_object_list /
+    scatter_object_list): a folded capture without rank 0 fails at that call, naming the root and
+    the fix, not with an unpickling error from the stand-in's empty buffers (seen on the H200 with
+    Megatron-LM's --ckpt-format torch_dist). Capturing rank 0 too, the save is captured and
+    emulated: the sandbox ranks write their files as in the capture."""
+    script = WORKERS / "dcp_save.py"
+    common = ["--nproc-per-node", "8", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=60",
+              "capture.fold=true", f"trace.dir={tmp_path / 't'}"]
+    bad = run_prism([*common, "sandbox.ranks=[3]", "--log-dir", tmp_path / "bad", "mode=capture", script],
+                    cwd=tmp_path, timeout=300)
+    assert bad.returncode == 1
+    assert "UncapturedRootError" in bad.stderr and "from rank 0, which this folded capture does not run" in bad.stderr
+    assert "sandbox.ranks=[0,3]" in bad.stderr and "UnpicklingError" not in bad.stderr
+    assert not (tmp_path / "t").exists()
+    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+    cap = run_prism([*common, "sandbox.ranks=[0,3]", "--log-dir", tmp_path / "cap", "mode=capture", script],
+                    cwd=tmp_path, timeout=300)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    assert "captured 2 of 8 logical ranks (folded)" in cap.stderr
+    written = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    assert {".metadata", "__0_0.distcp", "__3_0.distcp"} <= set(written)
+    shutil.rmtree(tmp_path / "ckpt")
+    emu = run_prism([*common, "sandbox.ranks=[0,3]", "--log-dir", tmp_path / "emu", "mode=emulate", script],
+                    cwd=tmp_path, timeout=300)
+    assert emu.returncode == 0, emu.stderr[-3000:]
+    again = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    # the sandbox ranks' own files, byte for byte (the metadata carries a fresh save id per run)
+    assert {k: again[k] for k in ("__0_0.distcp", "__3_0.distcp")} == \
+        {k: written[k] for k in ("__0_0.distcp", "__3_0.distcp")}
+    assert b"torch.distributed.checkpoint.metadata" in again[".metadata"]
