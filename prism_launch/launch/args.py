@@ -341,6 +341,12 @@ def mask_output_args(script_args: list[str], flags: frozenset[str]) -> list[str]
 
 def differing_args(recorded: list[str], now: list[str]) -> list[str]:
     """The flags (or bare arguments) whose values differ between two argument lists."""
+    a, b = args_by_flag(recorded), args_by_flag(now)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def args_by_flag(args: list[str]) -> dict[str, list[str]]:
+    """Each flag's values in an argument list (``<positional>``: bare arguments)."""
     def by_flag(args: list[str]) -> dict[str, list[str]]:
         seen: dict[str, list[str]] = {}
         key = "<positional>"
@@ -357,5 +363,4 @@ def differing_args(recorded: list[str], now: list[str]) -> list[str]:
                 key = "<positional>"
         return seen
 
-    a, b = by_flag(recorded), by_flag(now)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return by_flag(args)

@@ -15,7 +15,7 @@ from prism_launch.config import Mode, Timing, VirtualHost
 from prism_launch.config.plan import EmulatePlan, PrefetchPlan, RankPlan
 from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
 from prism_launch.config.registry import output_args
-from prism_launch.launch.args import differing_args
+from prism_launch.launch.args import args_by_flag, differing_args
 from prism_launch.modes.context import RunContext, program_config
 from prism_launch.trace import RankLogs, TraceReader
 from prism_launch.trace import fingerprint as fp
@@ -35,8 +35,16 @@ def open_trace(ctx: RunContext) -> TraceReader:
             flags = differing_args(recorded_args, list(ctx.program.args))
             ignored = output_args(ctx.cfg.trace.ignore_args)
             flags = [f for f in flags if f not in ignored]
-            details.append(f"script args {', '.join(flags) or '(order)'} differ: recorded {recorded_args} vs now "
-                           f"{list(ctx.program.args)} (a flag that only says where outputs go can be ignored: "
+            was, now = args_by_flag(recorded_args), args_by_flag(list(ctx.program.args))
+
+            def shown(values: list[str] | None) -> str:
+                return "absent" if values is None else " ".join(values) or "(present)"
+
+            if flags:
+                changes = "; ".join(f"{f}: recorded {shown(was.get(f))}, now {shown(now.get(f))}" for f in flags)
+            else:
+                changes = f"(order) recorded {recorded_args} vs now {list(ctx.program.args)}"
+            details.append(f"script args differ: {changes} (a flag that only says where outputs go can be ignored: "
                            f"trace.ignore_args=[{','.join(f for f in flags if f.startswith('-'))}])")
         if "config" in differs:
             details.append(f"config: recorded {extra.get('program_config')} vs now {program_config(ctx.cfg)}")
