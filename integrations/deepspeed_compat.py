@@ -450,10 +450,13 @@ def _report_after_first_step(engine) -> None:
         import json
 
         try:
-            text = json.dumps(memory_breakdown(engine), default=str)
+            detail = json.loads(json.dumps(memory_breakdown(engine), default=str))
         except Exception as e:  # noqa: BLE001 - a report, never a failure of the job
-            text = json.dumps({"error": repr(e)})
-        print(f"prism-launch: deepspeed memory rank {os.environ.get('RANK', '?')} {text}", flush=True)
+            detail = {"error": repr(e)}
+        from prism_launch.rank.memory import add_detail
+
+        add_detail("deepspeed", detail)  # into the rank's summary, hence report.json
+        print(f"prism-launch: deepspeed memory rank {os.environ.get('RANK', '?')} {json.dumps(detail)}", flush=True)
 
     handle.append(basic.register_step_post_hook(hook))
 

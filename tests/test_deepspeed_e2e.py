@@ -91,9 +91,9 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             sorted(set(range(nproc)) - set(sandbox))
 
 
-def _capture_and_emulate(tmp_path, world: int, sandbox: int, script: list) -> tuple[list, list, dict]:
+def _capture_and_emulate(tmp_path, world: int, sandbox: int, script: list, extra: tuple = ()) -> tuple[list, list, dict]:
     flags = ["--nnodes", str(world // 8), "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
-             "capture.fold=true", f"sandbox.ranks=[{sandbox}]", f"trace.dir={tmp_path / 'trace'}"]
+             "capture.fold=true", f"sandbox.ranks=[{sandbox}]", f"trace.dir={tmp_path / 'trace'}", *extra]
     r = run_prism([*flags, "--log-dir", tmp_path / "cap", "mode=capture", *script], cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "captured 1 of" in r.stderr  # folded to the sandbox alone: rank 0 is not captured
@@ -117,6 +117,26 @@ def test_zero3_in_a_1024_rank_world_without_rank_0(tmp_path):
     assert mem["zero_stage"] == 3 and mem["dp_world_size"] == 1024 and mem["zero3_partition_bytes"] > 0
     assert set(mem["buckets"]) == {"reduce_bucket", "stage3_prefetch_bucket", "stage3_max_live_parameters"}
     assert mem["optimizer_state_bytes"] and mem["offload"] == {"optimizer": "none", "param": "none"}
+    assert entry["memory_details"]["deepspeed"] == mem  # in report.json, as in the rank's log
+
+
+def test_zero3_with_payload_none_at_1024_ranks(tmp_path):
+    """The lean payload policy with DeepSpeed (ZeRO-3's parameter all-gathers are the bulk of its
+    traffic): no tensors recorded, the results synthesized alike in capture and emulation, so the
+    sandbox's logged numbers equal its own capture's; the report says so."""
+    cap, emu, report = _capture_and_emulate(tmp_path, 1024, 1001, [*_script("zero3")], ("capture.payload=none",))
+    assert len(logged_metrics(cap)) >= 3 and logged_metrics(emu) == logged_metrics(cap)
+    entry = report["ranks"]["1001"]
+    assert entry["losses_match_capture"] is True and entry["divergences"] == []
+    assert report["payload"]["policy"] == "none" and entry["synthesized"] > 0
+    # what the trace holds: only the payloads of carried broadcasts (DeepSpeed broadcasts each
+    # parameter from rank 0 at start-up: control data up to capture.carry_bytes), never a contribution
+    import pyarrow.parquet as pq
+
+    index = tmp_path / "trace" / "tensors" / "index.parquet"
+    keys = [row["key"] for row in pq.read_table(index).to_pylist()] if index.exists() else []
+    assert all(k.startswith("r/") for k in keys) and entry["carried"] >= len(keys)
+    assert entry["memory_details"]["deepspeed"]["zero_stage"] == 3
 
 
 DSE = EXAMPLES.parent / "third_party" / "DeepSpeedExamples" / "training" / "bf16_master_weight" / "train.py"

@@ -298,6 +298,8 @@ class MemoryTracker:
             out["peak_reserved_bytes"] = peak_reserved
             if comm:
                 out["communication_pool_bytes"] = comm
+        if _DETAILS:
+            out["details"] = dict(_DETAILS)
         limit = _LIMITS.get("cuda" if self._cuda else "cpu")
         if limit is not None:
             out["limit_bytes"] = limit
@@ -305,6 +307,15 @@ class MemoryTracker:
 
 
 _LIMITS: dict[str, int] = {}
+
+_DETAILS: dict[str, dict] = {}
+
+
+def add_detail(name: str, detail: dict) -> None:
+    """A breakdown an integration knows of this rank's memory (e.g. DeepSpeed's ZeRO partitions,
+    buckets and optimizer state by device), carried in the rank's summary under ``details`` and
+    into the report (``ranks.<r>.memory_details``)."""
+    _DETAILS[name] = detail
 
 
 def set_memory_limit(device: str, limit_bytes: int) -> None:

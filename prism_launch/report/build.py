@@ -54,6 +54,7 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
             "carried": summary.get("carried", 0),
             "peak_memory_bytes": (summary.get("memory") or {}).get("peak_bytes"),
             "memory_method": ((summary.get("memory") or {}).get("method") or {}).get("name"),
+            "memory_details": (summary.get("memory") or {}).get("details"),
         }
     report = {
         "world_size": reader.manifest.world_size,
@@ -102,6 +103,9 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
     report["pipeline_ranks"] = pred["pipeline_ranks"]
     for r, entry in pred["ranks"].items():
         merged = {**entry, **ranks.get(r, {})}
+        source = captured_memory.get(r) or {}
+        if not merged.get("memory_details") and source.get("details"):
+            merged["memory_details"] = source["details"]  # a captured rank's own, as it reported them
         if entry.get("peak_memory_bytes") is not None:
             merged["peak_memory_bytes"] = entry["peak_memory_bytes"]
         report["ranks"][r] = merged
@@ -117,6 +121,18 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
     atomic_write_text(out.report_json, json.dumps(report, indent=1))
     print_report(report, out.report_json)
     return report
+
+
+def _detail_line(detail: dict) -> str:
+    """An integration's memory breakdown in one line: its byte figures in MiB."""
+    def fmt(key, v):
+        if isinstance(v, dict):
+            return f"{key} {{" + ", ".join(fmt(k, x) for k, x in v.items()) + "}"
+        if key.endswith("bytes") and isinstance(v, (int, float)):
+            return f"{key[:-6] or 'bytes'} {v / 2**20:.2f} MiB"
+        return f"{key} {v}"
+
+    return "; ".join(fmt(k, v) for k, v in detail.items())
 
 
 def _payload(reader: TraceReader) -> dict:
@@ -194,6 +210,8 @@ def print_report(report: dict, path: Path) -> None:
                    None: "no loss lines to compare"}[r["losses_match_capture"]]
         if r.get("peak_memory_bytes") is not None:
             console.print(f"  peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r.get('memory_method')})")
+        for name, detail in (r.get("memory_details") or {}).items():
+            console.print(f"  {name} memory: {_detail_line(detail)}")
         if r.get("synthesized"):
             console.print(f"  payload none: {r['synthesized']} results synthesized on the sandbox's device "
                           f"({r.get('carried', 0)} broadcasts carried their recorded payload); values are not the "
