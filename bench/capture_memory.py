@@ -4,7 +4,7 @@
                                    [--out DIR] [--keep]
 
 Captures the bundled dense recipe (``examples/megatron_gpt.py``, TP2·PP2 over ``--nproc``
-ranks) for each step count (its ``--train-iters``) with ``capture.payload=exact`` and
+ranks) for each step count (its ``--train-iters``) with ``capture.payload=full`` and
 ``capture.payload=none``, and prints per case the launcher's peak resident memory (VmHWM,
 ``launcher_peak_rss_bytes`` in the trace's ``capture.json``), the bytes of tensors recorded
 and stored, the most waiting in memory at once, the trace's size on disk and the capture's
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the traces")
     a = p.parse_args(argv)
     out = a.out or Path(tempfile.mkdtemp(prefix="prism-capture-memory-"))
-    rows = [capture(out, a.nproc, s, payload, a.spill_mib) for payload in ("exact", "none") for s in a.steps]
+    rows = [capture(out, a.nproc, s, payload, a.spill_mib) for payload in ("full", "none") for s in a.steps]
     mib = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
     print(f"dense TP2·PP2, {a.nproc} ranks, capture.spill_mib={a.spill_mib:g}")
     print(f"{'payload':8} {'steps':>5} {'peak RSS MiB':>12} {'tensors MiB':>11} {'stored MiB':>10} "
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"FAIL: figures missing for {', '.join(missing)}", file=sys.stderr)
         return 1
-    exact = {r["steps"]: r["peak_rss"] for r in rows if r["payload"] == "exact"}
+    exact = {r["steps"]: r["peak_rss"] for r in rows if r["payload"] == "full"}
     lo, hi = exact[min(a.steps)], exact[max(a.steps)]
     growth = hi / lo - 1
     verdict = "ok" if growth <= a.margin else "FAIL"

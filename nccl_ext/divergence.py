@@ -12,6 +12,10 @@ recorded one (:class:`DivergenceLog`), and the rule that sorts each into one of 
   the live tensor's L1 norm are taken on the device, no host copy): ``| ||live||_1 -
   ||recorded||_1 | <= rtol * ||recorded||_1`` — a necessary condition for closeness, blind to
   permutations as the word sum is.
+  A trace that keeps only statistics of this rank's contribution (``capture.payload=exact``
+  stores the tensors the sandbox consumes, not the ones it produces: :func:`piece_stats`) is
+  judged the same way on the host path: the live piece's L1 norm and max-abs value against the
+  recorded ones, each within the tolerance (:meth:`DivergenceLog.classify_stats`).
 * ``host_scalar`` — a small contribution (at most ``host_scalar_max_elements`` elements) issued
   from a call site listed in ``host_scalar_sites``: values that carry wall-clock times or
   rank-local counters, which no replay can reproduce. The rule is by size *and* context (the
@@ -107,6 +111,23 @@ def l1(t: torch.Tensor) -> float:
     return float(t.detach().cpu().double().abs().sum())
 
 
+def piece_stats(t: torch.Tensor) -> list:
+    """What a trace keeps of a contribution piece it does not store, for the divergence checks:
+    ``[word sum, L1 norm, max |x|]`` (the device path's checksum; the norms float64, None for
+    non-floating data). The CRC digest beside it decides equality."""
+    from nccl_ext.device_path.checks import word_sum
+
+    t = t.detach().cpu()
+    if not t.dtype.is_floating_point or not t.numel():
+        return [word_sum(t), None, None]
+    a = t.double().abs()
+    return [word_sum(t), float(a.sum()), float(a.max())]
+
+
+def _rel(live: float, recorded: float) -> float:
+    return abs(live - recorded) / recorded if recorded else (0.0 if live == 0 else float("inf"))
+
+
 class DivergenceLog:
     """One sandbox rank's divergences, by kind: counts, the first few of each in full (into
     ``stats.divergences``), a warning per (op, group) and, in strict mode, an error on the first
@@ -140,15 +161,45 @@ class DivergenceLog:
         ok = all(a.dtype.is_floating_point and d.max_abs <= rtol_for(a.dtype, self.rtol) * d.scale for a, d in pairs)
         return (Kind.tolerance if ok and pairs else Kind.value), site, diff
 
-    def classify_norms(self, dtype: torch.dtype, live_l1: float | None, recorded: torch.Tensor, numel: int,
-                       site: str | None) -> tuple[Kind, str | None, dict]:
+    def classify_stats(self, live: list[torch.Tensor], shapes, dtypes, digests, stats) -> tuple[Kind, str | None, dict]:
+        """Host path, against a recording that kept only the digest and :func:`piece_stats` of
+        each piece: ``tolerance`` when every piece whose digest differs is floating data whose L1
+        norm and max-abs value are both within the tolerance of the recorded ones; ``value``
+        otherwise (shapes or dtypes that differ, integer data, no statistics)."""
+        from nccl_ext import wire
+
+        site = self.site(live)
+        if len(live) != len(shapes) or len(stats) != len(live) or len(digests) != len(live) or any(
+                tuple(a.shape) != tuple(s) or wire.dtype_name(a.dtype) != d for a, s, d in zip(live, shapes, dtypes)):
+            return Kind.value, site, {}
+        l1_rel = max_rel = 0.0
+        ok = True
+        for a, digest, (_ws, rec_l1, rec_max) in zip(live, digests, stats):
+            if wire.digest(a) == digest:
+                continue
+            if rec_l1 is None or not a.dtype.is_floating_point:
+                ok = False
+                continue
+            _, live_l1, live_max = piece_stats(a)
+            r1, rm = _rel(live_l1, rec_l1), _rel(live_max, rec_max)
+            l1_rel, max_rel = max(l1_rel, r1), max(max_rel, rm)
+            tol = rtol_for(a.dtype, self.rtol)
+            ok = ok and r1 <= tol and rm <= tol
+        diff = {"l1_rel_diff": l1_rel, "max_abs_rel_diff": max_rel}
+        if self.host_scalar(sum(t.numel() for t in live), site):
+            return Kind.host_scalar, site, diff
+        return (Kind.tolerance if ok else Kind.value), site, diff
+
+    def classify_norms(self, dtype: torch.dtype, live_l1: float | None, recorded: torch.Tensor | float | None,
+                       numel: int, site: str | None) -> tuple[Kind, str | None, dict]:
         """Device path: kind of a contribution piece whose word sum mismatched, from the live
-        piece's L1 norm (None: not taken, integer data) and the recorded piece."""
+        piece's L1 norm (None: not taken, integer data) and the recorded piece (or its recorded
+        L1 norm: :func:`piece_stats`)."""
         if self.host_scalar(numel, site):
             return Kind.host_scalar, site, {}
-        if live_l1 is None or not dtype.is_floating_point:
+        if live_l1 is None or not dtype.is_floating_point or recorded is None:
             return Kind.value, site, {}
-        ref = l1(recorded)
+        ref = recorded if isinstance(recorded, float) else l1(recorded)
         rel = abs(live_l1 - ref) / ref if ref else (0.0 if live_l1 == 0 else float("inf"))
         return (Kind.tolerance if rel <= rtol_for(dtype, self.rtol) else Kind.value), site, {"l1_rel_diff": rel}
 

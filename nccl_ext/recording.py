@@ -32,7 +32,11 @@ class RecordedOp:
     reduce: str | None = None
     """A reduction's operator (``nccl_ext.ops.ReduceKind`` value)."""
     digests: tuple[str, ...] = ()
-    """blake2b of each contribution tensor's bytes (divergence checks without reading tensors)."""
+    """Checksum of each contribution tensor's bytes (divergence checks without reading tensors)."""
+    stats: tuple[tuple, ...] = ()
+    """Of a contribution the trace does not store (``capture.payload=exact`` keeps a sandbox
+    rank's own data as statistics only): per piece ``(word sum, L1 norm, max |x|)``
+    (:func:`nccl_ext.divergence.piece_stats`); empty when the tensors are stored."""
 
     @property
     def nbytes(self) -> int:
@@ -48,8 +52,14 @@ class Recording(Protocol):
 
     def contribution(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]: ...
 
+    def stored(self, rank: int, group_id: int, seq: int) -> bool:
+        """Whether ``rank``'s contribution is in the trace (a sandbox-scoped trace keeps only
+        statistics of the sandbox ranks' own data and nothing of ops no sandbox rank consumes)."""
+        ...
+
     def sent(self, group_id: int, src: int, dst: int, tag: int, seq: int) -> tuple[RecordedOp, Callable[[], torch.Tensor]] | None:
-        """The recorded send and a loader of its payload."""
+        """The recorded send and a loader of its payload (None when the trace keeps only its
+        statistics: a sandbox rank's own send)."""
         ...
 
     def received(self, rank: int, group_id: int, src: int, tag: int, seq: int) -> RecordedOp | None: ...

@@ -42,6 +42,7 @@ from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
 from nccl_ext.pruning import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
 from nccl_ext.recording import RecordedOp, Recording
+from nccl_ext.replay_checks import check_contribution, check_send, refs
 from nccl_ext.replay_exchange import exchange, tag
 from nccl_ext.replay_summary import ReplayStats, own_time, write_summary
 from nccl_ext.spans import ComputeClock
@@ -347,7 +348,7 @@ class ReplayTransport:
                                       f"{[tuple(s) for s in own.shapes]}; capture again")
             if self.check:
                 dp.verify(live, staged.refs, (call.api, group, seq, self.divergences.site(live),
-                                              lambda: self.recording.contribution(self.rank, gid, seq)))
+                                              lambda: refs(own, lambda: self.recording.contribution(self.rank, gid, seq))))
         self.stats.ops += 1
         self.stats.folded_ops += folded
         self._note_unit_start()
@@ -390,13 +391,14 @@ class ReplayTransport:
             before = len(self.stats.divergences)
             self._check(call.api, group, seq, gid, live, own)
             diverged = len(self.stats.divergences) > before
-        if diverged:
+        needed = contributors(call.kind, group.size, call.root)
+        if diverged and all(group.ranks[m] == self.rank or self.recording.stored(group.ranks[m], gid, seq) for m in needed):
             contributions: list = [None] * group.size
-            for m in contributors(call.kind, group.size, call.root):
+            for m in needed:
                 r = group.ranks[m]
                 contributions[m] = live if r == self.rank else self.recording.contribution(r, gid, seq)
             result = compute(call.kind, contributions, reduce=call.reduce, root=call.root)[me]
-        else:
+        else:  # (a trace without the peers' contributions: the recorded result, as on the device path)
             result = self.recording.result(self.rank, gid, seq)
         call.tensors = None
         pending = Pending(what, self.timeout_s)
@@ -404,21 +406,7 @@ class ReplayTransport:
         return pending
 
     def _check(self, api, group, seq, gid, live, own: RecordedOp) -> None:
-        shapes = [tuple(t.shape) for t in live]
-        dtypes = [wire.dtype_name(t.dtype) for t in live]
-        if own.digests and shapes == [tuple(x) for x in own.shapes] and dtypes == list(own.dtypes):
-            if [wire.digest(t) for t in live] == list(own.digests):
-                return
-        recorded = self.recording.contribution(self.rank, gid, seq)
-        if len(recorded) != len(live) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(live, recorded)):
-            raise DivergenceError(
-                f"rank {self.rank} at step {self.unit}: {api} on group {group.desc or group.key} seq {seq}: "
-                f"shapes {[tuple(t.shape) for t in live]} differ from the recorded {[tuple(t.shape) for t in recorded]}; "
-                "capture again"
-            )
-        if any(not torch.equal(a.cpu(), b) for a, b in zip(live, recorded)):
-            self._diverged(api, group, seq, "live contribution differs from the recorded one",
-                           *self.divergences.classify(live, recorded))
+        check_contribution(self, api, group, seq, gid, live, own, DivergenceError)
 
     def _exchange(self, group, gid, seq, call, me, needed, live_peers, contributions) -> list:
         """Swap live contributions with the other sandbox members of ``group`` over gloo."""
@@ -443,12 +431,8 @@ class ReplayTransport:
         rec = self.recording.sent(gid, self.rank, dst, tag, seq)
         if rec is None:
             raise DivergenceError(f"rank {self.rank}: send #{seq} to rank {dst} (tag {tag}) is not in the trace")
-        if self.check and rec[0].digests != (wire.digest(tensor),):
-            recorded = rec[1]()  # digests differ (or are of another kind): compare the bytes themselves
-            live = tensor.detach().cpu()
-            if live.shape != recorded.shape or live.dtype != recorded.dtype or not torch.equal(live, recorded):
-                self._diverged("send", group, seq, f"payload to rank {dst} differs from the recorded one",
-                               *self.divergences.classify([live], [recorded]))
+        if self.check:
+            check_send(self, group, seq, dst, tensor, *rec)
         return Pending.done("send")
 
     @own_time
@@ -501,7 +485,8 @@ class ReplayTransport:
         staged = self.device_path.take(rec[0].idx, what)
         if self.check:
             self.device_path.verify([live], staged.refs, ("send", group, seq, self.divergences.site([live]),
-                                                          lambda: [self.recording.payload(gid, self.rank, dst, tag, seq)]))
+                                                          lambda: refs(rec[0], lambda: [self.recording.payload(
+                                                              gid, self.rank, dst, tag, seq)])))
         return Pending.done("send")
 
     def _flush_checks(self) -> None:

@@ -1,5 +1,5 @@
-"""An exact capture of the bundled dense recipe streamed in small spill files (``capture.spill_mib``
-far below one step's tensors): the launcher never holds more than a spill file's tensors,
+"""A full exact capture (``capture.payload=full``) of the bundled dense recipe streamed in small
+spill files (``capture.spill_mib`` far below one step's tensors): the launcher never holds more than a spill file's tensors,
 identical tensors are stored once, and emulation from the streamed, deduplicated trace is
 bit-identical to the capture, on the host and the device data path."""
 
@@ -23,7 +23,7 @@ def _flags(nproc: int) -> list:
 def streamed(tmp_path_factory):
     d = tmp_path_factory.mktemp("streamed")
     r = run_prism([*_flags(8), "--log-dir", d / "logs", "mode=capture", f"trace.dir={d / 'trace'}",
-                   "capture.payload=exact", f"capture.spill_mib={SPILL_MIB}", RECIPE, *DENSE, "--log-all-ranks"],
+                   "capture.payload=full", f"capture.spill_mib={SPILL_MIB}", RECIPE, *DENSE, "--log-all-ranks"],
                   cwd=d, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     return d

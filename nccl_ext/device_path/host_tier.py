@@ -89,7 +89,7 @@ class HostTier:
                             src = (src if src.is_contiguous() else src.contiguous()).view(torch.uint8)
                             work += chunks(self._tier[at:at + src.numel()], src)
                         at += aligned(item.nbytes)
-                    own = [item.load() if item.nbytes else None for item in plan.own]
+                    own = [item.load() if item.nbytes and item.wsum is None else None for item in plan.own]
                 batch.append((plan, work, own))
                 nbytes += plan.staged_nbytes
                 if k == 0 or nbytes >= TIER_BATCH_BYTES or k == len(plans) - 1:  # the first op at once
@@ -124,7 +124,7 @@ class HostTier:
             refs[i][j] = (refs[i][j] + v) & 0xFFFFFFFF
         with self._cond:
             for (plan, _, _), r in zip(batch, refs):
-                plan.refs = r
+                plan.refs = [item.wsum if item.wsum is not None else v for item, v in zip(plan.own, r)]
             self._cond.notify_all()
 
     def _wait_loaded(self, plan: Plan) -> None:

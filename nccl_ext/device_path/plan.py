@@ -69,7 +69,9 @@ class Item:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    load: Callable[[], torch.Tensor]
+    load: Callable[[], torch.Tensor] | None
+    wsum: int | None = None
+    """An own piece the trace keeps only statistics of: its recorded word sum (nothing to load)."""
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +137,9 @@ def plan_op(rec, rank: int, sandbox: tuple[int, ...], check: bool, op, gid: int,
     """The plan of one recorded op of ``rank``; None when it does not go through the device path."""
 
     def items(r: int, o) -> list[Item]:
+        if o.stats:  # this rank's own data, kept as statistics only (capture.payload=exact)
+            return [Item(tuple(s), wire.dtype_from_name(d), None, st[0])
+                    for s, d, st in zip(o.shapes, o.dtypes, o.stats)]
         return [Item(tuple(s), wire.dtype_from_name(d), lambda r=r, i=i: rec.piece(r, gid, seq, i))
                 for i, (s, d) in enumerate(zip(o.shapes, o.dtypes))]
 
@@ -147,7 +152,8 @@ def plan_op(rec, rank: int, sandbox: tuple[int, ...], check: bool, op, gid: int,
             return None
         sop = sent[0]
         item = Item(tuple(sop.shapes[0]), wire.dtype_from_name(sop.dtypes[0]),
-                    lambda: rec.payload(gid, src, dst, tag, seq))
+                    None if sent[1] is None else (lambda: rec.payload(gid, src, dst, tag, seq)),
+                    sop.stats[0][0] if sop.stats else None)
         if op.kind == "recv":
             return Plan(op.idx, {}, [item], [], [])
         return Plan(op.idx, {}, [], [], [item] if check else [])

@@ -178,7 +178,8 @@ class Stager:
             else:
                 self._make_tensors(staged)
                 views = [t for ts in staged.terms.values() for t in ts.values()] + staged.result
-                staged.refs = [self._word_sum(item.load()) if item.nbytes else 0 for item in plan.own]
+                staged.refs = [item.wsum if item.wsum is not None else self._word_sum(item.load()) if item.nbytes else 0
+                               for item in plan.own]
                 copies = [(v, base + off, t.load()) for v, t, off in zip(views, plan.items(), plan.offsets)
                           if t.nbytes]
                 if self._cuda and on_side:

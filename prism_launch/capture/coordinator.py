@@ -21,7 +21,8 @@ from multiprocessing.connection import Connection, Listener, wait
 import torch
 
 from nccl_ext import wire
-from nccl_ext.ops import Collective, ReduceKind, compute, fold
+from nccl_ext.divergence import piece_stats
+from nccl_ext.ops import Collective, ReduceKind, compute, contributors, fold
 from prism_launch.capture.slots import SlotScheduler
 
 
@@ -49,6 +50,8 @@ class _Group:
     """Folded capture: the captured stand-in of every member (None: all members captured)."""
     present: int = 0
     """Members that run in this capture."""
+    consumed: bool = True
+    """A sandbox-scoped capture: a sandbox rank is a member (else nothing of the group is stored)."""
 
 
 @dataclass(slots=True)
@@ -134,12 +137,18 @@ class Coordinator:
 
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
                  slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,
-                 payload: str = "exact", budget_bytes: int | None = None, admission=None, sink=None):
+                 payload: str = "full", budget_bytes: int | None = None, admission=None, sink=None,
+                 scope: tuple[int, ...] | None = None):
         self.world_size = world_size
         self.sink = sink if sink is not None else MemorySink()
         self.payload = payload
-        """``exact``: every contribution arrives here; ``none``: ranks synthesize results and
-        send metadata (``meta``/``psend``/``precv``), and carried broadcasts."""
+        """``full``/``exact``: every contribution arrives here; ``none``: ranks synthesize results
+        and send metadata (``meta``/``psend``/``precv``), and carried broadcasts."""
+        self.scope = None if scope is None else frozenset(scope)
+        """``exact``: the sandbox ranks the trace is for. Stored are only the tensors they consume:
+        virtual members' contributions to their non-folded groups, sends to them, folded results of
+        theirs; of their own contributions and sends the digest and :func:`piece_stats`. None: every
+        tensor (``full``)."""
         self.budget_bytes = budget_bytes
         """Tensor bytes this capture may hold (None: no limit); past it, :class:`PayloadBudgetError`."""
         self.bytes_recorded = 0
@@ -237,7 +246,8 @@ class Coordinator:
             _, key, ranks, occurrence, desc = header
             if key not in self._groups:
                 ranks = tuple(ranks)
-                g = _Group(len(self._groups), key, ranks, occurrence, desc, present=len(ranks))
+                g = _Group(len(self._groups), key, ranks, occurrence, desc, present=len(ranks),
+                           consumed=self.scope is None or not self.scope.isdisjoint(ranks))
                 if self.fold is not None and self.fold.folded:
                     sources = self.fold.sources(ranks)
                     if sources is not None and sources != ranks:
@@ -335,9 +345,12 @@ class Coordinator:
                  "shapes": [list(t.shape) for t in contribution or ()],
                  "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()],
                  "digests": [wire.digest(t) for t in contribution or ()]}
+        keep = contribution is not None and self._keeps(group, rank, grank, kind, root)
+        if contribution is not None and not keep and rank in (self.scope or ()):
+            extra["stats"] = [piece_stats(x) for x in contribution]  # what its divergence checks read
         row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
-                        f"{tkey}/0" if contribution else None, extra)
-        if contribution is not None:
+                        f"{tkey}/0" if keep and contribution else None, extra)
+        if keep:
             for i, tensor in enumerate(contribution):
                 self.sink.record_tensor(rank, f"{tkey}/{i}", tensor)
             self._count(row["nbytes"])
@@ -345,6 +358,16 @@ class Coordinator:
         pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
         if len(pc.arrivals) == group.present:
             self._complete(pc)
+
+    def _keeps(self, group: _Group, rank: int, grank: int, kind: Collective, root: int | None) -> bool:
+        """Whether a member's contribution is stored: always when the trace is ``full``; in a
+        sandbox-scoped one only a virtual member's contribution that a sandbox rank folds (on a
+        group that is not folded: those replay from the recorded result)."""
+        if self.scope is None:
+            return True
+        if group.sources is not None or not group.consumed or rank in self.scope:
+            return False
+        return grank in contributors(kind, len(group.ranks), root)
 
     def _complete(self, pc: _PendingCollective) -> None:
         del self._collectives[(pc.group.key, pc.seq)]
@@ -370,7 +393,8 @@ class Coordinator:
             results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)
         now = time.monotonic() - self.t0
         for grank, arrival in pc.arrivals.items():
-            if group.sources is not None and results[grank] is not None:
+            if group.sources is not None and results[grank] is not None and \
+                    (self.scope is None or arrival.rank in self.scope):
                 # replay cannot recompute a folded result without O(replicas) work: keep it
                 for i, t in enumerate(results[grank]):
                     self.sink.record_tensor(arrival.rank, f"r/{group.id}/{pc.seq}/{i}", t)
@@ -462,11 +486,17 @@ class Coordinator:
         group = self._group(key)
         self._check_p2p_peer(src, dst, group, "send to")
         tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
-        self.sink.record_tensor(src, tkey, tensor)
-        self._count(tensor.numel() * tensor.element_size())
-        self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey,
-                  {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
-                   "dtypes": [wire.dtype_name(tensor.dtype)], "digests": [wire.digest(tensor)]})
+        extra = {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
+                 "dtypes": [wire.dtype_name(tensor.dtype)], "digests": [wire.digest(tensor)]}
+        # a sandbox-scoped trace stores what a sandbox rank receives from a virtual one
+        if self.scope is None or (dst in self.scope and src not in self.scope):
+            self.sink.record_tensor(src, tkey, tensor)
+            self._count(tensor.numel() * tensor.element_size())
+        else:
+            tkey = None
+            if src in self.scope:
+                extra["stats"] = [piece_stats(tensor)]
+        self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, extra)
         chan = (key, src, dst, tag)
         waiting = self._recvs.get(chan)
         if waiting:

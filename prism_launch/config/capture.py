@@ -34,11 +34,23 @@ class Park(StrEnum):
 
 class Payload(StrEnum):
     auto = "auto"
-    """``exact`` while the trace stays within ``capture.payload_budget_gib`` and the free space
-    where it is written; a capture that would pass it stops and records again with ``none``
-    (the run says so and why)."""
+    """Under ``mode=auto`` without calibration (the trace's only reader is this run's emulation of
+    its sandbox ranks): ``exact``. Otherwise (``mode=capture``, whose trace later runs may emulate
+    with other sandbox ranks or calibrate; ``calibrate.in_auto``): ``full``, then ``exact``. Each
+    while the trace stays within ``capture.payload_budget_gib`` and the free space where it is
+    written; a capture that would pass it stops and records again with the next policy, ``none``
+    last (the run says so and why)."""
     exact = "exact"
-    """Every value a sandbox can consume is recorded: sandbox outputs bit-identical to the capture."""
+    """Exact for the sandbox ranks named at capture (``sandbox.ranks``, recorded in the manifest as
+    ``payload_ranks``): the trace stores only the tensors they consume — their virtual peers'
+    contributions to the groups they share, sends to them, the folded results they receive — and
+    of their own contributions and sends a digest and small statistics (word sum, L1 norm,
+    max-abs) for the divergence checks; nothing of groups no sandbox rank belongs to. Sandbox
+    outputs bit-identical to the capture. Emulating other sandbox ranks (or calibrating) is
+    refused (``mode=auto`` captures again)."""
+    full = "full"
+    """Every captured rank's contributions, sends and folded results: any sandbox set within the
+    captured ranks can be emulated exactly, and calibration can run every captured rank."""
     none = "none"
     """No tensor payloads: the trace holds the op sequence, groups, shapes, dtypes, bytes,
     timings, memory and MoE routing counts. Every collective's result is synthesized on the
@@ -73,7 +85,7 @@ class CaptureConfig:
     """``payload=auto``: the most tensor data an exact trace may hold before the capture
     switches to ``none`` (also capped by the free space at the trace directory, less 10%)."""
     spill_mib: float = 64.0
-    """``payload=exact``: distinct tensors the launcher holds before writing them into the
+    """``payload=exact``/``full``: distinct tensors the launcher holds before writing them into the
     trace's next spill file (its memory for tensors, whatever the number of steps)."""
     carry_bytes: int = 64 * 1024
     """``payload=none``: broadcasts and scatters up to this size keep their real payload."""

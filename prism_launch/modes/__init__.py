@@ -66,7 +66,16 @@ def auto(ctx: RunContext) -> Path:
               "capturing again around them", file=sys.stderr)
         auto_capture(ctx)
         reader = open_trace(ctx)
-    if ctx.cfg.calibrate.in_auto and not ctx.trace.calibrated.exists():
+    calibrating = ctx.cfg.calibrate.in_auto and not ctx.trace.calibrated.exists()
+    from prism_launch.modes.emulate import trace_scope, uncovered
+
+    if uncovered(ctx, reader) or (calibrating and trace_scope(reader) is not None):
+        print(f"prism-launch: the trace in {ctx.trace.root} holds payloads for sandbox ranks {trace_scope(reader)} "
+              f"only (capture.payload=exact); capturing again for sandbox ranks {list(ctx.cfg.sandbox.ranks)}"
+              + (" and calibration" if calibrating else ""), file=sys.stderr)
+        auto_capture(ctx)
+        reader = open_trace(ctx)
+    if calibrating:
         calibrate(ctx, reader)
     return locked_emulation(ctx, reader)
 

@@ -42,6 +42,13 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
         print(f"prism-launch: calibrate.slice_size={cal.slice_size} but this machine has {devices} {kind}(s): "
               f"slices of {per_slice}, so no two ranks of a slice share a device", file=sys.stderr)
     todo = slices(cal.ranks if cal.ranks is not None else reader.manifest.ranks_captured, per_slice)
+    from prism_launch.errors import PrismError
+    from prism_launch.modes.emulate import uncovered
+
+    for ranks in todo:
+        refused = uncovered(ctx, reader, ranks, " (calibration runs its slices as sandbox ranks)")
+        if refused:
+            raise PrismError(refused)
     measured: dict[int, list] = {}
     t0 = time.monotonic()
     with phase("calibrating", total=len(todo), setting=ctx.cfg.launch.progress) as bar:

@@ -107,10 +107,24 @@ def admission(ctx: RunContext, ranks: list[int]):
                            fraction=0.92)
 
 
+def auto_policies(ctx: RunContext) -> list[str]:
+    """What ``capture.payload=auto`` tries, in order: the sandbox-scoped ``exact`` first when the
+    trace's only reader is this run's emulation of its sandbox ranks (``mode=auto`` without
+    calibration), else ``full`` first (a later run may emulate other sandbox ranks or calibrate
+    every captured rank); ``none`` last."""
+    if ctx.cfg.mode is Mode.auto and not ctx.cfg.calibrate.in_auto:
+        return ["exact", "none"]
+    return ["full", "exact", "none"]
+
+
+_MEANS = {"exact": "only the tensors sandbox ranks {ranks} consume",
+          "none": "no tensor payloads; results synthesized on each rank's device"}
+
+
 def capture(ctx: RunContext) -> Path:
     """Record the trace into ``ctx.trace``; returns the capture's log directory. With
-    ``capture.payload=auto`` an exact capture that passes its budget records again with
-    ``none``, and says so."""
+    ``capture.payload=auto`` a capture that passes its budget records again with the next
+    policy of :func:`auto_policies`, and says so."""
     from prism_launch.capture.coordinator import PayloadBudgetError
     from prism_launch.config import Payload
 
@@ -119,13 +133,15 @@ def capture(ctx: RunContext) -> Path:
     if policy is not Payload.auto:
         return _capture(ctx, fold, str(policy), None)
     budget, why = payload_budget(ctx)
-    try:
-        return _capture(ctx, fold, "exact", budget)
-    except PayloadBudgetError as e:
-        print(f"prism-launch: capture.payload=auto: {e}, past the budget set by {why} "
-              f"({budget / 2**30:.2f} GiB); recording again with payload=none (no tensor payloads; "
-              "results synthesized on each rank's device)", file=sys.stderr)
-        return _capture(ctx, fold, "none", None)
+    todo = auto_policies(ctx)
+    for payload, then in zip(todo, todo[1:]):
+        try:
+            return _capture(ctx, fold, payload, budget)
+        except PayloadBudgetError as e:
+            means = _MEANS[then].format(ranks=list(ctx.cfg.sandbox.ranks))
+            print(f"prism-launch: capture.payload=auto: {e}, past the budget set by {why} "
+                  f"({budget / 2**30:.2f} GiB); recording again with payload={then} ({means})", file=sys.stderr)
+    return _capture(ctx, fold, "none", None)
 
 
 def _capture(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None) -> Path:
@@ -149,16 +165,17 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     authkey = os.urandom(16)
     coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
                         parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
-                        admission=admit, sink=writer)
+                        admission=admit, sink=writer,
+                        scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None)
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes))
     from prism_launch.capture.monitor import CaptureMonitor
 
     monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress,
-                             # exact: the next spill file may hold up to spill_mib; none records no tensors
+                             # exact/full: the next spill file may hold up to spill_mib; none records no tensors
                              still_to_write=lambda: max(writer.tensor_stats()["pending_bytes"],
-                                                        spill if payload == "exact" else 0))
+                                                        spill if payload != "none" else 0))
     t0 = time.monotonic()
     try:
         try:
@@ -204,7 +221,9 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         extra={"script": program.script, "script_args": list(program.args), "module": program.module,
                "program_config": program_config(ctx.cfg), "capture_wall_s": wall,
                "ops": coord.ops_completed, "log_dir": str(log_dir), "capture": stats, "payload": payload,
-               "carry_bytes": ctx.cfg.capture.carry_bytes},
+               "carry_bytes": ctx.cfg.capture.carry_bytes,
+               # the sandbox ranks an exact trace is for (it stores only what they consume)
+               "payload_ranks": sorted(set(ctx.cfg.sandbox.ranks)) if payload == "exact" else None},
     )
     what = f"{len(ranks)} of {ws} logical ranks (folded)" if fold.folded else f"{ws} logical ranks"
     stored = (f" ({tensors['stored_bytes'] / 2**20:.1f} MiB stored, identical ones once)"

@@ -67,9 +67,32 @@ def local_sandbox(ctx: RunContext) -> list[int]:
 
 
 def trace_payload(reader: TraceReader) -> tuple[str, int]:
-    """The trace's payload policy and carried-broadcast limit (traces before the policy: exact)."""
+    """The trace's payload policy and carried-broadcast limit (traces before the policy, and
+    ``exact`` traces before it was scoped to the sandbox ranks: ``full``)."""
     extra = reader.manifest.extra or {}
-    return str(extra.get("payload", "exact")), int(extra.get("carry_bytes", 0))
+    policy = str(extra.get("payload", "full"))
+    if policy == "exact" and extra.get("payload_ranks") is None:
+        policy = "full"
+    return policy, int(extra.get("carry_bytes", 0))
+
+
+def trace_scope(reader: TraceReader) -> list[int] | None:
+    """The sandbox ranks a ``capture.payload=exact`` trace stores payloads for (None: any)."""
+    ranks = (reader.manifest.extra or {}).get("payload_ranks")
+    return None if ranks is None else [int(r) for r in ranks]
+
+
+def uncovered(ctx: RunContext, reader: TraceReader, ranks: list[int] | None = None, why: str = "") -> str | None:
+    """Why the trace cannot serve ``ranks`` (default: ``sandbox.ranks``) as sandbox ranks, or None.
+    An exact trace stores only what the sandbox ranks named at its capture consume."""
+    scope = trace_scope(reader)
+    ranks = sorted(set(ctx.cfg.sandbox.ranks if ranks is None else ranks))
+    if scope is None or ranks == scope:
+        return None
+    return (f"the trace {ctx.trace.root} was captured with capture.payload=exact for sandbox ranks {scope}: it "
+            f"stores only the tensors those ranks consume, so it cannot replay sandbox ranks {ranks}{why}. Capture "
+            f"again with sandbox.ranks={ranks} ({ctx.capture_command()}), or with capture.payload=full (every "
+            "captured rank's tensors, any sandbox set); mode=auto captures again by itself")
 
 
 def emulate_plan(ctx: RunContext, local: list[int], store: str | None, schedule: Path | None,
@@ -112,6 +135,9 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
             f"sandbox.ranks {missing} are not in the trace {ctx.trace.root} (a folded capture holds only the "
             f"ranks closed under its sandbox ranks' model-parallel groups); capture around them: "
             f"{ctx.capture_command()} with sandbox.ranks={sandbox}, or use mode=auto")
+    refused = uncovered(ctx, reader)
+    if refused:
+        raise PrismError(refused)
     ph = cfg.physical
     local = local_sandbox(ctx)
     summaries = ctx.report.summaries(ph.node_rank)

@@ -58,6 +58,7 @@ class TraceRecording:
                 dtypes=tuple(extra.get("dtypes", ())),
                 idx=cols["idx"][i], kind=extra.get("kind", ""), root=extra.get("root"), reduce=extra.get("reduce"),
                 digests=tuple(extra.get("digests", ())),
+                stats=tuple(tuple(x) for x in extra.get("stats", ())),
             )
             self._ops.setdefault(rank, []).append((rec, gid, seq, peer, tag))
             if kind == "collective":
@@ -142,16 +143,27 @@ class TraceRecording:
         return self._coll.get((self._source(rank, group_id), group_id, seq))
 
     def contribution(self, rank: int, group_id: int, seq: int) -> list[torch.Tensor]:
-        rank = self._source(rank, group_id)
-        rec = self._coll[(rank, group_id, seq)]
-        return [self.reader.tensor(rank, f"c/{group_id}/{seq}/{i}") for i in range(rec.n_tensors)]
+        source = self._source(rank, group_id)
+        rec = self._coll[(source, group_id, seq)]
+        if rec.n_tensors and not self.reader.has_tensor(source, f"c/{group_id}/{seq}/0"):
+            scope = (self.reader.manifest.extra or {}).get("payload_ranks")
+            raise KeyError(
+                f"the trace holds no tensors of rank {rank}'s contribution to group {group_id} seq {seq}"
+                + (f": it was recorded for sandbox ranks {scope} (capture.payload=exact keeps only what they "
+                   "consume); capture again for these sandbox ranks, or with capture.payload=full" if scope else ""))
+        return [self.reader.tensor(source, f"c/{group_id}/{seq}/{i}") for i in range(rec.n_tensors)]
+
+    def stored(self, rank: int, group_id: int, seq: int) -> bool:
+        source = self._source(rank, group_id)
+        rec = self._coll.get((source, group_id, seq))
+        return rec is not None and (not rec.n_tensors or self.reader.has_tensor(source, f"c/{group_id}/{seq}/0"))
 
     def sent(self, group_id: int, src: int, dst: int, tag: int, seq: int):
         hit = self._sent.get((group_id, src, dst, tag, seq))
         if hit is None:
             return None
         rec, key = hit
-        return rec, (lambda: self.reader.tensor(src, key))
+        return rec, (None if key is None else (lambda: self.reader.tensor(src, key)))
 
     def received(self, rank: int, group_id: int, src: int, tag: int, seq: int) -> RecordedOp | None:
         return self._recv.get((rank, group_id, src, tag, seq))

@@ -140,6 +140,8 @@ def _payload(reader: TraceReader) -> dict:
     extra = reader.manifest.extra or {}
     policy = extra.get("payload", "exact")
     out = {"policy": policy}
+    if extra.get("payload_ranks") is not None:
+        out["sandbox_ranks"] = extra["payload_ranks"]  # exact: the trace stores what these ranks consume
     if policy == "none":
         out["synthesized"] = (
             "every collective's and receive's result, in capture and emulation alike: computed on the "

@@ -8,7 +8,8 @@ import torch
 
 from nccl_ext.device_path.checks import SLOT_BYTES, DeviceChecks
 from nccl_ext.device_path.stats import PrefetchStats
-from nccl_ext.divergence import DivergenceLog, Kind
+from nccl_ext import wire
+from nccl_ext.divergence import DivergenceLog, Kind, piece_stats
 from nccl_ext.groups import GroupInfo
 from nccl_ext.replay_summary import ReplayStats
 
@@ -39,6 +40,32 @@ def test_a_changed_value_is_a_value_divergence_with_its_differences():
     live[7] = 1.5
     kind, _site, diff = _log().classify([live], [rec])
     assert kind is Kind.value and diff["max_abs_diff"] == 0.5 and diff["max_rel_diff"] == 0.5
+
+
+def _recorded(*tensors):
+    """What an exact trace keeps of a sandbox rank's own contribution: meta, digests, statistics."""
+    return ([tuple(t.shape) for t in tensors], [wire.dtype_name(t.dtype) for t in tensors],
+            [wire.digest(t) for t in tensors], [piece_stats(t) for t in tensors])
+
+
+def test_statistics_alone_tell_rounding_from_a_changed_value():
+    rec = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    same = torch.arange(4)
+    noisy = rec * (1 + 1e-7)
+    kind, _site, diff = _log().classify_stats([noisy, same], *_recorded(rec, same))
+    assert kind is Kind.tolerance and 0 < diff["l1_rel_diff"] < 1e-5 and diff["max_abs_rel_diff"] < 1e-5
+    changed = rec.clone()
+    changed[7] += 0.5  # one element: the L1 norm moves by far more than the tolerance
+    kind, _site, diff = _log().classify_stats([changed, same], *_recorded(rec, same))
+    assert kind is Kind.value and diff["l1_rel_diff"] > 1e-4
+    kind, _site, _ = _log().classify_stats([noisy, same + 1], *_recorded(rec, same))  # integer data: exact only
+    assert kind is Kind.value
+    kind, _site, _ = _log().classify_stats([rec[:10]], *_recorded(rec))  # another shape
+    assert kind is Kind.value
+    with pytest.raises(RuntimeError, match="emulate.strict=true"):
+        log = _log(strict=True)
+        log.report(*log.classify_stats([changed], *_recorded(rec))[:1], step=0, op="allreduce", group=GROUP,
+                   seq=0, detail="x")
 
 
 def test_integer_data_is_never_within_tolerance_and_rtol_is_configurable():
