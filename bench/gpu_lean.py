@@ -176,7 +176,7 @@ def main() -> int:
     print(f"launcher host peak: {res['launcher_peak_rss_bytes'] / gib:.2f} GiB")
     print(f"emulation: {res['emulate_s']:.0f}s; sandbox rank {sandbox} GPU peak {res['sandbox_peak_bytes'] / gib:.3f} GiB; "
           f"Megatron's time per iteration {', '.join(f'{x:.0f}' for x in res['emulate_megatron_ms_per_iteration'])} ms")
-    print(f"predicted iteration time on {a.cluster}: {res['predicted_iteration_ms']:.1f} ms ({res['calibration']}); "
+    print(f"predicted iteration time on {a.cluster}: {res['predicted_iteration_ms']:.1f} ms ({res['calibration'] or 'bare capture spans'}); "
           f"largest rank peak {res['max_rank_peak_bytes'] / gib:.2f} GiB; OOM ranks at the cluster's memory: "
           f"{res['oom_ranks'][:8] if res['oom_ranks'] else 'none'}")
     return 0
