@@ -71,6 +71,11 @@ class Pending:
         """Completed with a value (not failed, not outstanding)."""
         return self._event.is_set() and self._error is None
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the op failed (None: it has not, or not yet)."""
+        return self._error
+
     def complete(self, value: Any) -> None:
         self._finish(value, None)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import zlib
 
+import torch
+
 from nccl_ext import wire
 
 
@@ -33,4 +35,17 @@ def exchange(tr, group, gid: int, seq: int, call, me: int, needed, live_peers, c
         src = tr._phys_rank(group.ranks[m])
         for i, b in enumerate(bufs):
             works.append(tr.physical.recv([b], src, tag(gid, seq, m, i)))
+    return works
+
+
+def barrier_tokens(tr, group, gid: int, seq: int, me: int, peers: list[int]) -> list:
+    """A barrier's real part in emulation: a one-byte token to and from every other sandbox member
+    of ``group`` (group ranks ``peers``), so sandbox ranks wait for each other as the program
+    expects (one writes a file, the others read it after the barrier). The virtual members'
+    part stays replayed. ``tr``: the replay transport."""
+    works = []
+    for m in peers:
+        peer = tr._phys_rank(group.ranks[m])
+        works.append(tr.physical.send([torch.zeros(1, dtype=torch.uint8)], peer, tag(gid, seq, me, -1)))
+        works.append(tr.physical.recv([torch.empty(1, dtype=torch.uint8)], peer, tag(gid, seq, m, -1)))
     return works

@@ -37,13 +37,13 @@ from nccl_ext.device_path import DevicePath, eligible, result_of
 from nccl_ext.divergence import HOST_SCALAR_MAX_ELEMENTS, HOST_SCALAR_SITES, DivergenceLog, Kind
 from nccl_ext.groups import GroupInfo
 from nccl_ext.helpers import GRACE_S, HelperThreads, wait_works
-from nccl_ext.ops import compute, contributors
+from nccl_ext.ops import Collective, compute, contributors
 from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
 from nccl_ext.pruning import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
 from nccl_ext.recording import RecordedOp, Recording
 from nccl_ext.replay_checks import check_contribution, check_send, refs
-from nccl_ext.replay_exchange import exchange, tag
+from nccl_ext.replay_exchange import barrier_tokens, exchange, tag
 from nccl_ext.replay_summary import ReplayStats, own_time, write_summary
 from nccl_ext.spans import ComputeClock
 
@@ -193,6 +193,20 @@ class ReplayTransport:
 
     @own_time
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
+        replayed = self._collective(group, seq, call)
+        if call.kind is not Collective.BARRIER:
+            return replayed
+        peers = [m for m, r in enumerate(group.ranks) if r != self.rank and r in self.sandbox]
+        if not peers:
+            return replayed
+        # sandbox members of a barrier wait for each other for real (whatever path replayed it)
+        pending = Pending(replayed.what, self.timeout_s)
+        works = barrier_tokens(self, group, self._gid(group), seq, group.group_rank(self.rank), peers)
+        self._when_all(works, lambda: replayed.add_done_callback(
+            lambda p: pending.complete(p.result()) if p.succeeded else pending.fail(p.error)), pending)
+        return pending
+
+    def _collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         self._span("c")
         gid = self._gid(group)
         what = f"rank {self.rank}: {call.api} on group {group.desc or group.key} seq {seq}"

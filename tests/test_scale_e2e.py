@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+
+import pytest
 import re
 
 from tests.conftest import EXAMPLES, WORKERS, rank_lines, run_prism
@@ -185,3 +187,19 @@ def test_object_collective_from_an_uncaptured_root_names_the_fix(tmp_path):
     assert {k: again[k] for k in ("__0_0.distcp", "__3_0.distcp")} == \
         {k: written[k] for k in ("__0_0.distcp", "__3_0.distcp")}
     assert b"torch.distributed.checkpoint.metadata" in again[".metadata"]
+
+
+@pytest.mark.parametrize("fold", ["true", "false"])
+def test_a_barrier_makes_sandbox_ranks_wait_for_each_other(tmp_path, fold):
+    """Two sandbox ranks of one barrier wait for each other in emulation, as in the real job:
+    what rank 0 writes before the barrier, rank 3 reads after it (folded or not)."""
+    script = WORKERS / "barrier_files.py"
+    common = ["--nproc-per-node", "8", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=60",
+              f"capture.fold={fold}", "sandbox.ranks=[0,3]", f"trace.dir={tmp_path / 't'}"]
+    cap = run_prism([*common, "--log-dir", tmp_path / "cap", "mode=capture", script], cwd=tmp_path, timeout=300)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    assert rank_lines(tmp_path / "cap", 3, "R3 ") == ["R3 sees ready"]
+    (tmp_path / "written_by_rank0").unlink()
+    emu = run_prism([*common, "--log-dir", tmp_path / "emu", "mode=emulate", script], cwd=tmp_path, timeout=300)
+    assert emu.returncode == 0, emu.stderr[-3000:]
+    assert rank_lines(tmp_path / "emu", 3, "R3 ") == ["R3 sees ready"]
