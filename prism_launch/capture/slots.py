@@ -180,10 +180,7 @@ class SlotScheduler:
             self.running.add(rank)
             self.switches += 1
             self.max_running = max(self.max_running, len(self.running))
-            try:
-                wire.send(conn, ("go",))
-            except OSError:
-                self.gone(rank)
+            self._grant(rank)
         now = time.monotonic()
         if now - self._last_beat > self.heartbeat_s:  # ranks waiting for a slot know the coordinator lives
             self._last_beat = now
@@ -217,9 +214,7 @@ def _exited(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except FileNotFoundError:
-        return True
-    except OSError:
+    except OSError:  # no such process (reaped), or no /proc
         return True
     state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
     return state in (b"Z", b"X")
