@@ -5,20 +5,24 @@ against predicted, interleaved and repeated. Run on the H200 from the repository
     python bench/gpu_fidelity.py --pairs 5 --iters 8 --cluster h200_ib --out gpu_fidelity.json
 
 (``--cases dense-s1024-m1,moe-s1024-m1`` picks cases; ``--dp 8`` sizes the data-parallel
-prediction.) For each case — dense and MoE (EP1), sequence lengths 512 and 1024, one and four
-micro-batches per step — it runs ``--pairs`` pairs, alternating which run goes first, of
+prediction; ``--budget-s`` keeps the whole run inside one device command: no pair starts that
+would end past it, and the rows so far are written to ``--out`` after every pair.) For each case
+— dense and MoE (EP1), sequence lengths 512 and 1024, one and four micro-batches per step — it
+records the job once (``mode=capture``, world 1) and runs ``--pairs`` pairs, alternating which
+run goes first, of
 
 * ``real``: ``prism-launch --nproc-per-node 1 mode=real device=cuda pretrain_gpt.py ...``:
   Megatron's ``elapsed time per iteration (ms)`` (median of the iterations after the first)
   and the rank's allocator-level peak (``memory.json``);
-* ``world 1``: the same job under ``mode=auto`` (capture, calibrate with one rank per GPU,
-  emulate rank 0) in a fresh trace directory: the predicted iteration time (compute only: no
-  peer) and rank 0's predicted peak;
+* ``predicted``: ``mode=calibrate`` on that trace into a fresh calibrated version (rank 0 runs
+  alone on the GPU, its compute spans measured), then the global replay the report runs
+  (``prism_launch.predict.prediction.predict``) on ``--cluster``: the predicted iteration time
+  (compute only: no peer) and rank 0's predicted peak, a virtual rank's (from the capture);
 
-and once per case the same job as rank 0 of a ``--dp``-way data-parallel world (global batch
-scaled by ``--dp``; the other ranks virtual), whose prediction adds the cost model's gradient
-all-reduce on ``--cluster`` — printed beside the world-1 prediction, with no real run to
-compare (one GPU).
+and for ``--dp-cases`` the same job as rank 0 of a ``--dp``-way data-parallel world (global
+batch scaled by ``--dp``; the other ranks virtual), whose prediction adds the cost model's
+gradient all-reduce on ``--cluster`` — printed beside the world-1 prediction, with no real run
+to compare (one GPU).
 
 It prints the machine (GPU, host, cores), the cluster and the calibration method the report
 states; then per case mean/spread/max of the iteration-time error and the largest peak-memory
@@ -38,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,23 +103,52 @@ def real(script: Path, job: list, work: Path) -> tuple[float, dict[int, int]]:
     return iteration_s(text), {0: json.loads(mem[0].read_text())["peak_bytes"]}
 
 
-def predict(script: Path, job: list, work: Path, cluster: str, nproc: int = 1) -> dict:
-    """``mode=auto`` with rank 0 as the sandbox; a data-parallel world is folded (only rank 0 is
-    captured and calibrated: its replicas are its stand-ins)."""
-    _prism(["--nproc-per-node", str(nproc), "--log-dir", work / "logs", "mode=auto", "device=cuda",
-            f"cluster={cluster}", f"trace.dir={work / 'trace'}", "sandbox.ranks=[0]",
-            *(["capture.fold=true"] if nproc > 1 else []), script, *job], work.parent)
-    return json.loads((work / "trace" / "report" / "report.json").read_text())
+def capture(script: Path, job: list, trace: Path, nproc: int = 1) -> None:
+    """The case's trace, recorded once: every pair calibrates it again (the measurement a
+    prediction's compute comes from), so a pair costs a real run and a calibration."""
+    _prism(["--nproc-per-node", str(nproc), "--log-dir", trace.parent / "capture-logs", "mode=capture",
+            "device=cuda", f"trace.dir={trace}", "sandbox.ranks=[0]",
+            *(["capture.fold=true"] if nproc > 1 else []), script, *job], trace.parent)
 
 
-def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: int, keep: bool) -> dict:
+def calibrated_prediction(script: Path, job: list, trace: Path, cluster: str, nproc: int = 1) -> dict:
+    """``mode=calibrate`` (one rank per GPU) into a fresh ``<trace>/calibrated``, then the global
+    replay the report runs (:func:`prism_launch.predict.prediction.predict`) on ``cluster``:
+    predicted iteration time, and rank 0's predicted peak — a virtual rank's, from the capture."""
+    shutil.rmtree(trace / "calibrated", ignore_errors=True)
+    _prism(["--nproc-per-node", str(nproc), "--log-dir", trace.parent / "calibrate-logs", "mode=calibrate",
+            "device=cuda", f"trace.dir={trace}", "sandbox.ranks=[0]", script, *job], trace.parent)
+    from prism_launch.config.root import compose, resolve
+    from prism_launch.predict.prediction import predict
+    from prism_launch.trace import TraceLayout, TraceReader
+
+    cfg = resolve(compose(["device=cuda", f"cluster={cluster}", f"trace.dir={trace}"]))
+    bare = TraceReader(trace)
+    memory = {int(r): m["peak_bytes"] for r, m in bare.read_json(TraceLayout.MEMORY).items()
+              if m.get("peak_bytes") is not None}
+    out = predict(cfg, bare, TraceLayout(trace), [0], memory)
+    out.pop("replay", None)
+    return out
+
+
+def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: int, keep: bool,
+             deadline: float, record) -> dict | None:
     case = cases()[name]
     work = Path(tempfile.mkdtemp(prefix=f"prism-gpu-fidelity-{name}-"))
-    job, out, method = job_args(case, iters), [], None
+    job, out, method, took = job_args(case, iters), [], None, []
+    trace = work / "trace"
     try:
+        t0 = time.monotonic()
+        capture(script, job, trace)
+        print(f"  {name}: captured in {time.monotonic() - t0:.0f}s", flush=True)
         for i in range(pairs):
-            def pred(i=i):
-                rep = predict(script, job, work / f"pred{i}", cluster)
+            if took and time.monotonic() + max(took) > deadline:
+                print(f"  {name}: stopping after {i} pair(s): the next would pass --budget-s", flush=True)
+                break
+            t1 = time.monotonic()
+
+            def pred():
+                rep = calibrated_prediction(script, job, trace, cluster)
                 peaks = {int(r): v["peak_memory_bytes"] for r, v in rep["ranks"].items() if v.get("peak_memory_bytes")}
                 return rep["predicted"]["iteration_time_s"], peaks, rep["predicted"]
 
@@ -122,17 +156,26 @@ def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: 
             done = {n: fn() for n, fn in (runs if i % 2 == 0 else runs[::-1])}
             method = method or _method(done["pred"][2])
             out.append(Pair(done["real"][0], done["pred"][0], done["real"][1], done["pred"][1]))
-            print(f"  {name} pair {i + 1}/{pairs}: real {out[-1].real_step_s * 1e3:.2f} ms, predicted "
+            took.append(time.monotonic() - t1)
+            print(f"  {name} pair {i + 1}/{pairs} ({'real first' if i % 2 == 0 else 'prediction first'}, "
+                  f"{took[-1]:.0f}s): real {out[-1].real_step_s * 1e3:.2f} ms, predicted "
                   f"{out[-1].predicted_step_s * 1e3:.2f} ms ({out[-1].time_error_pct:+.2f}%), memory "
                   f"{out[-1].memory_error_pct:.4f}%; {load()}", flush=True)
-        dp_rep = predict(script, job_args(case, iters, dp), work / "dp", cluster, nproc=dp)
-        dp_s = dp_rep["predicted"]["iteration_time_s"]
+            record(name, out)
+        dp_s = None
+        if dp > 1 and time.monotonic() + 3 * max(took or [60]) < deadline:
+            dp_trace = work / "dp" / "trace"
+            dp_trace.parent.mkdir()
+            capture(script, job_args(case, iters, dp), dp_trace, nproc=dp)
+            dp_s = calibrated_prediction(script, job_args(case, iters, dp), dp_trace, cluster, nproc=dp)[
+                "predicted"]["iteration_time_s"]
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    row = summarize(name, out, time_goal_pct=2.0, memory_goal_pct=0.1, calibration=method,
-                    dp_world=dp, dp_predicted_ms=dp_s * 1e3)
-    return row
+    if not out:
+        return None
+    return summarize(name, out, time_goal_pct=2.0, memory_goal_pct=0.1, calibration=method,
+                     dp_world=dp if dp_s is not None else None, dp_predicted_ms=None if dp_s is None else dp_s * 1e3)
 
 
 def _method(pred: dict) -> str:
@@ -144,7 +187,8 @@ def dp_failures(rows: list[dict]) -> list[str]:
     """The data-parallel prediction adds gradient communication: never below the world-1 one."""
     return [f"{r['case']}: DP{r['dp_world']} prediction {r['dp_predicted_ms']:.2f} ms below world 1's "
             f"{r['predicted_ms']:.2f} ms" for r in rows
-            if not (r.get("dp_predicted_ms") is not None and r["dp_predicted_ms"] >= r["predicted_ms"] * 0.999)]
+            if r.get("dp_world") and not (r.get("dp_predicted_ms") is not None
+                                          and r["dp_predicted_ms"] >= r["predicted_ms"] * 0.999)]
 
 
 def main() -> int:
@@ -153,7 +197,10 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--cluster", default="h200_ib")
-    ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--dp", type=int, default=8, help="data-parallel world of the extra prediction (0: none)")
+    ap.add_argument("--dp-cases", default=None, help="cases that also get the data-parallel prediction (default: the first)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no pair (or data-parallel prediction) that would end past this many seconds")
     ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
     ap.add_argument("--keep", action="store_true", help="keep the work directories")
     ap.add_argument("--out")
@@ -161,22 +208,41 @@ def main() -> int:
     script = pretrain_gpt(a.mlm)
     if script is None:
         return 2
-    import torch
+    names = a.cases.split(",")
+    dp_cases = set(a.dp_cases.split(",") if a.dp_cases else names[:1])
+    deadline = time.monotonic() + (a.budget_s if a.budget_s else 1e9)
+    print(f"machine: {machine()}; {load()}\ncluster: {a.cluster}; real: mode=real; predicted: mode=capture once per "
+          f"case, then per pair mode=calibrate (one rank per GPU) and the global replay; world 1"
+          + (f" and DP{a.dp}" if a.dp > 1 else ""), flush=True)
+    partial: dict[str, list[Pair]] = {}
 
-    print(f"machine: {machine()}; {load()}\ncluster: {a.cluster}; real: mode=real; predicted: mode=auto "
-          f"(calibrated on this GPU), world 1 and DP{a.dp}", flush=True)
-    rows = [run_case(n, script, a.pairs, a.iters, a.cluster, a.dp, a.keep) for n in a.cases.split(",")]
+    def record(name: str, pairs: list[Pair]) -> None:
+        partial[name] = list(pairs)
+        if a.out:
+            rows = [summarize(n, ps, time_goal_pct=2.0, memory_goal_pct=0.1) for n, ps in partial.items()]
+            Path(a.out).write_text(json.dumps({"machine": machine(), "cluster": a.cluster, "partial": True,
+                                               "rows": rows}, indent=1))
+
+    rows = []
+    for n in names:
+        if rows and time.monotonic() > deadline:
+            print(f"  {n}: not run (--budget-s)", flush=True)
+            continue
+        row = run_case(n, script, a.pairs, a.iters, a.cluster, a.dp if n in dp_cases else 0, a.keep, deadline, record)
+        if row is not None:
+            rows.append(row)
     print(f"\nmachine: {machine()}; cluster {a.cluster}; calibration {rows[0]['calibration'] if rows else '-'}")
     print(table(rows))
     for r in rows:
-        print(f"{r['case']:34} DP{r['dp_world']} predicted {r['dp_predicted_ms']:.2f} ms "
-              f"(world 1 {r['predicted_ms']:.2f} ms): gradients add {r['dp_predicted_ms'] - r['predicted_ms']:.2f} ms")
+        if r.get("dp_world"):
+            print(f"{r['case']:34} DP{r['dp_world']} predicted {r['dp_predicted_ms']:.2f} ms "
+                  f"(world 1 {r['predicted_ms']:.2f} ms): gradients add {r['dp_predicted_ms'] - r['predicted_ms']:.2f} ms")
     if a.out:
         Path(a.out).write_text(json.dumps({"machine": machine(), "cluster": a.cluster, "rows": rows}, indent=1))
     bad = failures(rows) + dp_failures(rows)
     for b in bad:
         print(f"FAIL: {b}", file=sys.stderr)
-    return 1 if bad else 0
+    return 1 if bad or not rows else 0
 
 
 if __name__ == "__main__":

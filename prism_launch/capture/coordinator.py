@@ -23,6 +23,7 @@ import torch
 from nccl_ext import wire
 from nccl_ext.divergence import piece_stats
 from nccl_ext.ops import Collective, ReduceKind, compute, contributors, fold
+from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduction
 from prism_launch.capture.slots import SlotScheduler
 
 
@@ -75,45 +76,6 @@ class _PendingCollective:
     arrivals: dict[int, _Arrival] = field(default_factory=dict)
     standins: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Folded capture: members' own buffers offered for an uncaptured broadcast root."""
-
-
-EXACT_FOLD_MAX = 64
-"""Folded groups up to this size reduce member by member, exactly as a full capture would (so
-a folded capture equals the full one when replicas contribute equal tensors); larger ones add
-each stand-in's contribution once, scaled by how many members it stands in for — O(captured)
-work instead of O(data-parallel size), at the cost of rounding differently."""
-
-
-def _weighted_reduction(pc: _PendingCollective, group: _Group) -> list | None:
-    """SUM/AVG reductions of a large folded group: captured members' contributions in group order,
-    then each stand-in's contribution times the number of uncaptured members it stands for."""
-    if pc.kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) \
-            or pc.reduce not in (ReduceKind.SUM, ReduceKind.AVG):
-        return None
-    n = len(group.ranks)
-    index = {r: i for i, r in enumerate(group.ranks)}
-    counts: dict[int, int] = {}
-    for i, c in enumerate(pc.contributions):
-        if c is None:
-            s = index[group.sources[i]]
-            counts[s] = counts.get(s, 0) + 1
-    terms = [c for c in pc.contributions if c is not None]
-    terms += [[t * k for t in pc.contributions[s]] for s, k in counts.items()]
-
-    def reduce(pieces: list[torch.Tensor]) -> torch.Tensor:
-        out = fold(ReduceKind.SUM, pieces)
-        if pc.reduce is ReduceKind.AVG:
-            out.div_(n) if out.is_floating_point() or out.is_complex() else out.div_(n, rounding_mode="floor")
-        return out
-
-    if pc.kind is Collective.REDUCE_SCATTER:
-        k = len(terms[0]) // n
-        return [[reduce([c[i * n + j] for c in terms]) for i in range(k)] if j in pc.arrivals else None
-                for j in range(n)]
-    out = [reduce([c[i] for c in terms]) for i in range(len(terms[0]))]
-    if pc.kind is Collective.REDUCE:
-        return [out if m == pc.root else [] for m in range(n)]
-    return [out if m in pc.arrivals else None for m in range(n)]
 
 
 def _describe(ranks: tuple[int, ...]) -> str:
@@ -177,6 +139,9 @@ class Coordinator:
         """Each rank's memory accounting summary (peak bytes, per-unit samples, method)."""
         self.t0 = time.monotonic()
         self.ops_completed = 0
+        self.busy_s = {"receive": 0.0, "digest": 0.0, "compute": 0.0, "reply": 0.0, "record": 0.0}
+        """The coordinator's own seconds by activity (one thread: what a capture waits on when
+        every op passes through it)."""
         self._accepting = True
         self._acceptor = threading.Thread(target=self._accept_loop, name="prism-coordinator-accept", daemon=True)
 
@@ -224,7 +189,9 @@ class Coordinator:
         for conn in ready or ():
             try:
                 while conn.poll(0):
+                    t = time.perf_counter()
                     header, tensors = wire.recv(conn)
+                    self.busy_s["receive"] += time.perf_counter() - t
                     self._handle(conn, header, tensors)
             except (EOFError, OSError):
                 self._conns.remove(conn)
@@ -344,20 +311,33 @@ class Coordinator:
                  "n": len(contribution) if contribution is not None else 0,
                  "shapes": [list(t.shape) for t in contribution or ()],
                  "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()],
-                 "digests": [wire.digest(t) for t in contribution or ()]}
+                 "digests": self._digests(rank, contribution or ())}
         keep = contribution is not None and self._keeps(group, rank, grank, kind, root)
         if contribution is not None and not keep and rank in (self.scope or ()):
             extra["stats"] = [piece_stats(x) for x in contribution]  # what its divergence checks read
         row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
                         f"{tkey}/0" if keep and contribution else None, extra)
         if keep:
+            t0 = time.perf_counter()
             for i, tensor in enumerate(contribution):
                 self.sink.record_tensor(rank, f"{tkey}/{i}", tensor)
+            self.busy_s["record"] += time.perf_counter() - t0
             self._count(row["nbytes"])
         self.scheduler.issued(rank, op_id)
         pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
         if len(pc.arrivals) == group.present:
             self._complete(pc)
+
+    def _digests(self, rank: int, tensors) -> list[str]:
+        """Digests of ``rank``'s contribution or send: the divergence checks of a sandbox rank read
+        them, and in a sandbox-scoped trace only sandbox ranks replay (a digest of every other
+        rank's data would cost a pass over every byte the capture moves)."""
+        if self.scope is not None and rank not in self.scope:
+            return []
+        t0 = time.perf_counter()
+        out = [wire.digest(t) for t in tensors]
+        self.busy_s["digest"] += time.perf_counter() - t0
+        return out
 
     def _keeps(self, group: _Group, rank: int, grank: int, kind: Collective, root: int | None) -> bool:
         """Whether a member's contribution is stored: always when the trace is ``full``; in a
@@ -387,20 +367,26 @@ class Coordinator:
         else:
             contributions = pc.contributions
         results = None
+        t0 = time.perf_counter()
         if group.sources is not None and len(group.ranks) > EXACT_FOLD_MAX:
-            results = _weighted_reduction(pc, group)
+            results = weighted_reduction(pc, group)
         if results is None:
             results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)
+        self.busy_s["compute"] += time.perf_counter() - t0
         now = time.monotonic() - self.t0
         for grank, arrival in pc.arrivals.items():
             if group.sources is not None and results[grank] is not None and \
                     (self.scope is None or arrival.rank in self.scope):
                 # replay cannot recompute a folded result without O(replicas) work: keep it
+                t0 = time.perf_counter()
                 for i, t in enumerate(results[grank]):
                     self.sink.record_tensor(arrival.rank, f"r/{group.id}/{pc.seq}/{i}", t)
+                self.busy_s["record"] += time.perf_counter() - t0
                 self._count(sum(t.numel() * t.element_size() for t in results[grank]))
             arrival.row["t_end"] = now
+            t0 = time.perf_counter()
             wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
+            self.busy_s["reply"] += time.perf_counter() - t0
             self.scheduler.answered(arrival.rank, arrival.op_id)
         self.ops_completed += 1
 
@@ -487,10 +473,12 @@ class Coordinator:
         self._check_p2p_peer(src, dst, group, "send to")
         tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
         extra = {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
-                 "dtypes": [wire.dtype_name(tensor.dtype)], "digests": [wire.digest(tensor)]}
+                 "dtypes": [wire.dtype_name(tensor.dtype)], "digests": self._digests(src, (tensor,))}
         # a sandbox-scoped trace stores what a sandbox rank receives from a virtual one
         if self.scope is None or (dst in self.scope and src not in self.scope):
+            t0 = time.perf_counter()
             self.sink.record_tensor(src, tkey, tensor)
+            self.busy_s["record"] += time.perf_counter() - t0
             self._count(tensor.numel() * tensor.element_size())
         else:
             tkey = None
@@ -538,7 +526,9 @@ class Coordinator:
         row["t_end"] = time.monotonic() - self.t0
         row["dtype"], row["shape"] = wire.dtype_name(tensor.dtype), list(tensor.shape)
         row["nbytes"] = tensor.numel() * tensor.element_size()
+        t0 = time.perf_counter()
         wire.send(conn, ("ok", op_id), [tensor])
+        self.busy_s["reply"] += time.perf_counter() - t0
         self.scheduler.answered(dst, op_id)
         self.ops_completed += 1
 

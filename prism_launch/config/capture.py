@@ -67,7 +67,9 @@ class CaptureConfig:
     """Modules imported once in the launcher before ranks are forked (missing ones are skipped)."""
     slots: int | None = None
     """Logical ranks that run at once; the others are parked (blocked on communication) or
-    waiting for a slot. Default: the number of GPUs on CUDA, of CPU cores on CPU. 0: no limit."""
+    waiting for a slot. Default: the number of CPU cores (each running rank needs one to drive
+    its device); on CUDA ranks are also admitted to their first slot by the GPUs' free memory.
+    0: no limit."""
     park: Park = Park.auto
     """What parking does with a blocked rank's device state."""
     resident: int | None = None

@@ -171,7 +171,9 @@ def resolve(cfg: PrismConfig) -> PrismConfig:
     if target.world_size is None:
         target = r(target, world_size=target.nnodes * target.nproc_per_node)
     cap = cfg.capture
-    slots = cap.slots if cap.slots is not None else (max(1, _cuda_devices()) if cuda else _cpu_cores())
+    # on CUDA as many ranks compute at once as there are cores to drive them, admitted by the GPUs'
+    # memory (capture/slots.py): one rank at a time left the card idle between ops
+    slots = cap.slots if cap.slots is not None else _cpu_cores()
     park = cap.park
     if park is Park.auto:  # checkpointing costs seconds per switch: only when a budget is given
         park = Park.cuda_checkpoint if cuda and cap.resident else Park.none

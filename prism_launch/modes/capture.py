@@ -93,8 +93,8 @@ def _peak_rss() -> int | None:
 
 
 def admission(ctx: RunContext, ranks: list[int]):
-    """Admission by device memory for a ``payload=none`` capture on CUDA with more than one
-    slot (None otherwise: one rank at a time needs none)."""
+    """Admission by device memory for a capture on CUDA with more than one slot (None
+    otherwise: one rank at a time needs none)."""
     from prism_launch.capture.slots import MemoryAdmission, free_gpu_memory
 
     if not ctx.cfg.on_cuda or (ctx.cfg.capture.slots or 0) == 1:
@@ -148,7 +148,7 @@ def _capture(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None) 
     ranks = list(fold.captured)
     slots = ctx.cfg.capture.slots or None  # 0: no limit
     park = parker(ctx, slots)
-    admit = admission(ctx, ranks) if payload == "none" else None
+    admit = admission(ctx, ranks)
     spill = int(ctx.cfg.capture.spill_mib * 2**20)
     with TraceWriter(ctx.trace.root, spill_bytes=spill) as writer:
         return _record(ctx, fold, payload, budget, writer, ranks, slots, park, admit, spill)
@@ -205,7 +205,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
              "ranks": len(ranks), "folded": fold.folded, "payload": payload,
              "admission": admit.to_dict() if admit is not None else None,
              "launcher_peak_rss_bytes": _peak_rss(), "tensor_bytes": coord.bytes_recorded,
-             "tensor_bytes_stored": tensors["stored_bytes"], "tensor_bytes_peak_pending": tensors["peak_pending_bytes"]}
+             "tensor_bytes_stored": tensors["stored_bytes"], "tensor_bytes_peak_pending": tensors["peak_pending_bytes"],
+             "coordinator_busy_s": {k: round(v, 3) for k, v in coord.busy_s.items()}}
     program = ctx.program
     writer.add_events(coord.events)
     writer.write_json(TraceLayout.STEPS, {str(r): s for r, s in steps.items()})

@@ -4,7 +4,8 @@
 import torch
 
 from nccl_ext.ops import Collective, ReduceKind, compute
-from prism_launch.capture.coordinator import _Group, _PendingCollective, _weighted_reduction
+from prism_launch.capture.coordinator import _Group, _PendingCollective
+from prism_launch.capture.folded_reduction import weighted_reduction as _weighted_reduction
 
 
 def _case(kind, reduce, n=100, captured=(3, 40), pieces=1, root=None):

@@ -1,0 +1,150 @@
+"""Exact traces of upstream Megatron-LM ``pretrain_gpt.py`` (unchanged) on one GPU: the 84M dense
+TP2·PP2 job and the MoE PP2·EP2 job at 1,024 ranks, sandbox rank 1023, ``capture.payload=exact``
+(only what the sandbox consumes is stored), capture then emulation.
+
+    source .mlm/activate.sh && python bench/gpu_exact.py [--jobs dense,moe] [--slots N] [--out r.json]
+
+Prints per job: the trace's size (all files, and tensor files alone) against a ``full`` trace of
+the same job measured before (14.6 GB of tensors for the dense job's 8 steps, 26.5 GB for the
+MoE job's 6), capture wall time, Megatron's own time per iteration on rank 1023 while capturing
+against its time per iteration in the emulation (the job's step on this GPU), the sandbox's
+losses against the capture's, divergences by kind (value / tolerance / host scalar), the
+sandbox's GPU peak and the predicted iteration time. Exits 1 when a phase fails, a figure is
+missing, the losses differ or a value divergence is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_lean import iteration_ms, need, prism  # noqa: E402
+from upstream import pretrain_gpt  # noqa: E402
+
+MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+         "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--bf16", "--lr", "1e-4",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192", "--transformer-impl", "local",
+         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+         "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--log-interval", "1", "--eval-interval", "1000",
+         "--eval-iters", "1"]
+JOBS = {  # name: (parallel layout flags, model-parallel ranks per replica, steps, full trace's tensor bytes)
+    "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4, 8, 14.6e9),
+    # no tensor parallelism: megatron-core's local layer norm refuses sequence parallelism on CUDA,
+    # and tensor-parallel MoE layers need it
+    "moe": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--num-experts", "4",
+             "--moe-router-topk", "2"], 2, 6, 26.5e9),
+}
+
+
+DEVICE = "cuda"
+
+
+def median_after_first(xs: list[float]) -> float | None:
+    return statistics.median(xs[1:]) if len(xs) > 1 else None
+
+
+def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float) -> dict:
+    layout, mp, steps, full_bytes = JOBS[name]
+    dp = world // mp
+    job = [*MODEL, *layout, "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(steps)]
+    sandbox = world - 1  # Megatron prints its iteration line on the last rank only
+    work = Path(tempfile.mkdtemp(prefix=f"prism-exact-{name}-"))
+    trace = work / "trace"
+    base = ["--nnodes", str(world // 8), "--nproc-per-node", "8", f"device={DEVICE}", f"sandbox.ranks=[{sandbox}]",
+            f"trace.dir={trace}", f"cluster={cluster}", "capture.payload=exact",
+            *([f"capture.slots={slots}"] if slots is not None else [])]
+    res: dict = {"job": name, "world": world, "steps": steps, "sandbox": sandbox, "full_tensor_bytes": full_bytes}
+    try:
+        _r, res["capture_s"] = prism([*base, "--log-dir", work / "cap-logs", "mode=capture", script, *job], work, timeout)
+        files = [p for p in trace.rglob("*") if p.is_file()]
+        res["trace_bytes"] = sum(p.stat().st_size for p in files)
+        res["tensor_bytes"] = sum(p.stat().st_size for p in files if "tensors" in p.parts)
+        stats = json.loads((trace / "capture.json").read_text())
+        res["captured_ranks"] = len(json.loads((trace / "manifest.json").read_text())["ranks_captured"])
+        res["capture_stats"] = {k: stats.get(k) for k in ("wall_s", "slots", "max_running", "resumes",
+                                                          "launcher_peak_rss_bytes")}
+        logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
+        res["capture_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
+        _r, res["emulate_s"] = prism([*base, "--log-dir", work / "emu-logs", "mode=emulate",
+                                      f"report.dir={work / 'report'}", script, *job], work, timeout)
+        rep = json.loads((work / "report" / "report.json").read_text())
+        me = rep["ranks"][str(sandbox)]
+        logs = sorted((work / "emu-logs").glob(f"*/{sandbox}/stdout.log"))
+        res["emulate_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
+        res["losses"], res["captured_losses"] = me.get("losses"), me.get("captured_losses")
+        res["losses_match_capture"] = me.get("losses_match_capture")
+        res["divergence_counts"] = me.get("divergence_counts") or {}
+        res["divergences"] = (me.get("divergences") or [])[:5]
+        res["sandbox_peak_bytes"] = me.get("peak_memory_bytes")
+        res["predicted_iteration_ms"] = need(rep["predicted"].get("iteration_time_s"), "predicted iteration") * 1e3
+        res["payload"] = rep.get("payload")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def show(r: dict) -> list[str]:
+    """Print one job's figures; returns what fails it."""
+    cap, emu = median_after_first(r["capture_ms_per_iteration"]), median_after_first(r["emulate_ms_per_iteration"])
+    ratio = None if not (cap and emu) else cap / emu
+    c = r["divergence_counts"]
+    print(f"{r['job']}: {r['captured_ranks']} captured ranks x {r['steps']} steps; trace {r['trace_bytes'] / 1e9:.2f} GB "
+          f"(tensors {r['tensor_bytes'] / 1e9:.2f} GB = {r['tensor_bytes'] / r['full_tensor_bytes']:.3f} of the full "
+          f"trace's {r['full_tensor_bytes'] / 1e9:.1f} GB)")
+    print(f"  capture {r['capture_s']:.0f}s ({r['capture_stats']}); Megatron per iteration in capture "
+          f"{[round(x) for x in r['capture_ms_per_iteration']]} ms, in emulation "
+          f"{[round(x) for x in r['emulate_ms_per_iteration']]} ms; capture / job step (medians after the first) "
+          f"{'-' if ratio is None else f'{ratio:.1f}x'}")
+    print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
+          f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
+          f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "
+          f"emulation {r['emulate_s']:.0f}s")
+    bad = []
+    if r["losses_match_capture"] is not True:
+        bad.append(f"{r['job']}: sandbox losses differ from the capture's")
+    if c.get("value", 0):
+        bad.append(f"{r['job']}: {c['value']} value divergence(s): {r['divergences'][:2]}")
+    if r["sandbox_peak_bytes"] is None:
+        bad.append(f"{r['job']}: no sandbox peak")
+    return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", default="dense,moe")
+    ap.add_argument("--world", type=int, default=1024)
+    ap.add_argument("--cluster", default="h100_ib")
+    ap.add_argument("--slots", type=int, default=None, help="capture.slots (default: the launcher's)")
+    ap.add_argument("--timeout", type=float, default=400.0, help="seconds for each prism-launch run")
+    ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    script = pretrain_gpt(a.mlm)
+    if script is None:
+        return 2
+    import torch
+
+    print(f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}; "
+          f"upstream pretrain_gpt.py, {a.world} ranks, payload exact, cluster {a.cluster}", flush=True)
+    results, bad = [], []
+    try:
+        for name in a.jobs.split(","):
+            results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout))
+            bad += show(results[-1])
+    finally:
+        if a.out:
+            Path(a.out).write_text(json.dumps(results, indent=1, default=str))
+    for b in bad:
+        print(f"FAIL: {b}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
