@@ -45,7 +45,7 @@ from nccl_ext.recording import RecordedOp, Recording
 from nccl_ext.replay_checks import check_contribution, check_send, refs
 from nccl_ext.replay_exchange import barrier_tokens, exchange, tag
 from nccl_ext.replay_summary import ReplayStats, own_time, write_summary
-from nccl_ext.spans import ComputeClock
+from nccl_ext.spans import ComputeClock, DeviceClock
 
 __all__ = ["DivergenceError", "RecordedOp", "Recording", "ReplayStats", "ReplayTransport"]
 
@@ -126,6 +126,7 @@ class ReplayTransport:
         self._t0 = time.monotonic()
         self._unit_start: float | None = None
         self._clock = ComputeClock()
+        self._device_clock = DeviceClock()
         self.memory: dict | None = None
         self.spans: list[tuple[str, float, float]] = []
         """(event code, CPU s, wall s) of compute before each of this rank's events, in order:
@@ -515,16 +516,28 @@ class ReplayTransport:
         self.memory = summary
 
     def park(self, pending: Pending):
+        self._device_clock.wait_starts()
         return None  # sandbox ranks own their device: nothing to hand back while blocked
 
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         self._span("w", until=t0)
         if t1 is not None:
             self._clock.resume(t1)
+            self._device_clock.resume()
 
     def _span(self, code: str, until: float | None = None) -> None:
         _now, wall, cpu = self._clock.lap(until)
+        self._device_clock.lap(waited=code == "w" and until is not None)
         self.spans.append((code, cpu, wall))
+
+    def _spans_out(self) -> list[tuple]:
+        """(code, CPU s, wall s, device s or None) per span: the device timeline's where CUDA ran."""
+        try:
+            device = self._device_clock.resolve()
+        except Exception as e:  # noqa: BLE001 - a failed GPU leaves the host clocks
+            print(f"prism: rank {self.rank}: no device-timeline spans ({type(e).__name__}: {e})", file=sys.stderr)
+            device = []
+        return [(*sp, device[i] if i < len(device) else None) for i, sp in enumerate(self.spans)]
 
     def _note_unit_start(self) -> None:
         if self._unit_start is None:
@@ -533,6 +546,7 @@ class ReplayTransport:
     def marker(self, name: str) -> None:
         self._span("m")
         if name == "step":
+            self._device_clock.resolve(block=False)  # events the GPU has passed: a step's, not the run's
             self._flush_checks()
             now = time.monotonic() - self._t0
             start = self.stats.steps[-1]["t"] if self.stats.steps else (self._unit_start or 0.0)
@@ -577,7 +591,7 @@ class ReplayTransport:
         if self.summary_path is None:
             return
         write_summary(self.summary_path, self.rank, self.stats,
-                      ring_groups=self.rings.created if self.rings is not None else 0, spans=self.spans,
+                      ring_groups=self.rings.created if self.rings is not None else 0, spans=self._spans_out(),
                       memory=self.memory,
                       prefetch=self.device_path.stats.as_dict() if self.device_path is not None else None)
         self.summary_path = None

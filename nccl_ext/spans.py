@@ -32,3 +32,73 @@ class ComputeClock:
     def resume(self, t: float) -> None:
         """The rank was blocked until ``t``; the next span starts there."""
         self._last_wall = max(self._last_wall, t)
+
+
+class DeviceClock:
+    """The same spans on the GPU's own timeline: a CUDA event on the program's stream at each of
+    the rank's events, and at the start of each wait and the end of it.
+
+    Wall time between events is the CPU's: where the CPU runs ahead of the GPU (a step issued
+    faster than it runs), the GPU's backlog drains inside whichever op first synchronizes — a
+    wait — and leaves the spans short; where the program synchronizes between ops, the spans
+    are right. A real job's step lasts as long as its stream's timeline, so on CUDA the span is
+    the time between two events as the GPU reached them (kernels, and idle time while the CPU
+    had not yet issued work). The interval from a wait's start to the program's resumption is
+    the op's, as on the CPU clock. Spans before the process used CUDA have none (None)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._start = None
+        self._wait_start = None
+        self._pairs: list[tuple[object, object]] = []
+        self.seconds: list[float | None] = []
+        """One per span so far (resolved at :meth:`resolve`)."""
+
+    def _event(self):
+        cuda = self._torch.cuda
+        if not cuda.is_initialized():
+            return None
+        e = cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def wait_starts(self) -> None:
+        """The program is about to block on an op: the span before the wait ends here."""
+        self._wait_start = self._event()
+
+    def lap(self, waited: bool = False) -> None:
+        end = self._wait_start if waited and self._wait_start is not None else self._event()
+        self._wait_start = None
+        self._pairs.append((self._start, end))
+        self._start = end
+
+    def resume(self) -> None:
+        """The program continues after a wait: the next span starts here."""
+        self._start = self._event()
+
+    def resolve(self, block: bool = True) -> list[float | None]:
+        """Turn the events so far into seconds: all of them, waiting for the GPU to reach the last
+        (``block``), or those the GPU has already passed (a step boundary: the program is not
+        held back)."""
+        done = 0
+        for s, e in self._pairs:
+            if e is not None:
+                if not block and not e.query():
+                    break  # events follow the program's order: the rest are not reached either
+                e.synchronize()
+            self.seconds.append(_elapsed_s(s, e))
+            done += 1
+        del self._pairs[:done]
+        return self.seconds
+
+
+def _elapsed_s(start, end) -> float | None:
+    if start is None or end is None:
+        return None
+    try:
+        start.synchronize()
+        return max(0.0, start.elapsed_time(end)) / 1e3
+    except RuntimeError:  # events of different devices (the program switched GPUs between them)
+        return None

@@ -22,8 +22,15 @@ class ComputeSource(StrEnum):
 
 
 class Measure(StrEnum):
+    device = "device"
+    """The device's own timeline between the rank's events (CUDA events on the program's stream:
+    kernels, and the GPU's idle time while the CPU had not issued work yet); wall time where
+    there is none (CPU runs, spans before the process used CUDA)."""
     wall = "wall"
+    """Host wall time between the rank's events (a GPU backlog drains inside the next op that
+    synchronizes, so spans before it come out short when the CPU runs ahead)."""
     cpu = "cpu"
+    """The rank's thread CPU time."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,7 +41,7 @@ class CalibrateConfig:
     slice share a device and no measured span carries another rank's contention."""
     ranks: list[int] | None = None
     """Ranks to calibrate (default: every captured rank)."""
-    measure: Measure = Measure.wall
+    measure: Measure = Measure.device
     """Which clock of the slice runs becomes the calibrated compute span."""
     in_auto: bool | None = None
     """Whether ``mode=auto`` calibrates after capturing. Default: on CUDA only (see replay.compute)."""

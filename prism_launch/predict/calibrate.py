@@ -47,14 +47,21 @@ class Calibrated:
 
 def apply_spans(reader: TraceReader, measured: dict[int, list], measure: Measure) -> Calibrated:
     """Replace each measured rank's compute span before each event by the slice's
-    (``measured[rank]``: the sandbox summary's ``spans``, one ``[code, cpu_s, wall_s]`` per event)."""
+    (``measured[rank]``: the sandbox summary's ``spans``, one ``[code, cpu_s, wall_s, device_s]``
+    per event; ``device_s`` None where the rank had no device timeline)."""
     rows = reader.events().to_pylist()
     by_rank: dict[int, list[dict]] = {}
     for row in rows:
         by_rank.setdefault(row["rank"], []).append(row)
     for evs in by_rank.values():
         evs.sort(key=lambda r: r["idx"])
-    use = 1 if measure is Measure.cpu else 2
+    def span(s: list) -> float:
+        if measure is Measure.cpu:
+            return float(s[1])
+        if measure is Measure.device and len(s) > 3 and s[3] is not None:
+            return float(s[3])
+        return float(s[2])
+
     out = Calibrated(rows=rows)
     for r, spans in measured.items():
         evs = by_rank.get(r, [])
@@ -64,7 +71,7 @@ def apply_spans(reader: TraceReader, measured: dict[int, list], measure: Measure
         for e, s in zip(evs, spans):
             e["extra"] = json.dumps({**(json.loads(e["extra"]) if e["extra"] else {}),
                                      "bare_cpu_s": e["compute_cpu_s"], "bare_wall_s": e["compute_wall_s"]})
-            e["compute_cpu_s"] = e["compute_wall_s"] = float(s[use])
+            e["compute_cpu_s"] = e["compute_wall_s"] = span(s)
             out.replaced += 1
     return out
 
