@@ -37,9 +37,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", 
 JOBS = {  # name: (parallel layout flags, model-parallel ranks per replica, steps, full trace's tensor bytes)
     "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4, 8, 14.6e9),
     # no tensor parallelism: megatron-core's local layer norm refuses sequence parallelism on CUDA,
-    # and tensor-parallel MoE layers need it
+    # and tensor-parallel MoE layers need it; no linear biases: with one tensor-parallel rank the
+    # experts' in-place bias add on their reduction's output is refused by autograd (under torchrun too)
     "moe": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--num-experts", "4",
-             "--moe-router-topk", "2"], 2, 6, 26.5e9),
+             "--moe-router-topk", "2", "--disable-bias-linear"], 2, 6, 26.5e9),
 }
 
 

@@ -56,7 +56,10 @@ BASE = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "
         "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--log-interval", "1",
         "--eval-interval", "1000", "--eval-iters", "1"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "1"]
+# no linear biases: with one tensor-parallel rank megatron-core returns the expert output from its
+# tensor-parallel reduction as is, and the bias add on it in place is refused by autograd (as
+# under torchrun: "Output 0 of _ReduceFromModelParallelRegionBackward is a view ...")
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "1", "--disable-bias-linear"]
 MICRO_BATCH = 2
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
