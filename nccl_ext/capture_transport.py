@@ -151,6 +151,9 @@ class CaptureTransport:
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 
+    def returned(self) -> None:
+        self._clock.skip()  # the op's trip to the coordinator is not the program's compute
+
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         """Record where the rank blocked on an op (or found it done) — the dependency the
         global replay needs to tell overlapped communication from exposed waits."""

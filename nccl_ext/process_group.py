@@ -73,6 +73,11 @@ class Transport(Protocol):
         """The rank waited on op ``ref`` from ``t0`` to ``t1`` (None: it was already done)."""
         ...
 
+    def returned(self) -> None:
+        """An op call is about to return to the program: its handling (from the event recorded at
+        its entry to here) is the op's time, not the program's compute (optional)."""
+        ...
+
     def park(self, pending: Pending) -> Callable[[], None] | None:
         """The rank is about to block on ``pending``; returns what to call once it is done
         (before the program continues), or None. Capture's context switching hands the
@@ -530,6 +535,9 @@ class PrismWork(dist.Work):
                 self._settle(fut)
 
         pending.add_done_callback(on_done)
+        returned = getattr(transport, "returned", None)
+        if returned is not None:
+            returned()
 
     def _settle(self, fut: torch.futures.Future) -> None:
         if fut.done():

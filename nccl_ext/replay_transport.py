@@ -519,6 +519,12 @@ class ReplayTransport:
         self._device_clock.wait_starts()
         return None  # sandbox ranks own their device: nothing to hand back while blocked
 
+    def returned(self) -> None:
+        # the op's handling here (host copies, folds, checks: none of it the real backend's cost,
+        # which the replay's network model supplies) is not the program's compute
+        self._clock.skip()
+        self._device_clock.resume()
+
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         self._span("w", until=t0)
         if t1 is not None:

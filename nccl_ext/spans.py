@@ -33,6 +33,12 @@ class ComputeClock:
         """The rank was blocked until ``t``; the next span starts there."""
         self._last_wall = max(self._last_wall, t)
 
+    def skip(self) -> None:
+        """The time since the last lap was the communication layer's (an op's own handling, up to
+        its return to the program): the next span starts now, on both clocks."""
+        self._last_wall = time.monotonic()
+        self._last_cpu[threading.get_ident()] = time.thread_time()
+
 
 class DeviceClock:
     """The same spans on the GPU's own timeline: a CUDA event on the program's stream at each of
