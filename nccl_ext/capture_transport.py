@@ -22,15 +22,24 @@ from multiprocessing.connection import Client
 import torch
 
 from nccl_ext import synth, wire
+from nccl_ext.exchange import Arena, PeerViews, detached
 from nccl_ext.groups import GroupInfo
+from nccl_ext.ops import Collective, compute
 from nccl_ext.pending import CommDeadlineError, Pending
 from nccl_ext.process_group import CollectiveCall
 from nccl_ext.spans import ComputeClock
 
 
+EXCHANGE_MAX_MEMBERS = 8
+"""Groups up to this size use the shared-memory exchange: each member folds every contribution
+itself (the coordinator's one fold done by each member, in parallel); larger groups — a data-parallel
+reduction of an unfolded capture — go through the coordinator, which folds once."""
+
+
 class CaptureTransport:
     def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
-                 captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0):
+                 captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0,
+                 exchange: str | None = None):
         self.rank = rank
         self.synthesize = payload == "none"
         """``payload=none``: results are synthesized here (:mod:`nccl_ext.synth`); the coordinator
@@ -53,6 +62,14 @@ class CaptureTransport:
         self._captured = frozenset(captured) if captured is not None else None
         """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in);
         None: every rank runs."""
+        self._exchange = exchange if payload != "none" else None
+        """The shared-memory exchange's directory (:mod:`nccl_ext.exchange`), or None."""
+        self._arena: Arena | None = None
+        self._peers: PeerViews | None = None
+        self._xops: dict[int, tuple] = {}
+        """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
+        self._regions: dict[int, tuple] = {}
+        """op id -> the arena region its contribution occupies until every member has read it."""
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()
@@ -108,6 +125,9 @@ class CaptureTransport:
         what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
         if self.synthesize and not synth.carried(call, self.carry_bytes):
             return self._synthesized(group, seq, call, what)
+        if self._exchange is not None and call.kind is not Collective.BARRIER and \
+                group.size <= EXCHANGE_MAX_MEMBERS and (self._captured is None or self._captured.issuperset(group.ranks)):
+            return self._exchanged(group, seq, call, what)
         op_id, p = self._new_pending(what)
         t, wall, cpu = self._span()
         tensors, contributes = call.tensors, call.tensors is not None
@@ -119,6 +139,43 @@ class CaptureTransport:
                   contributes, self.unit, t, wall, cpu)
         self._send(header, tensors or ())
         return p
+
+    def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
+        """A collective among captured ranks only: the contribution is staged in this rank's arena,
+        the coordinator gets where it lies, and once every member has staged its own this rank
+        computes its result from their pieces (:meth:`_compute_exchanged`)."""
+        op_id, p = self._new_pending(what)
+        t, wall, cpu = self._span()
+        if self._arena is None:
+            self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+        location = None
+        if call.tensors is not None:
+            gen, descs, self._regions[op_id] = self._arena.put(list(call.tensors))
+            location = (gen, descs)
+        self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank))
+        self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
+                    None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
+                    self.unit, t, wall, cpu, location))
+        return p
+
+    def _compute_exchanged(self, op_id: int, locations: list) -> None:
+        """Every member's contribution is staged: fold them (group-rank order, as the coordinator
+        would), tell the coordinator this rank has read them, complete the op."""
+        kind, reduce, root, me = self._xops.pop(op_id)
+        with self._pending_lock:
+            p = self._pending.pop(op_id, None)
+        try:
+            out = compute(kind, [self._peers.views(loc) for loc in locations], reduce=reduce, root=root)[me]
+            if kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+                out = [detached(x) for x in out]  # pieces of the peers' regions, which are about to be freed
+        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
+            self._send(("xread", op_id))
+            if p is not None:
+                p.fail(RuntimeError(f"{p.what}: reading the peers' contributions failed: {e}"))
+            return
+        self._send(("xread", op_id))
+        if p is not None:
+            p.complete(out)
 
     def _synthesized(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
         t, wall, cpu = self._span()
@@ -183,6 +240,9 @@ class CaptureTransport:
         # Python finalizes (nccl_ext/helpers.py)
         if self._reader is not threading.current_thread():
             self._reader.join(timeout=5.0)
+        if self._arena is not None:
+            self._arena.close()
+            self._peers.close()
 
     # -- receiving ------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -205,6 +265,14 @@ class CaptureTransport:
                     self._go.release()
                     continue
                 if kind == "alive":
+                    continue
+                if kind == "xok":
+                    self._compute_exchanged(header[1], header[2])
+                    continue
+                if kind == "xfree":
+                    region = self._regions.pop(header[1], None)
+                    if region is not None and self._arena is not None:
+                        self._arena.free(region)
                     continue
                 op_id = header[1]
                 with self._pending_lock:

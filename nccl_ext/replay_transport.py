@@ -45,7 +45,7 @@ from nccl_ext.recording import RecordedOp, Recording
 from nccl_ext.replay_checks import check_contribution, check_send, refs
 from nccl_ext.replay_exchange import barrier_tokens, exchange, tag
 from nccl_ext.replay_summary import ReplayStats, own_time, write_summary
-from nccl_ext.spans import ComputeClock, DeviceClock
+from nccl_ext.spans import SpanRecorder
 
 __all__ = ["DivergenceError", "RecordedOp", "Recording", "ReplayStats", "ReplayTransport"]
 
@@ -125,12 +125,10 @@ class ReplayTransport:
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._unit_start: float | None = None
-        self._clock = ComputeClock()
-        self._device_clock = DeviceClock()
         self.memory: dict | None = None
-        self.spans: list[tuple[str, float, float]] = []
-        """(event code, CPU s, wall s) of compute before each of this rank's events, in order:
-        what slice calibration takes from a sandbox run."""
+        self.spans = SpanRecorder()
+        """Compute before each of this rank's events, in order: what slice calibration takes from a
+        sandbox run."""
 
     # -- helpers ------------------------------------------------------------------------------
     def _gid(self, group: GroupInfo) -> int:
@@ -516,34 +514,19 @@ class ReplayTransport:
         self.memory = summary
 
     def park(self, pending: Pending):
-        self._device_clock.wait_starts()
+        self.spans.wait_starts()
         return None  # sandbox ranks own their device: nothing to hand back while blocked
 
     def returned(self) -> None:
         # the op's handling here (host copies, folds, checks: none of it the real backend's cost,
         # which the replay's network model supplies) is not the program's compute
-        self._clock.skip()
-        self._device_clock.resume()
+        self.spans.returned()
 
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
-        self._span("w", until=t0)
-        if t1 is not None:
-            self._clock.resume(t1)
-            self._device_clock.resume()
+        self.spans.waited(t0, t1)
 
-    def _span(self, code: str, until: float | None = None) -> None:
-        _now, wall, cpu = self._clock.lap(until)
-        self._device_clock.lap(waited=code == "w" and until is not None)
-        self.spans.append((code, cpu, wall))
-
-    def _spans_out(self) -> list[tuple]:
-        """(code, CPU s, wall s, device s or None) per span: the device timeline's where CUDA ran."""
-        try:
-            device = self._device_clock.resolve()
-        except Exception as e:  # noqa: BLE001 - a failed GPU leaves the host clocks
-            print(f"prism: rank {self.rank}: no device-timeline spans ({type(e).__name__}: {e})", file=sys.stderr)
-            device = []
-        return [(*sp, device[i] if i < len(device) else None) for i, sp in enumerate(self.spans)]
+    def _span(self, code: str) -> None:
+        self.spans.lap(code)
 
     def _note_unit_start(self) -> None:
         if self._unit_start is None:
@@ -552,7 +535,7 @@ class ReplayTransport:
     def marker(self, name: str) -> None:
         self._span("m")
         if name == "step":
-            self._device_clock.resolve(block=False)  # events the GPU has passed: a step's, not the run's
+            self.spans.step()
             self._flush_checks()
             now = time.monotonic() - self._t0
             start = self.stats.steps[-1]["t"] if self.stats.steps else (self._unit_start or 0.0)
@@ -597,7 +580,7 @@ class ReplayTransport:
         if self.summary_path is None:
             return
         write_summary(self.summary_path, self.rank, self.stats,
-                      ring_groups=self.rings.created if self.rings is not None else 0, spans=self._spans_out(),
+                      ring_groups=self.rings.created if self.rings is not None else 0, spans=self.spans.rows(self.rank),
                       memory=self.memory,
                       prefetch=self.device_path.stats.as_dict() if self.device_path is not None else None)
         self.summary_path = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -108,3 +109,45 @@ def _elapsed_s(start, end) -> float | None:
         return max(0.0, start.elapsed_time(end)) / 1e3
     except RuntimeError:  # events of different devices (the program switched GPUs between them)
         return None
+
+
+class SpanRecorder:
+    """One rank's compute spans on both clocks: the host's (wall, CPU) and the device's."""
+
+    def __init__(self) -> None:
+        self.clock = ComputeClock()
+        self.device = DeviceClock()
+        self.host: list[tuple[str, float, float]] = []
+        """(event code, CPU s, wall s) per span."""
+
+    def lap(self, code: str, until: float | None = None) -> None:
+        _now, wall, cpu = self.clock.lap(until)
+        self.device.lap(waited=code == "w" and until is not None)
+        self.host.append((code, cpu, wall))
+
+    def wait_starts(self) -> None:
+        self.device.wait_starts()
+
+    def waited(self, t0: float | None, t1: float | None) -> None:
+        """The program waited on an op from ``t0`` to ``t1`` (None: it was done already)."""
+        self.lap("w", until=t0)
+        if t1 is not None:
+            self.clock.resume(t1)
+            self.device.resume()
+
+    def returned(self) -> None:
+        """An op call returns to the program: its handling was the op's time."""
+        self.clock.skip()
+        self.device.resume()
+
+    def step(self) -> None:
+        self.device.resolve(block=False)  # the events the GPU has passed: a step's, not the run's
+
+    def rows(self, rank: int) -> list[tuple]:
+        """(code, CPU s, wall s, device s or None) per span."""
+        try:
+            device = self.device.resolve()
+        except Exception as e:  # noqa: BLE001 - a failed GPU leaves the host clocks
+            print(f"prism: rank {rank}: no device-timeline spans ({type(e).__name__}: {e})", file=sys.stderr)
+            device = []
+        return [(*sp, device[i] if i < len(device) else None) for i, sp in enumerate(self.host)]

@@ -15,16 +15,18 @@ import json
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 
 import torch
 
 from nccl_ext import wire
 from nccl_ext.divergence import piece_stats
-from nccl_ext.ops import Collective, ReduceKind, compute, contributors, fold
+from nccl_ext.exchange import PeerViews, detached
+from nccl_ext.ops import Collective, ReduceKind, compute, contributors
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduction
+from prism_launch.capture.ops_state import Arrival, OpGroup, PendingCollective, Reads, describe
 from prism_launch.capture.slots import SlotScheduler
+from prism_launch.capture.synthesized import SynthesizedOps
 
 
 class CaptureError(RuntimeError):
@@ -40,48 +42,6 @@ class PayloadBudgetError(CaptureError):
     with ``none``)."""
 
 
-@dataclass(slots=True)
-class _Group:
-    id: int
-    key: str
-    ranks: tuple[int, ...]
-    occurrence: int
-    desc: str
-    sources: tuple[int, ...] | None = None
-    """Folded capture: the captured stand-in of every member (None: all members captured)."""
-    present: int = 0
-    """Members that run in this capture."""
-    consumed: bool = True
-    """A sandbox-scoped capture: a sandbox rank is a member (else nothing of the group is stored)."""
-
-
-@dataclass(slots=True)
-class _Arrival:
-    rank: int
-    op_id: int
-    conn: Connection
-    row: dict
-
-
-@dataclass(slots=True)
-class _PendingCollective:
-    group: _Group
-    seq: int
-    api: str
-    kind: Collective
-    reduce: ReduceKind | None
-    root: int | None
-    first_t: float
-    contributions: list[list[torch.Tensor] | None]
-    arrivals: dict[int, _Arrival] = field(default_factory=dict)
-    standins: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """Folded capture: members' own buffers offered for an uncaptured broadcast root."""
-
-
-def _describe(ranks: tuple[int, ...]) -> str:
-    return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
-
-
 class MemorySink:
     """Keeps recorded tensors in memory (``tensors[rank][key]``): for tests and tools that want
     them at hand; a capture gives the coordinator the trace writer instead."""
@@ -93,14 +53,14 @@ class MemorySink:
         self.tensors.setdefault(rank, {})[key] = tensor
 
 
-class Coordinator:
+class Coordinator(SynthesizedOps):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
     (anything with ``record_tensor(rank, key, tensor)``; default a :class:`MemorySink`)."""
 
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
                  slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,
                  payload: str = "full", budget_bytes: int | None = None, admission=None, sink=None,
-                 scope: tuple[int, ...] | None = None):
+                 scope: tuple[int, ...] | None = None, exchange: str | None = None):
         self.world_size = world_size
         self.sink = sink if sink is not None else MemorySink()
         self.payload = payload
@@ -112,6 +72,10 @@ class Coordinator:
         theirs; of their own contributions and sends the digest and :func:`piece_stats`. None: every
         tensor (``full``)."""
         self.budget_bytes = budget_bytes
+        self._views = PeerViews(exchange) if exchange is not None else None
+        """The shared-memory exchange (:mod:`nccl_ext.exchange`): what a trace records is read where
+        the member staged it."""
+        self._reads: dict[tuple[int, int], Reads] = {}
         """Tensor bytes this capture may hold (None: no limit); past it, :class:`PayloadBudgetError`."""
         self.bytes_recorded = 0
         self.fold = fold
@@ -125,8 +89,8 @@ class Coordinator:
         self._conn_lock = threading.Lock()
         self._conns: list[Connection] = []
         self._rank_of: dict[Connection, int] = {}
-        self._groups: dict[str, _Group] = {}
-        self._collectives: dict[tuple[str, int], _PendingCollective] = {}
+        self._groups: dict[str, OpGroup] = {}
+        self._collectives: dict[tuple[str, int], PendingCollective] = {}
         self._sends: dict[tuple[str, int, int, int], deque] = {}
         self._recvs: dict[tuple[str, int, int, int], deque] = {}
         self._next_idx = [0] * world_size
@@ -179,6 +143,8 @@ class Coordinator:
             self._acceptor.join(timeout=2.0)
         for c in self._conns:
             c.close()
+        if self._views is not None:
+            self._views.close()
 
     # -- the pump ---------------------------------------------------------------------
     def pump(self, timeout_s: float = 0.05) -> None:
@@ -213,7 +179,7 @@ class Coordinator:
             _, key, ranks, occurrence, desc = header
             if key not in self._groups:
                 ranks = tuple(ranks)
-                g = _Group(len(self._groups), key, ranks, occurrence, desc, present=len(ranks),
+                g = OpGroup(len(self._groups), key, ranks, occurrence, desc, present=len(ranks),
                            consumed=self.scope is None or not self.scope.isdisjoint(ranks))
                 if self.fold is not None and self.fold.folded:
                     sources = self.fold.sources(ranks)
@@ -225,6 +191,13 @@ class Coordinator:
                         if not is_replicated(desc, ranks, self.world_size, self.fold.replicated):
                             self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
                 self._groups[key] = g
+        elif kind == "xcoll":
+            loc = header[-1]
+            rank = self._rank_of[conn]
+            location = None if loc is None else (rank, *loc)
+            self._on_collective(conn, header[:-1], self._views.views(location) or [], location)
+        elif kind == "xread":
+            self._on_read(conn, header[1])
         elif kind == "coll":
             if self.payload == "none" and header[5] == str(Collective.BROADCAST):
                 self._on_carried_broadcast(conn, header, tensors)
@@ -276,14 +249,14 @@ class Coordinator:
         self.events.append(row)
         return row
 
-    def _group(self, key: str) -> _Group:
+    def _group(self, key: str) -> OpGroup:
         try:
             return self._groups[key]
         except KeyError:
             raise CaptureError(f"op on unregistered group {key}") from None
 
     # -- collectives --------------------------------------------------------------------
-    def _on_collective(self, conn, header, tensors) -> None:
+    def _on_collective(self, conn, header, tensors, location: tuple | None = None) -> None:
         _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
         rank = self._rank_of[conn]
         group = self._group(key)
@@ -291,16 +264,23 @@ class Coordinator:
         reduce = None if reduce is None else ReduceKind(reduce)
         pc = self._collectives.get((key, seq))
         if pc is None:
-            pc = _PendingCollective(group, seq, api, kind, reduce, root, time.monotonic(), [None] * len(group.ranks))
+            pc = PendingCollective(group, seq, api, kind, reduce, root, time.monotonic(), [None] * len(group.ranks))
             self._collectives[(key, seq)] = pc
+            if header[0] == "xcoll":
+                pc.locations = {}
         elif (pc.kind, pc.reduce, pc.root) != (kind, reduce, root):
             first = next(iter(pc.arrivals.values()))
             raise CaptureError(
-                f"collective mismatch on group {_describe(group.ranks)} ({group.desc or key}) seq {seq}: "
+                f"collective mismatch on group {describe(group.ranks)} ({group.desc or key}) seq {seq}: "
                 f"rank {first.rank} called {pc.api}(reduce={pc.reduce}, root={pc.root}) but rank {rank} "
                 f"called {api}(reduce={reduce}, root={root})"
             )
         grank = group.ranks.index(rank)
+        if (pc.locations is not None) != (header[0] == "xcoll"):
+            raise CaptureError(f"{api} (seq {seq}) on group {describe(group.ranks)}: members disagree on "
+                               "whether it goes through the shared-memory exchange")
+        if location is not None:
+            pc.locations[grank] = location
         if contributes == "standin":
             pc.standins[grank] = list(tensors)
             contributes = False
@@ -320,11 +300,12 @@ class Coordinator:
         if keep:
             t0 = time.perf_counter()
             for i, tensor in enumerate(contribution):
-                self.sink.record_tensor(rank, f"{tkey}/{i}", tensor)
+                # a staged piece is the member's until every member has read it: the trace keeps a copy
+                self.sink.record_tensor(rank, f"{tkey}/{i}", tensor if location is None else detached(tensor))
             self.busy_s["record"] += time.perf_counter() - t0
             self._count(row["nbytes"])
         self.scheduler.issued(rank, op_id)
-        pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
+        pc.arrivals[grank] = Arrival(rank, op_id, conn, row)
         if len(pc.arrivals) == group.present:
             self._complete(pc)
 
@@ -339,7 +320,7 @@ class Coordinator:
         self.busy_s["digest"] += time.perf_counter() - t0
         return out
 
-    def _keeps(self, group: _Group, rank: int, grank: int, kind: Collective, root: int | None) -> bool:
+    def _keeps(self, group: OpGroup, rank: int, grank: int, kind: Collective, root: int | None) -> bool:
         """Whether a member's contribution is stored: always when the trace is ``full``; in a
         sandbox-scoped one only a virtual member's contribution that a sandbox rank folds (on a
         group that is not folded: those replay from the recorded result)."""
@@ -349,8 +330,11 @@ class Coordinator:
             return False
         return grank in contributors(kind, len(group.ranks), root)
 
-    def _complete(self, pc: _PendingCollective) -> None:
+    def _complete(self, pc: PendingCollective) -> None:
         del self._collectives[(pc.group.key, pc.seq)]
+        if pc.locations is not None:
+            self._complete_exchanged(pc)
+            return
         group = pc.group
         if group.sources is not None:  # folded: uncaptured members contribute their stand-ins' data
             index = {r: i for i, r in enumerate(group.ranks)}
@@ -361,7 +345,7 @@ class Coordinator:
                 contributions[pc.root] = pc.standins.get(index[group.sources[pc.root]])
                 if contributions[pc.root] is None:
                     raise CaptureError(
-                        f"folded capture: {pc.api} (seq {pc.seq}) on group {_describe(group.ranks)} "
+                        f"folded capture: {pc.api} (seq {pc.seq}) on group {describe(group.ranks)} "
                         f"({group.desc or group.key}) has root rank {group.ranks[pc.root]}, which is not captured, "
                         "and no stand-in data for it; capture with that rank among sandbox.ranks")
         else:
@@ -390,80 +374,40 @@ class Coordinator:
             self.scheduler.answered(arrival.rank, arrival.op_id)
         self.ops_completed += 1
 
+    def _complete_exchanged(self, pc: PendingCollective) -> None:
+        """Every member staged its contribution: each computes its own result from the locations."""
+        locations = [pc.locations.get(g) for g in range(len(pc.group.ranks))]
+        pc.contributions = []  # the coordinator's views of the regions: the members free them
+        reads = Reads(len(pc.arrivals), [(a.conn, a.op_id) for g, a in pc.arrivals.items() if g in pc.locations])
+        now = time.monotonic() - self.t0
+        t0 = time.perf_counter()
+        for arrival in pc.arrivals.values():
+            self._reads[(arrival.rank, arrival.op_id)] = reads
+            arrival.row["t_end"] = now
+            wire.send(arrival.conn, ("xok", arrival.op_id, locations))
+            self.scheduler.answered(arrival.rank, arrival.op_id)
+        self.busy_s["reply"] += time.perf_counter() - t0
+        self.ops_completed += 1
+
+    def _on_read(self, conn, op_id: int) -> None:
+        """A member has its result: once every member has, each frees its region."""
+        reads = self._reads.pop((self._rank_of[conn], op_id), None)
+        if reads is None:
+            return
+        reads.left -= 1
+        if reads.left == 0:
+            for owner, oid in reads.owners:
+                try:
+                    wire.send(owner, ("xfree", oid))
+                except OSError:
+                    pass
+
     def _count(self, nbytes: int) -> None:
         self.bytes_recorded += nbytes
         if self.budget_bytes is not None and self.bytes_recorded > self.budget_bytes:
             raise PayloadBudgetError(
                 f"the trace's tensors passed {self.budget_bytes / 2**30:.2f} GiB "
                 f"({self.bytes_recorded / 2**30:.2f} GiB after {self.ops_completed} ops)")
-
-    # -- payload none: metadata, and the broadcasts that keep their payload ----------------
-    def _on_meta(self, conn, header) -> None:
-        """A collective the rank synthesized: its event, no tensors, nothing to wait for."""
-        _, key, seq, api, kind, reduce, root, unit, t, wall, cpu, shapes, dtypes, nbytes = header
-        rank = self._rank_of[conn]
-        group = self._group(key)
-        extra = {"kind": kind, "reduce": reduce, "root": root, "n": len(shapes), "shapes": shapes,
-                 "dtypes": dtypes, "digests": [], "synthesized": True}
-        row = self._row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None, extra)
-        row["dtype"], row["shape"], row["nbytes"] = (dtypes[0] if dtypes else ""), (shapes[0] if shapes else []), nbytes
-        self.ops_completed += 1
-
-    def _on_p2p_meta(self, conn, header) -> None:
-        kind, key, peer, tag, seq, unit, t, wall, cpu, shape, dtype, nbytes = header
-        rank = self._rank_of[conn]
-        group = self._group(key)
-        op = "send" if kind == "psend" else "recv"
-        extra = {"tag": tag, "kind": op, "n": 1, "shapes": [shape], "dtypes": [dtype], "digests": [],
-                 "synthesized": True}
-        row = self._row(rank, unit, "p2p", op, group, seq, peer, None, t, t, wall, cpu, None, extra)
-        row["dtype"], row["shape"], row["nbytes"] = dtype, shape, nbytes
-        self.ops_completed += 1
-
-    def _on_carried_broadcast(self, conn, header, tensors) -> None:
-        """``payload=none``: a broadcast small enough to keep its payload. The root (or, when the
-        root is not captured, its stand-in) is answered at once; every other member when the
-        payload is here — so ranks that run one after another in rank order never wait for a
-        peer that has not started. Each receiver's result is stored for its emulation."""
-        _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
-        rank = self._rank_of[conn]
-        group = self._group(key)
-        grank = group.ranks.index(rank)
-        pc = self._collectives.get((key, seq))
-        if pc is None:
-            pc = _PendingCollective(group, seq, api, Collective.BROADCAST, None, root, time.monotonic(),
-                                    [None] * len(group.ranks))
-            self._collectives[(key, seq)] = pc
-        contribution = list(tensors) if contributes is True else None
-        source = root if group.sources is None else group.ranks.index(group.sources[root])
-        if grank == root or (contributes == "standin" and grank == source):
-            pc.standins[-1] = list(tensors)  # the payload every receiver takes
-        extra = {"kind": kind, "reduce": None, "root": root, "n": len(contribution or ()),
-                 "shapes": [list(x.shape) for x in contribution or ()],
-                 "dtypes": [wire.dtype_name(x.dtype) for x in contribution or ()],
-                 "digests": [wire.digest(x) for x in contribution or ()], "carried": True}
-        row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu, None, extra)
-        self.scheduler.issued(rank, op_id)
-        pc.arrivals[grank] = _Arrival(rank, op_id, conn, row)
-        payload = pc.standins.get(-1)
-        if payload is None:  # the members here wait for the root (or its stand-in): it should run next
-            self.scheduler.awaits(group.ranks[source] if group.sources is None else group.sources[root])
-            return
-        now = time.monotonic() - self.t0
-        for g, arrival in list(pc.arrivals.items()):
-            result = [] if g == root else payload
-            if g != root:
-                for i, x in enumerate(result):
-                    self.sink.record_tensor(arrival.rank, f"r/{group.id}/{seq}/{i}", x)
-            arrival.row["t_end"] = now
-            wire.send(arrival.conn, ("ok", arrival.op_id), result)
-            self.scheduler.answered(arrival.rank, arrival.op_id)
-            del pc.arrivals[g]
-            pc.contributions[g] = []  # answered
-        if all(c is not None for i, c in enumerate(pc.contributions) if self.fold is None or
-               self.fold.is_captured(group.ranks[i])):
-            del self._collectives[(key, seq)]
-            self.ops_completed += 1
 
     # -- point to point -----------------------------------------------------------------
     def _on_send(self, conn, header, tensor) -> None:
@@ -509,12 +453,12 @@ class Coordinator:
         else:
             self._recvs.setdefault(chan, deque()).append(waiter)
 
-    def _check_p2p_peer(self, rank: int, peer: int, group: _Group, verb: str) -> None:
+    def _check_p2p_peer(self, rank: int, peer: int, group: OpGroup, verb: str) -> None:
         if self.fold is not None and not self.fold.is_captured(peer):
             raise CaptureError(
-                f"folded capture: rank {rank} wants to {verb} rank {peer} on group {_describe(group.ranks)} "
+                f"folded capture: rank {rank} wants to {verb} rank {peer} on group {describe(group.ranks)} "
                 f"({group.desc or group.key}), but rank {peer} is not in the captured set "
-                f"{_describe(tuple(self.fold.captured))}: point-to-point traffic crosses data-parallel replicas. "
+                f"{describe(tuple(self.fold.captured))}: point-to-point traffic crosses data-parallel replicas. "
                 "Capture without folding (capture.fold=false) or name the group's pattern differently in "
                 "capture.replicated_groups"
             )
@@ -543,9 +487,9 @@ class Coordinator:
                 missing = [r for r in pc.group.ranks if r not in arrived
                            and (self.fold is None or self.fold.is_captured(r))]
                 raise CaptureDeadlineError(
-                    f"{pc.api} (seq {pc.seq}) on group {_describe(pc.group.ranks)} "
-                    f"({pc.group.desc or pc.group.key}): ranks {_describe(tuple(arrived))} waited "
-                    f"{now - pc.first_t:.1f}s for ranks {_describe(tuple(missing))}, which never arrived "
+                    f"{pc.api} (seq {pc.seq}) on group {describe(pc.group.ranks)} "
+                    f"({pc.group.desc or pc.group.key}): ranks {describe(tuple(arrived))} waited "
+                    f"{now - pc.first_t:.1f}s for ranks {describe(tuple(missing))}, which never arrived "
                     f"(deadline {self.timeout_s:g}s; raise it with comm.timeout_s=)"
                 )
         for (key, src, dst, tag), waiters in self._recvs.items():
@@ -553,7 +497,7 @@ class Coordinator:
                 if now - t > self.timeout_s:
                     g = self._groups[key]
                     raise CaptureDeadlineError(
-                        f"recv (seq {seq}, tag {tag}) on group {_describe(g.ranks)} ({g.desc or key}): "
+                        f"recv (seq {seq}, tag {tag}) on group {describe(g.ranks)} ({g.desc or key}): "
                         f"rank {dst} waited {now - t:.1f}s for a send from rank {src} that never came "
                         f"(deadline {self.timeout_s:g}s)"
                     )
@@ -569,7 +513,7 @@ class Coordinator:
         """Describe ops still waiting (a clean exit should leave none)."""
         if self._collectives:
             pc = next(iter(self._collectives.values()))
-            return f"{len(self._collectives)} collective(s) never completed, e.g. {pc.api} seq {pc.seq} on {_describe(pc.group.ranks)}"
+            return f"{len(self._collectives)} collective(s) never completed, e.g. {pc.api} seq {pc.seq} on {describe(pc.group.ranks)}"
         if any(self._recvs.values()):
             return "a recv never completed"
         return None

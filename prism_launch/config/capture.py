@@ -86,6 +86,11 @@ class CaptureConfig:
     payload_budget_gib: float = 32.0
     """``payload=auto``: the most tensor data an exact trace may hold before the capture
     switches to ``none`` (also capped by the free space at the trace directory, less 10%)."""
+    exchange: bool = True
+    """``payload=exact``/``full``: a collective whose members are all captured passes through shared
+    memory (``/dev/shm``): each member stages its contribution there and computes its own result from
+    its peers' (the same fold, in group-rank order); the coordinator gets where they lie and reads
+    only what the trace records. ``false``: every contribution goes to the coordinator and back."""
     spill_mib: float = 64.0
     """``payload=exact``/``full``: distinct tensors the launcher holds before writing them into the
     trace's next spill file (its memory for tensors, whatever the number of steps)."""

@@ -36,6 +36,9 @@ class CapturePlan:
     """Folded capture: the logical ranks that run (a broadcast from any other root needs a stand-in)."""
     discover_file: str | None = None
     """Group discovery: run to the first communication op and write every ``new_group`` call here."""
+    exchange: str | None = None
+    """Directory of the shared-memory exchange (``payload`` exact/full: contributions to groups whose
+    members are all captured are staged there and read by the peers; None: through the coordinator)."""
     payload: str = "exact"
     """``exact`` (every contribution goes to the coordinator) or ``none`` (results synthesized
     on the rank; only metadata and carried broadcasts go to the coordinator)."""

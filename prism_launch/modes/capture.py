@@ -81,6 +81,28 @@ def payload_budget(ctx: RunContext) -> tuple[int, str]:
                 (disk, f"the free space at {where}")])
 
 
+EXCHANGE_BYTES_PER_RANK = 64 << 20
+"""Room the shared-memory exchange wants per captured rank (an arena starts at 4 MiB and doubles
+when a contribution does not fit)."""
+
+
+def exchange_dir(fallback: Path, ranks: int) -> str | None:
+    """A new directory for the shared-memory exchange: under ``/dev/shm`` (memory, not disk) when
+    it has room for ``ranks`` arenas, else under ``fallback``'s file system when that has; None
+    (every op through the coordinator, with a note) when neither has."""
+    need = ranks * EXCHANGE_BYTES_PER_RANK
+    for base in (Path("/dev/shm"), fallback):
+        try:
+            st = os.statvfs(base)
+        except OSError:
+            continue
+        if os.access(base, os.W_OK) and st.f_bavail * st.f_frsize >= need:
+            return tempfile.mkdtemp(prefix="prism-exchange-", dir=base)
+    print(f"prism-launch: capture.exchange: neither /dev/shm nor {fallback} has {need / 2**30:.1f} GiB free for "
+          f"{ranks} ranks' arenas; every op goes through the coordinator", file=sys.stderr)
+    return None
+
+
 def _peak_rss() -> int | None:
     """The launcher's own peak resident memory so far (VmHWM)."""
     try:
@@ -163,13 +185,14 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     ws = ctx.topo.world_size
     sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
     authkey = os.urandom(16)
+    exchange = exchange_dir(sock_dir, len(ranks)) if payload != "none" and ctx.cfg.capture.exchange else None
     coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
                         parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
                         admission=admit, sink=writer,
-                        scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None)
+                        scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None, exchange=exchange)
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
-        payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes))
+        payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange))
     from prism_launch.capture.monitor import CaptureMonitor
 
     monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress,
@@ -193,6 +216,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     finally:
         monitor.close()
         coord.close()
+        if exchange is not None:
+            shutil.rmtree(exchange, ignore_errors=True)
         for p in sock_dir.iterdir():
             p.unlink(missing_ok=True)
         sock_dir.rmdir()

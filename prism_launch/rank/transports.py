@@ -22,7 +22,7 @@ def capture(plan: RankPlan) -> MakeTransport:
     def make(rank: int, world_size: int, timeout_s: float):
         captured = frozenset(cp.captured) if cp.captured is not None else None
         return CaptureTransport(cp.coordinator, bytes.fromhex(cp.authkey), rank, timeout_s, captured=captured,
-                                payload=cp.payload, carry_bytes=cp.carry_bytes)
+                                payload=cp.payload, carry_bytes=cp.carry_bytes, exchange=cp.exchange)
 
     return make
 

@@ -4,7 +4,7 @@
 import torch
 
 from nccl_ext.ops import Collective, ReduceKind, compute
-from prism_launch.capture.coordinator import _Group, _PendingCollective
+from prism_launch.capture.ops_state import OpGroup as _Group, PendingCollective as _PendingCollective
 from prism_launch.capture.folded_reduction import weighted_reduction as _weighted_reduction
 
 

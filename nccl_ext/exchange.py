@@ -1,0 +1,204 @@
+"""Shared-memory exchange of capture contributions: each captured rank stages what it puts into a
+collective in its own arena (files under one directory, ``/dev/shm`` where there is one), every
+member maps its peers' arenas and computes its own result from their pieces — the same
+:func:`nccl_ext.ops.compute` in group-rank order, so the bits are the coordinator's — and the
+coordinator handles metadata and reads only what the trace records, where it lies.
+
+An arena is one file per generation: when a contribution does not fit, a file twice as large is
+started and the old one is removed once its last region is freed. A region is freed when the
+coordinator says every member has read it (``xfree``); peers map a generation once and keep it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from nccl_ext import wire
+
+_ALIGN = 256
+_MIN_BYTES = 4 << 20
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def arena_path(directory: str, rank: int, gen: int) -> str:
+    return os.path.join(directory, f"r{rank}-g{gen}")
+
+
+@dataclass
+class _Segment:
+    gen: int
+    path: str
+    size: int
+    mm: mmap.mmap
+    free: list[tuple[int, int]] = field(default_factory=list)
+    """Free (start, length) runs, sorted by start."""
+    live: int = 0
+
+    def take(self, n: int) -> int | None:
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[i] = (start + n, length - n)
+                if self.free[i][1] == 0:
+                    del self.free[i]
+                self.live += 1
+                return start
+        return None
+
+    def give(self, start: int, n: int) -> None:
+        self.free.append((start, n))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, ln in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + ln)
+            else:
+                merged.append((s, ln))
+        self.free = merged
+        self.live -= 1
+
+
+def _view(mm: mmap.mmap, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    n = wire.numel(shape) * torch.empty(0, dtype=dtype).element_size()
+    if n == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=offset).view(dtype).reshape(tuple(shape))
+
+
+def _map(path: str, size: int | None = None) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0), 0o600)
+    try:
+        if size is not None:
+            try:  # reserve the pages now: a full tmpfs then fails here, not with SIGBUS at a write
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(path)
+                free = os.statvfs(os.path.dirname(path))
+                raise OSError(e.errno, f"capture's shared-memory exchange: no room for a {size / 2**20:.0f} MiB "
+                                       f"arena in {os.path.dirname(path)} ({free.f_bavail * free.f_frsize / 2**20:.0f} "
+                                       "MiB free); capture with capture.exchange=false") from None
+        else:
+            size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class Arena:
+    """One rank's staging area: :meth:`put` copies a contribution in (from any device) and says
+    where it lies; :meth:`free` gives the region back."""
+
+    def __init__(self, directory: str, rank: int, initial_bytes: int = _MIN_BYTES) -> None:
+        self.directory = directory
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._segments: dict[int, _Segment] = {}
+        self._current: _Segment | None = None
+        self._initial = initial_bytes
+        self.bytes_staged = 0
+
+    def _grow(self, need: int) -> _Segment:
+        size = max(self._initial, need, 2 * self._current.size if self._current is not None else 0)
+        size = -(-size // (1 << 20)) * (1 << 20)
+        gen = self._current.gen + 1 if self._current is not None else 0
+        path = arena_path(self.directory, self.rank, gen)
+        seg = _Segment(gen, path, size, _map(path, size), free=[(0, size)])
+        old, self._current = self._current, seg
+        self._segments[gen] = seg
+        if old is not None and old.live == 0:
+            self._drop(old)
+        return seg
+
+    def put(self, tensors: list[torch.Tensor]) -> tuple[int, list[tuple[int, str, list[int]]], tuple]:
+        """Copy ``tensors`` into one region; returns (generation, [(offset, dtype, shape)], token)."""
+        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+        total = max(_ALIGN, sum(sizes))
+        with self._lock:
+            seg = self._current
+            start = seg.take(total) if seg is not None else None
+            if start is None:
+                seg = self._grow(total)
+                start = seg.take(total)
+        descs, at = [], start
+        for t, n in zip(tensors, sizes):
+            if n:
+                _view(seg.mm, at, t.dtype, t.shape).copy_(t.detach())
+            descs.append((at, wire.dtype_name(t.dtype), list(t.shape)))
+            at += n
+        self.bytes_staged += total
+        return seg.gen, descs, (seg.gen, start, total)
+
+    def free(self, token: tuple) -> None:
+        gen, start, total = token
+        with self._lock:
+            seg = self._segments.get(gen)
+            if seg is None:
+                return
+            seg.give(start, total)
+            if seg is not self._current and seg.live == 0:
+                self._drop(seg)
+
+    def _drop(self, seg: _Segment) -> None:
+        self._segments.pop(seg.gen, None)
+        try:
+            os.unlink(seg.path)
+        except OSError:
+            pass
+        try:
+            seg.mm.close()
+        except BufferError:  # a view of it is still alive: the mapping goes with the process
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in list(self._segments.values()):
+                self._drop(seg)
+            self._current = None
+
+
+class PeerViews:
+    """Views of other ranks' arenas (each generation mapped once)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def view(self, rank: int, gen: int, offset: int, dtype: str, shape) -> torch.Tensor:
+        key = (rank, gen)
+        with self._lock:
+            mm = self._maps.get(key)
+            if mm is None:
+                mm = self._maps[key] = _map(arena_path(self.directory, rank, gen))
+        return _view(mm, offset, wire.dtype_from_name(dtype), shape)
+
+    def views(self, location) -> list[torch.Tensor] | None:
+        """A member's contribution from its ``(rank, gen, descs)`` location (None: contributes nothing)."""
+        if location is None:
+            return None
+        rank, gen, descs = location
+        return [self.view(rank, gen, off, dt, shape) for off, dt, shape in descs]
+
+    def close(self) -> None:
+        with self._lock:
+            for mm in self._maps.values():
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+            self._maps.clear()
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data in a buffer of its own outside the program's allocator (a result that is a
+    peer's piece must outlive the peer's region)."""
+    out = wire.untracked_empty(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out

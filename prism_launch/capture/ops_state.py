@@ -1,0 +1,61 @@
+"""What the coordinator holds per group and per op in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import torch
+
+from nccl_ext.ops import Collective, ReduceKind
+
+
+@dataclass(slots=True)
+class OpGroup:
+    id: int
+    key: str
+    ranks: tuple[int, ...]
+    occurrence: int
+    desc: str
+    sources: tuple[int, ...] | None = None
+    """Folded capture: the captured stand-in of every member (None: all members captured)."""
+    present: int = 0
+    """Members that run in this capture."""
+    consumed: bool = True
+    """A sandbox-scoped capture: a sandbox rank is a member (else nothing of the group is stored)."""
+
+
+@dataclass(slots=True)
+class Arrival:
+    rank: int
+    op_id: int
+    conn: Connection
+    row: dict
+
+
+@dataclass(slots=True)
+class PendingCollective:
+    group: OpGroup
+    seq: int
+    api: str
+    kind: Collective
+    reduce: ReduceKind | None
+    root: int | None
+    first_t: float
+    contributions: list[list[torch.Tensor] | None]
+    arrivals: dict[int, Arrival] = field(default_factory=dict)
+    standins: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Folded capture: members' own buffers offered for an uncaptured broadcast root."""
+    locations: dict[int, tuple] | None = None
+    """Exchanged through shared memory: each contributing member's ``(rank, gen, descs)``."""
+
+
+@dataclass(slots=True)
+class Reads:
+    """An exchanged collective whose members are reading each other's regions."""
+    left: int
+    owners: list[tuple[Connection, int]]
+
+
+def describe(ranks: tuple[int, ...]) -> str:
+    return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"

@@ -1,0 +1,81 @@
+"""The coordinator's side of ``payload=none``: metadata rows of ops the ranks synthesized, and the
+broadcasts that keep their payload."""
+
+from __future__ import annotations
+
+import time
+
+from nccl_ext import wire
+from nccl_ext.ops import Collective
+from prism_launch.capture.ops_state import Arrival, PendingCollective
+
+
+class SynthesizedOps:
+    """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator`."""
+
+    def _on_meta(self, conn, header) -> None:
+        """A collective the rank synthesized: its event, no tensors, nothing to wait for."""
+        _, key, seq, api, kind, reduce, root, unit, t, wall, cpu, shapes, dtypes, nbytes = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        extra = {"kind": kind, "reduce": reduce, "root": root, "n": len(shapes), "shapes": shapes,
+                 "dtypes": dtypes, "digests": [], "synthesized": True}
+        row = self._row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None, extra)
+        row["dtype"], row["shape"], row["nbytes"] = (dtypes[0] if dtypes else ""), (shapes[0] if shapes else []), nbytes
+        self.ops_completed += 1
+
+    def _on_p2p_meta(self, conn, header) -> None:
+        kind, key, peer, tag, seq, unit, t, wall, cpu, shape, dtype, nbytes = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        op = "send" if kind == "psend" else "recv"
+        extra = {"tag": tag, "kind": op, "n": 1, "shapes": [shape], "dtypes": [dtype], "digests": [],
+                 "synthesized": True}
+        row = self._row(rank, unit, "p2p", op, group, seq, peer, None, t, t, wall, cpu, None, extra)
+        row["dtype"], row["shape"], row["nbytes"] = dtype, shape, nbytes
+        self.ops_completed += 1
+
+    def _on_carried_broadcast(self, conn, header, tensors) -> None:
+        """``payload=none``: a broadcast small enough to keep its payload. The root (or, when the
+        root is not captured, its stand-in) is answered at once; every other member when the
+        payload is here — so ranks that run one after another in rank order never wait for a
+        peer that has not started. Each receiver's result is stored for its emulation."""
+        _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
+        rank = self._rank_of[conn]
+        group = self._group(key)
+        grank = group.ranks.index(rank)
+        pc = self._collectives.get((key, seq))
+        if pc is None:
+            pc = PendingCollective(group, seq, api, Collective.BROADCAST, None, root, time.monotonic(),
+                                    [None] * len(group.ranks))
+            self._collectives[(key, seq)] = pc
+        contribution = list(tensors) if contributes is True else None
+        source = root if group.sources is None else group.ranks.index(group.sources[root])
+        if grank == root or (contributes == "standin" and grank == source):
+            pc.standins[-1] = list(tensors)  # the payload every receiver takes
+        extra = {"kind": kind, "reduce": None, "root": root, "n": len(contribution or ()),
+                 "shapes": [list(x.shape) for x in contribution or ()],
+                 "dtypes": [wire.dtype_name(x.dtype) for x in contribution or ()],
+                 "digests": [wire.digest(x) for x in contribution or ()], "carried": True}
+        row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu, None, extra)
+        self.scheduler.issued(rank, op_id)
+        pc.arrivals[grank] = Arrival(rank, op_id, conn, row)
+        payload = pc.standins.get(-1)
+        if payload is None:  # the members here wait for the root (or its stand-in): it should run next
+            self.scheduler.awaits(group.ranks[source] if group.sources is None else group.sources[root])
+            return
+        now = time.monotonic() - self.t0
+        for g, arrival in list(pc.arrivals.items()):
+            result = [] if g == root else payload
+            if g != root:
+                for i, x in enumerate(result):
+                    self.sink.record_tensor(arrival.rank, f"r/{group.id}/{seq}/{i}", x)
+            arrival.row["t_end"] = now
+            wire.send(arrival.conn, ("ok", arrival.op_id), result)
+            self.scheduler.answered(arrival.rank, arrival.op_id)
+            del pc.arrivals[g]
+            pc.contributions[g] = []  # answered
+        if all(c is not None for i, c in enumerate(pc.contributions) if self.fold is None or
+               self.fold.is_captured(group.ranks[i])):
+            del self._collectives[(key, seq)]
+            self.ops_completed += 1
