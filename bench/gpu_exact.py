@@ -26,14 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from gpu_lean import iteration_ms, need, prism  # noqa: E402
-from upstream import pretrain_gpt  # noqa: E402
+from upstream import MODEL_84M, pretrain_gpt  # noqa: E402
 
-MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
-         "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--bf16", "--lr", "1e-4",
-         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192", "--transformer-impl", "local",
-         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-         "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--log-interval", "1", "--eval-interval", "1000",
-         "--eval-iters", "1"]
+MODEL = MODEL_84M
 JOBS = {  # name: (parallel layout flags, model-parallel ranks per replica, steps, full trace's tensor bytes)
     "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4, 8, 14.6e9),
     # no tensor parallelism: megatron-core's local layer norm refuses sequence parallelism on CUDA,

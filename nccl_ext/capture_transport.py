@@ -209,7 +209,10 @@ class CaptureTransport:
         return p
 
     def returned(self) -> None:
-        self._clock.skip()  # the op's trip to the coordinator is not the program's compute
+        # on CUDA the op's trip to the coordinator is not the program's compute (NCCL enqueues and
+        # returns); on CPU it stays in the span, as in emulation (nccl_ext/spans.py:SpanRecorder)
+        if torch.cuda.is_initialized():
+            self._clock.skip()
 
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         """Record where the rank blocked on an op (or found it done) — the dependency the

@@ -63,6 +63,10 @@ class DeviceClock:
         self.seconds: list[float | None] = []
         """One per span so far (resolved at :meth:`resolve`)."""
 
+    def active(self) -> bool:
+        """Whether this process uses CUDA (its spans have a device timeline)."""
+        return self._torch.cuda.is_initialized()
+
     def _event(self):
         cuda = self._torch.cuda
         if not cuda.is_initialized():
@@ -136,9 +140,14 @@ class SpanRecorder:
             self.device.resume()
 
     def returned(self) -> None:
-        """An op call returns to the program: its handling was the op's time."""
-        self.clock.skip()
-        self.device.resume()
+        """An op call returns to the program. On CUDA its handling here was the op's time (the real
+        backend, NCCL, enqueues and returns; this layer's host path synchronizes and copies); on CPU
+        it stays in the span: a real gloo op is host work of the same kind on the same core, which
+        the network model's link time does not cover (two-rank dense CPU job: -18.4% mean error
+        with it left out, within 5% with it kept)."""
+        if self.device.active():
+            self.clock.skip()
+            self.device.resume()
 
     def step(self) -> None:
         self.device.resolve(block=False)  # the events the GPU has passed: a step's, not the run's

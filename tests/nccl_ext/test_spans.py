@@ -100,3 +100,22 @@ def test_calibration_takes_the_device_span_and_wall_time_where_there_is_none():
     assert [r["compute_wall_s"] for r in out.rows] == [0.002, 0.002]
     out = apply_spans(_Reader(rows), {0: [s[:3] for s in spans]}, Measure.device)  # an older summary
     assert [r["compute_wall_s"] for r in out.rows] == [0.002, 0.002]
+
+
+def test_an_ops_own_handling_leaves_the_span_on_cuda_only(monkeypatch):
+    from nccl_ext import spans as mod
+
+    now = [100.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(mod.time, "thread_time", lambda: now[0])
+    for cuda, want in ((False, 0.007), (True, 0.002)):
+        rec = mod.SpanRecorder()
+        gpu = _Gpu()
+        rec.device._torch = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda c=cuda: c,
+                                                                 Event=gpu.event_class()))
+        rec.lap("c")          # an op's entry
+        now[0] += 0.005       # this layer's handling of it
+        rec.returned()        # back to the program
+        now[0] += 0.002       # the program computes
+        rec.lap("c")
+        assert rec.host[-1][2] == pytest.approx(want)
