@@ -1,5 +1,7 @@
 """Rank side of capture: every op goes to the coordinator, which computes it from all
-members' real contributions and records it.
+members' real contributions and records it — except collectives of small groups whose members
+are all captured, which pass their data through the shared-memory exchange
+(:mod:`nccl_ext.exchange`: each member computes its own result; the coordinator gets locations).
 
 One reader thread per rank receives results (they may complete out of issue order:
 a pipeline stage's irecv from the next stage can finish before one from the previous)
