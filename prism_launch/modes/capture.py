@@ -186,10 +186,15 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
     authkey = os.urandom(16)
     exchange = exchange_dir(sock_dir, len(ranks)) if payload != "none" and ctx.cfg.capture.exchange else None
-    coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
-                        parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
-                        admission=admit, sink=writer,
-                        scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None, exchange=exchange)
+    try:
+        coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
+                            parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
+                            admission=admit, sink=writer,
+                            scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None, exchange=exchange)
+    except BaseException:
+        if exchange is not None:  # nothing else will remove it
+            shutil.rmtree(exchange, ignore_errors=True)
+        raise
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange))
