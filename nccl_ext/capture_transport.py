@@ -23,7 +23,7 @@ from multiprocessing.connection import Client
 
 import torch
 
-from nccl_ext import synth, wire
+from nccl_ext import mirrored, synth, wire
 from nccl_ext.exchange import Arena, PeerViews, detached
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute
@@ -36,6 +36,10 @@ EXCHANGE_MAX_MEMBERS = 8
 """Groups up to this size use the shared-memory exchange: each member folds every contribution
 itself (the coordinator's one fold done by each member, in parallel); larger groups — a data-parallel
 reduction of an unfolded capture — go through the coordinator, which folds once."""
+
+
+MIRROR_SCRATCH_BYTES = 16 << 20
+"""Slice buffer of a mirrored in-place reduction (:mod:`nccl_ext.mirrored`)."""
 
 
 class CaptureTransport:
@@ -72,6 +76,11 @@ class CaptureTransport:
         """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
         self._regions: dict[int, tuple] = {}
         """op id -> the arena region its contribution occupies until every member has read it."""
+        self._mirrored: set[str] = set()
+        """Keys of folded groups whose collectives this rank computes itself (the coordinator said
+        so: it is their only captured member and stands in for every other; :mod:`nccl_ext.mirrored`)."""
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self.mirrored_ops = 0
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()
@@ -127,6 +136,11 @@ class CaptureTransport:
         what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
         if self.synthesize and not synth.carried(call, self.carry_bytes):
             return self._synthesized(group, seq, call, what)
+        if not self._scratch and self._captured is not None and call.tensors and call.tensors[0].is_cuda:
+            # before the program's memory grows, so no peak is measured without it
+            self._scratch_on(call.tensors[0].device)
+        if group.key in self._mirrored and call.kind in mirrored.SUPPORTED:
+            return self._mirrored_op(group, seq, call, what)
         if self._exchange is not None and call.kind is not Collective.BARRIER and \
                 group.size <= EXCHANGE_MAX_MEMBERS and (self._captured is None or self._captured.issuperset(group.ranks)):
             return self._exchanged(group, seq, call, what)
@@ -178,6 +192,34 @@ class CaptureTransport:
         self._send(("xread", op_id))
         if p is not None:
             p.complete(out)
+
+    def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
+        """A folded group's collective whose every member contributes this rank's data: computed
+        here with the coordinator's arithmetic (:mod:`nccl_ext.mirrored`); the coordinator gets
+        the event's metadata (the trace keeps no tensor of a non-sandbox rank's folded op)."""
+        t, wall, cpu = self._span()
+        mine = call.tensors or ()
+        device = next((x.device for x in (*mine, *(call.outputs or ()))), torch.device("cpu"))
+        out = mirrored.results(call, group.size, group.group_rank(self.rank), self._scratch_on(device))
+        self._send(("lcoll", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
+                    call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
+                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine)))
+        self.mirrored_ops += 1
+        return Pending.done(what, out)
+
+    def _scratch_on(self, device: torch.device) -> torch.Tensor:
+        """The slice buffer of in-place mirrored reductions on ``device``: outside the program's
+        memory figures (host: untracked; device: published like the device path's pool)."""
+        buf = self._scratch.get(device)
+        if buf is None:
+            if device.type == "cpu":
+                buf = wire.untracked_empty((MIRROR_SCRATCH_BYTES,), torch.uint8)
+            else:
+                from nccl_ext.device_path.pool import allocate_outside
+
+                buf = allocate_outside(device, MIRROR_SCRATCH_BYTES)
+            self._scratch[device] = buf
+        return buf
 
     def _synthesized(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
         t, wall, cpu = self._span()
@@ -270,6 +312,9 @@ class CaptureTransport:
                     self._go.release()
                     continue
                 if kind == "alive":
+                    continue
+                if kind == "mirror":
+                    self._mirrored.add(header[1])
                     continue
                 if kind == "xok":
                     self._compute_exchanged(header[1], header[2])

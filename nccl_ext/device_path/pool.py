@@ -41,6 +41,16 @@ def charged_size(nbytes: int) -> int:
     return -(-nbytes // _SEGMENT) * _SEGMENT
 
 
+def allocate_outside(device: torch.device, nbytes: int) -> torch.Tensor:
+    """A further buffer of ``nbytes`` on the CUDA ``device`` left out of the program's memory
+    figures like the pool (its charged size is added to :func:`pool_bytes`)."""
+    capacity = charged_size(nbytes)
+    buf = torch.empty(capacity, dtype=torch.uint8, device=device)
+    key = str(device)
+    _POOL_BYTES[key] = _POOL_BYTES.get(key, 0) + capacity
+    return buf
+
+
 def allocate(device: torch.device, capacity: int, memory_limit_bytes: int = 0) -> torch.Tensor:
     """A pool of ``capacity`` bytes on ``device``, outside what the program is charged for; a
     memory cap of the target GPU (``memory_limit_bytes``, 0: none) is widened by it first so the

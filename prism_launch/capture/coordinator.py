@@ -191,6 +191,8 @@ class Coordinator(SynthesizedOps):
                         if not is_replicated(desc, ranks, self.world_size, self.fold.replicated):
                             self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
                 self._groups[key] = g
+                if self._mirrored(g) == self._rank_of[conn]:
+                    wire.send(conn, ("mirror", key))
         elif kind == "xcoll":
             loc = header[-1]
             rank = self._rank_of[conn]
@@ -205,6 +207,8 @@ class Coordinator(SynthesizedOps):
                 self._on_collective(conn, header, tensors)
         elif kind == "meta":
             self._on_meta(conn, header)
+        elif kind == "lcoll":
+            self._on_meta(conn, header, mirrored=True)
         elif kind in ("psend", "precv"):
             self._on_p2p_meta(conn, header)
         elif kind == "send":
@@ -231,6 +235,18 @@ class Coordinator(SynthesizedOps):
         elif kind == "bye":
             self.finished.add(header[1])
             self.scheduler.gone(header[1])
+
+    def _mirrored(self, g: OpGroup) -> int | None:
+        """The rank that computes ``g``'s collectives itself (:mod:`nccl_ext.mirrored`): in a
+        sandbox-scoped trace, a folded group's only captured member when it stands in for every
+        other member and is not a sandbox rank (the trace keeps nothing of its ops on the group:
+        no contribution, no result, no digest), else None."""
+        if self.scope is None or self.payload == "none" or g.sources is None or len(g.ranks) < 2:
+            return None
+        first = g.sources[0]
+        if any(s != first for s in g.sources) or first in self.scope:
+            return None
+        return first
 
     def _row(self, rank, unit, kind, op, group, seq, peer, tensors, t_start, t_end, wall, cpu, key, extra) -> dict:
         idx = self._next_idx[rank]

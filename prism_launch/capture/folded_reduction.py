@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import torch
 
+from nccl_ext.mirrored import EXACT_FOLD_MAX, weighted
 from nccl_ext.ops import Collective, ReduceKind, fold
 
-EXACT_FOLD_MAX = 64
-"""Folded groups up to this size reduce member by member, exactly as a full capture would (so
-a folded capture equals the full one when replicas contribute equal tensors); larger ones add
-each stand-in's contribution once, scaled by how many members it stands in for — O(captured)
-work instead of O(data-parallel size), at the cost of rounding differently."""
+__all__ = ["EXACT_FOLD_MAX", "weighted_reduction"]
 
 
 def weighted_reduction(pc, group) -> list | None:
     """SUM/AVG reductions of a large folded group: captured members' contributions in group order,
     then each stand-in's contribution times the number of uncaptured members it stands for."""
-    if pc.kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) \
-            or pc.reduce not in (ReduceKind.SUM, ReduceKind.AVG):
-        return None
     n = len(group.ranks)
+    if pc.kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) or not weighted(pc.reduce, n):
+        return None
     index = {r: i for i, r in enumerate(group.ranks)}
     counts: dict[int, int] = {}
     for i, c in enumerate(pc.contributions):

@@ -13,13 +13,15 @@ from prism_launch.capture.ops_state import Arrival, PendingCollective
 class SynthesizedOps:
     """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator`."""
 
-    def _on_meta(self, conn, header) -> None:
-        """A collective the rank synthesized: its event, no tensors, nothing to wait for."""
+    def _on_meta(self, conn, header, mirrored: bool = False) -> None:
+        """A collective the rank synthesized, or computed itself as a folded group's only captured
+        member (``mirrored``: every other member contributes its data, :mod:`nccl_ext.mirrored`):
+        its event, no tensors, nothing to wait for."""
         _, key, seq, api, kind, reduce, root, unit, t, wall, cpu, shapes, dtypes, nbytes = header
         rank = self._rank_of[conn]
         group = self._group(key)
         extra = {"kind": kind, "reduce": reduce, "root": root, "n": len(shapes), "shapes": shapes,
-                 "dtypes": dtypes, "digests": [], "synthesized": True}
+                 "dtypes": dtypes, "digests": [], "mirrored" if mirrored else "synthesized": True}
         row = self._row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None, extra)
         row["dtype"], row["shape"], row["nbytes"] = (dtypes[0] if dtypes else ""), (shapes[0] if shapes else []), nbytes
         self.ops_completed += 1
