@@ -2,14 +2,15 @@
 against predicted, interleaved and repeated. Run on the H200 from the repository root:
 
     source .mlm/activate.sh
-    python bench/gpu_fidelity.py --pairs 5 --iters 8 --cluster h200_ib --out gpu_fidelity.json
+    python bench/gpu_fidelity.py --pairs 3 --iters 20 --cluster h200_ib --out gpu_fidelity.json
 
-(``--cases dense-s1024-m1,moe-s1024-m1`` picks cases; ``--dp 8`` sizes the data-parallel
-prediction; ``--budget-s`` keeps the whole run inside one device command: no pair starts that
-would end past it, and the rows so far are written to ``--out`` after every pair.) For each case
-— dense and MoE (EP1), sequence lengths 512 and 1024, one and four micro-batches per step — it
-records the job once (``mode=capture``, world 1) and runs ``--pairs`` pairs, alternating which
-run goes first, of
+(``--cases`` picks cases, default a 1.6B-parameter model's dense and MoE (EP1) jobs at two
+sequence lengths and micro-batch counts, whose step is the GPU's; the 84M model's cases —
+``dense-s1024-m1`` and the like — are the host's step on the H200; ``--dp 8`` sizes the
+data-parallel prediction; ``--budget-s`` keeps the whole run inside one device command: no pair
+starts that would end past it, and the rows so far are written to ``--out`` after every pair.)
+For each case it records the job once (``mode=capture``, world 1, ``capture.payload=none``)
+and runs ``--pairs`` pairs, alternating which run goes first, of
 
 * ``real``: ``prism-launch --nproc-per-node 1 mode=real device=cuda pretrain_gpt.py ...``:
   Megatron's ``elapsed time per iteration (ms)`` (median of the iterations after the first)
@@ -18,6 +19,8 @@ run goes first, of
   alone on the GPU, its compute spans measured), then the global replay the report runs
   (``prism_launch.predict.prediction.predict``) on ``--cluster``: the predicted iteration time
   (compute only: no peer) and rank 0's predicted peak, a virtual rank's (from the capture);
+  beside it the calibrating run's own Megatron step, which tells a span that missed time from
+  a calibrating run slower than the job;
 
 and for ``--dp-cases`` the same job as rank 0 of a ``--dp``-way data-parallel world (global
 batch scaled by ``--dp``; the other ranks virtual), whose prediction adds the cost model's
@@ -61,23 +64,48 @@ BASE = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "
 # under torchrun: "Output 0 of _ReduceFromModelParallelRegionBackward is a view ...")
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "1", "--disable-bias-linear"]
 MICRO_BATCH = 2
+# a 1.6B-parameter GPT (8 layers, hidden 4096) whose step is the GPU's: the 84M model's step on
+# the H200 is the host's (Python launching ~3 ms of kernels in ~30 ms), so it moves with the host's
+# speed from one run to the next (22 to 34 ms medians of the same job); MoE experts get FFN 4096
+# (4 experts, top 2) to stay the same size
+
+
+def _replaced(flags: list[str], values: dict[str, str]) -> list[str]:
+    """``flags`` with the values of the options in ``values`` replaced."""
+    out = list(flags)
+    for opt, v in values.items():
+        out[out.index(opt) + 1] = v
+    return out
+
+
+BIG = _replaced(BASE, {"--num-layers": "8", "--hidden-size": "4096", "--num-attention-heads": "32",
+                       "--max-position-embeddings": "2048"})
+DEFAULT_CASES = ("1.6b-dense-s2048-m1", "1.6b-moe-s2048-m1", "1.6b-dense-s1024-m2")
+CAPTURE_PAYLOAD = "none"
+"""World 1 has no peer whose data a sandbox reads: the capture keeps no tensor and copies none to the host."""
+MODELS = {"84m": (BASE, MICRO_BATCH, []), "1.6b": (BIG, 4, ["--ffn-hidden-size", "4096"])}
+"""model: (flags, micro-batch size, extra flags of its MoE case)."""
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def cases() -> dict[str, dict]:
-    """Every case by name: ``<dense|moe>-s<seq>-m<micro-batches per step>``."""
+    """Every case by name: ``[1.6b-]<dense|moe>-s<seq>-m<micro-batches per step>`` (no prefix:
+    the 84M model)."""
     out = {}
-    for kind in ("dense", "moe"):
-        for seq in (512, 1024):
-            for micro in (1, 4):
-                out[f"{kind}-s{seq}-m{micro}"] = {"kind": kind, "seq": seq, "micro": micro}
+    for model, seqs in (("84m", (512, 1024)), ("1.6b", (1024, 2048))):
+        for kind in ("dense", "moe"):
+            for seq in seqs:
+                for micro in (1, 2, 4):
+                    name = f"{kind}-s{seq}-m{micro}" if model == "84m" else f"{model}-{kind}-s{seq}-m{micro}"
+                    out[name] = {"model": model, "kind": kind, "seq": seq, "micro": micro}
     return out
 
 
 def job_args(case: dict, iters: int, dp: int = 1) -> list[str]:
     """``pretrain_gpt.py``'s arguments for ``case`` as a ``dp``-way data-parallel job."""
-    return [*BASE, *(MOE if case["kind"] == "moe" else []), "--seq-length", str(case["seq"]),
-            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH * case["micro"] * dp),
+    flags, mbs, moe_extra = MODELS[case.get("model", "84m")]
+    return [*flags, *([*MOE, *moe_extra] if case["kind"] == "moe" else []), "--seq-length", str(case["seq"]),
+            "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * case["micro"] * dp),
             "--train-iters", str(iters)]
 
 
@@ -110,16 +138,17 @@ def capture(script: Path, job: list, trace: Path, nproc: int = 1) -> None:
     """The case's trace, recorded once: every pair calibrates it again (the measurement a
     prediction's compute comes from), so a pair costs a real run and a calibration."""
     _prism(["--nproc-per-node", str(nproc), "--log-dir", trace.parent / "capture-logs", "mode=capture",
-            "device=cuda", f"trace.dir={trace}", "sandbox.ranks=[0]",
+            "device=cuda", f"trace.dir={trace}", "sandbox.ranks=[0]", f"capture.payload={CAPTURE_PAYLOAD}",
             *(["capture.fold=true"] if nproc > 1 else []), script, *job], trace.parent)
 
 
-def calibrated_prediction(script: Path, job: list, trace: Path, cluster: str, nproc: int = 1) -> dict:
+def calibrated_prediction(script: Path, job: list, trace: Path, cluster: str, nproc: int = 1, logs: Path | None = None) -> dict:
     """``mode=calibrate`` (one rank per GPU) into a fresh ``<trace>/calibrated``, then the global
     replay the report runs (:func:`prism_launch.predict.prediction.predict`) on ``cluster``:
     predicted iteration time, and rank 0's predicted peak — a virtual rank's, from the capture."""
     shutil.rmtree(trace / "calibrated", ignore_errors=True)
-    _prism(["--nproc-per-node", str(nproc), "--log-dir", trace.parent / "calibrate-logs", "mode=calibrate",
+    logs = logs or trace.parent / "calibrate-logs"
+    _prism(["--nproc-per-node", str(nproc), "--log-dir", logs, "mode=calibrate",
             "device=cuda", f"trace.dir={trace}", "sandbox.ranks=[0]", script, *job], trace.parent)
     from prism_launch.config.root import compose, resolve
     from prism_launch.predict.prediction import predict
@@ -131,6 +160,12 @@ def calibrated_prediction(script: Path, job: list, trace: Path, cluster: str, np
               if m.get("peak_bytes") is not None}
     out = predict(cfg, bare, TraceLayout(trace), [0], memory)
     out.pop("replay", None)
+    # the calibrating run's own step (Megatron's log): where the prediction and the real run part
+    text = "".join(p.read_text() for p in sorted(logs.rglob("stdout.log")))
+    try:
+        out["calibrating_run_step_s"] = iteration_s(text)
+    except ValueError:
+        out["calibrating_run_step_s"] = None
     return out
 
 
@@ -138,7 +173,7 @@ def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: 
              deadline: float, record) -> dict | None:
     case = cases()[name]
     work = Path(tempfile.mkdtemp(prefix=f"prism-gpu-fidelity-{name}-"))
-    job, out, method, took = job_args(case, iters), [], None, []
+    job, out, method, took, cal_runs = job_args(case, iters), [], None, [], []
     trace = work / "trace"
     try:
         t0 = time.monotonic()
@@ -150,9 +185,10 @@ def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: 
                 break
             t1 = time.monotonic()
 
-            def pred():
-                rep = calibrated_prediction(script, job, trace, cluster)
+            def pred(i=i):
+                rep = calibrated_prediction(script, job, trace, cluster, logs=work / f"calibrate{i}")
                 peaks = {int(r): v["peak_memory_bytes"] for r, v in rep["ranks"].items() if v.get("peak_memory_bytes")}
+                cal_runs.append(rep["calibrating_run_step_s"])
                 return rep["predicted"]["iteration_time_s"], peaks, rep["predicted"]
 
             runs = [("real", lambda i=i: real(script, job, work / f"real{i}")), ("pred", pred)]
@@ -162,7 +198,8 @@ def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: 
             took.append(time.monotonic() - t1)
             print(f"  {name} pair {i + 1}/{pairs} ({'real first' if i % 2 == 0 else 'prediction first'}, "
                   f"{took[-1]:.0f}s): real {out[-1].real_step_s * 1e3:.2f} ms, predicted "
-                  f"{out[-1].predicted_step_s * 1e3:.2f} ms ({out[-1].time_error_pct:+.2f}%), memory "
+                  f"{out[-1].predicted_step_s * 1e3:.2f} ms ({out[-1].time_error_pct:+.2f}%; the calibrating run's own step "
+                  f"{_ms(cal_runs[-1])}), memory "
                   f"{out[-1].memory_error_pct:.4f}%; {load()}", flush=True)
             record(name, out)
         dp_s = None
@@ -181,6 +218,10 @@ def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: 
                      dp_world=dp if dp_s is not None else None, dp_predicted_ms=None if dp_s is None else dp_s * 1e3)
 
 
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.2f} ms"
+
+
 def _method(pred: dict) -> str:
     cal = pred.get("calibration") or {}
     return f"{pred.get('compute_source')}: {cal.get('slices')} slice(s), {cal.get('method')}"
@@ -196,7 +237,7 @@ def dp_failures(rows: list[dict]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default=",".join(cases()))
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES))
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--cluster", default="h200_ib")

@@ -46,7 +46,10 @@ def test_gpu_harness_cases_arguments_and_log_parsing():
     import gpu_fidelity as g
 
     cs = g.cases()
-    assert len(cs) == 8 and {"dense-s512-m1", "moe-s1024-m4"} <= set(cs)
+    assert len(cs) == 24 and {"dense-s512-m1", "moe-s1024-m4", *g.DEFAULT_CASES} <= set(cs)
+    big = g.job_args(cs["1.6b-moe-s2048-m1"], iters=6)
+    assert big[big.index("--hidden-size") + 1] == "4096" and big[big.index("--num-layers") + 1] == "8"
+    assert big[big.index("--ffn-hidden-size") + 1] == "4096" and big.count("--hidden-size") == 1
     args = g.job_args(cs["moe-s1024-m4"], iters=6, dp=8)
     assert args[args.index("--global-batch-size") + 1] == str(g.MICRO_BATCH * 4 * 8)
     assert args[args.index("--seq-length") + 1] == "1024" and "--num-experts" in args
