@@ -46,6 +46,18 @@ def median_after_first(xs: list[float]) -> float | None:
     return statistics.median(xs[1:]) if len(xs) > 1 else None
 
 
+def blocked_seconds(trace: Path) -> dict[int, float]:
+    """Each captured rank's seconds blocked in waits on its ops (the trace's ``wait`` events)."""
+    from prism_launch.trace import TraceReader
+
+    out: dict[int, float] = {}
+    for row in TraceReader(trace).events().to_pylist():
+        if row["kind"] == "wait" and row["extra"]:
+            b = json.loads(row["extra"]).get("blocked_s")
+            out[row["rank"]] = round(out.get(row["rank"], 0.0) + (b or 0.0), 3)
+    return out
+
+
 def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float) -> dict:
     layout, mp, steps, full_bytes = JOBS[name]
     dp = world // mp
@@ -65,7 +77,8 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         stats = json.loads((trace / "capture.json").read_text())
         res["captured_ranks"] = len(json.loads((trace / "manifest.json").read_text())["ranks_captured"])
         res["capture_stats"] = {k: stats.get(k) for k in ("wall_s", "slots", "max_running", "resumes",
-                                                          "launcher_peak_rss_bytes", "coordinator_busy_s")}
+                                                          "launcher_peak_rss_bytes", "coordinator_busy_s", "rank_busy_s")}
+        res["blocked_s"] = blocked_seconds(trace)
         logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
         res["capture_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
         _r, res["emulate_s"] = prism([*base, "--log-dir", work / "emu-logs", "mode=emulate",
@@ -98,6 +111,7 @@ def show(r: dict) -> list[str]:
           f"{[round(x) for x in r['capture_ms_per_iteration']]} ms, in emulation "
           f"{[round(x) for x in r['emulate_ms_per_iteration']]} ms; capture / job step (medians after the first) "
           f"{'-' if ratio is None else f'{ratio:.1f}x'}")
+    print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
     print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
           f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
           f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "

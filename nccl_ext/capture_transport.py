@@ -81,6 +81,9 @@ class CaptureTransport:
         so: it is their only captured member and stands in for every other; :mod:`nccl_ext.mirrored`)."""
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.mirrored_ops = 0
+        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0}
+        """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
+        close; ``capture.json``'s ``rank_busy_s``): where a capture's time goes on the rank side."""
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()
@@ -115,8 +118,10 @@ class CaptureTransport:
 
     # -- sending --------------------------------------------------------------------------
     def _send(self, header, tensors=()) -> None:
+        t0 = time.perf_counter()
         with self._send_lock:
             wire.send(self._conn, header, list(tensors))
+        self.busy_s["send"] += time.perf_counter() - t0
 
     def _span(self, until: float | None = None) -> tuple[float, float, float]:
         return self._clock.lap(until)
@@ -166,7 +171,9 @@ class CaptureTransport:
             self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
         location = None
         if call.tensors is not None:
+            t0 = time.perf_counter()
             gen, descs, self._regions[op_id] = self._arena.put(list(call.tensors))
+            self.busy_s["stage"] += time.perf_counter() - t0
             location = (gen, descs)
         self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank))
         self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
@@ -180,10 +187,12 @@ class CaptureTransport:
         kind, reduce, root, me = self._xops.pop(op_id)
         with self._pending_lock:
             p = self._pending.pop(op_id, None)
+        t0 = time.perf_counter()
         try:
             out = compute(kind, [self._peers.views(loc) for loc in locations], reduce=reduce, root=root)[me]
             if kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
                 out = [detached(x) for x in out]  # pieces of the peers' regions, which are about to be freed
+            self.busy_s["exchange_compute"] += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
             self._send(("xread", op_id))
             if p is not None:
@@ -200,7 +209,9 @@ class CaptureTransport:
         t, wall, cpu = self._span()
         mine = call.tensors or ()
         device = next((x.device for x in (*mine, *(call.outputs or ()))), torch.device("cpu"))
+        t0 = time.perf_counter()
         out = mirrored.results(call, group.size, group.group_rank(self.rank), self._scratch_on(device))
+        self.busy_s["mirror_compute"] += time.perf_counter() - t0
         self._send(("lcoll", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
                     call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
                     [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine)))
@@ -280,6 +291,8 @@ class CaptureTransport:
             return
         self._closed.set()
         try:
+            self._send(("stats", self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
+                                             **{k: round(v, 3) for k, v in self.busy_s.items()}}))
             self._send(("bye", self.rank))
         except OSError:
             pass

@@ -106,6 +106,8 @@ class Coordinator(SynthesizedOps):
         self.busy_s = {"receive": 0.0, "digest": 0.0, "compute": 0.0, "reply": 0.0, "record": 0.0}
         """The coordinator's own seconds by activity (one thread: what a capture waits on when
         every op passes through it)."""
+        self.rank_busy_s: dict[int, dict] = {}
+        """Each rank's own seconds by activity (``CaptureTransport.busy_s``, sent at its close)."""
         self._accepting = True
         self._acceptor = threading.Thread(target=self._accept_loop, name="prism-coordinator-accept", daemon=True)
 
@@ -232,6 +234,8 @@ class Coordinator(SynthesizedOps):
             self.memory[header[1]] = header[2]
             if self.scheduler.admission is not None:
                 self.scheduler.admission.report(header[1], header[2])
+        elif kind == "stats":
+            self.rank_busy_s[header[1]] = header[2]
         elif kind == "bye":
             self.finished.add(header[1])
             self.scheduler.gone(header[1])

@@ -236,7 +236,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
              "admission": admit.to_dict() if admit is not None else None,
              "launcher_peak_rss_bytes": _peak_rss(), "tensor_bytes": coord.bytes_recorded,
              "tensor_bytes_stored": tensors["stored_bytes"], "tensor_bytes_peak_pending": tensors["peak_pending_bytes"],
-             "coordinator_busy_s": {k: round(v, 3) for k, v in coord.busy_s.items()}}
+             "coordinator_busy_s": {k: round(v, 3) for k, v in coord.busy_s.items()},
+             "rank_busy_s": {str(r): v for r, v in sorted(coord.rank_busy_s.items())}}
     program = ctx.program
     writer.add_events(coord.events)
     writer.write_json(TraceLayout.STEPS, {str(r): s for r, s in steps.items()})
