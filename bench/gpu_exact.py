@@ -77,7 +77,8 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         stats = json.loads((trace / "capture.json").read_text())
         res["captured_ranks"] = len(json.loads((trace / "manifest.json").read_text())["ranks_captured"])
         res["capture_stats"] = {k: stats.get(k) for k in ("wall_s", "slots", "max_running", "resumes",
-                                                          "launcher_peak_rss_bytes", "coordinator_busy_s", "rank_busy_s")}
+                                                          "launcher_peak_rss_bytes", "coordinator_busy_s", "writer_busy_s",
+                                                          "coordinator_waited_for_writer_s", "rank_busy_s")}
         res["blocked_s"] = blocked_seconds(trace)
         logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
         res["capture_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []

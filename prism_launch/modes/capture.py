@@ -181,15 +181,17 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     """Run the captured ranks against a coordinator that streams their tensors into ``writer``,
     then commit it (an exception leaves the writer to discard its staging directory)."""
     from prism_launch.capture.coordinator import CaptureError, Coordinator, PayloadBudgetError
+    from prism_launch.capture.sink import BackgroundSink
 
     ws = ctx.topo.world_size
+    sink = BackgroundSink(writer)
     sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
     authkey = os.urandom(16)
     exchange = exchange_dir(sock_dir, len(ranks)) if payload != "none" and ctx.cfg.capture.exchange else None
     try:
         coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
                             parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
-                            admission=admit, sink=writer,
+                            admission=admit, sink=sink,
                             scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None, exchange=exchange)
     except BaseException:
         if exchange is not None:  # nothing else will remove it
@@ -218,7 +220,9 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         left = coord.unfinished()
         if left:
             raise RunFailedError(f"capture incomplete: {left}")
+        sink.close()
     finally:
+        sink.close(discard=True)  # after a failure: drop what still waits (the writer is discarded)
         monitor.close()
         coord.close()
         if exchange is not None:
@@ -237,7 +241,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
              "launcher_peak_rss_bytes": _peak_rss(), "tensor_bytes": coord.bytes_recorded,
              "tensor_bytes_stored": tensors["stored_bytes"], "tensor_bytes_peak_pending": tensors["peak_pending_bytes"],
              "coordinator_busy_s": {k: round(v, 3) for k, v in coord.busy_s.items()},
-             "rank_busy_s": {str(r): v for r, v in sorted(coord.rank_busy_s.items())}}
+             "rank_busy_s": {str(r): v for r, v in sorted(coord.rank_busy_s.items())},
+             "writer_busy_s": round(sink.busy_s, 3), "coordinator_waited_for_writer_s": round(sink.waited_s, 3)}
     program = ctx.program
     writer.add_events(coord.events)
     writer.write_json(TraceLayout.STEPS, {str(r): s for r, s in steps.items()})

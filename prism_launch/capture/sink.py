@@ -1,0 +1,100 @@
+"""Recording off the coordinator's thread: the trace writer's per-tensor work (its content hash
+over every byte, the spill files' writes) runs on a thread of its own, so the coordinator goes
+on answering ranks while the last op's tensors are hashed and written. Both release the
+interpreter for large buffers, so the two threads do overlap.
+
+The tensors waiting are bounded (:data:`PENDING_BYTES`): past it :meth:`BackgroundSink.record_tensor`
+waits for the writer, so the launcher's memory stays bounded however fast ranks produce. A
+failure of the writer (a full disk: :class:`~prism_launch.trace.errors.TraceSpaceError`) is
+raised on the coordinator's thread by the next record, or by :meth:`BackgroundSink.close`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+PENDING_BYTES = 256 << 20
+"""Tensor bytes handed over but not yet taken by the writer, at most (one larger tensor may pass
+alone)."""
+
+
+class BackgroundSink:
+    """Hands ``record_tensor(rank, key, tensor)`` to ``writer`` on a worker thread, started on the
+    first record (after the rank processes were forked: no thread exists at fork)."""
+
+    def __init__(self, writer, pending_bytes: int = PENDING_BYTES):
+        self.writer = writer
+        self.pending_bytes_max = int(pending_bytes)
+        self._queue: deque[tuple[int, str, torch.Tensor]] = deque()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._closing = False
+        self._discard = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.busy_s = 0.0
+        """The worker's seconds in the writer."""
+        self.waited_s = 0.0
+        """Seconds the coordinator waited for room (the writer's pace bounded the capture's)."""
+
+    def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._cond:
+            self._raise_error()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="prism-trace-writer", daemon=True)
+                self._thread.start()
+            t0 = time.perf_counter()
+            while self._pending and self._pending + nbytes > self.pending_bytes_max and self._error is None:
+                self._cond.wait(0.5)
+            self.waited_s += time.perf_counter() - t0
+            self._raise_error()
+            self._queue.append((rank, key, tensor))
+            self._pending += nbytes
+            self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue or self._discard:
+                    return
+                rank, key, tensor = self._queue.popleft()  # its bytes stay pending until written
+            t0 = time.perf_counter()
+            try:
+                self.writer.record_tensor(rank, key, tensor)
+            except BaseException as e:  # noqa: BLE001 - raised on the coordinator's thread
+                with self._cond:
+                    self._error = e
+                    self._queue.clear()
+                    self._pending = 0
+                    self._cond.notify_all()
+                return
+            self.busy_s += time.perf_counter() - t0
+            with self._cond:
+                self._pending = max(0, self._pending - tensor.numel() * tensor.element_size())
+                self._cond.notify_all()
+
+    def close(self, discard: bool = False) -> None:
+        """Wait until the writer has every tensor (``discard``: drop those still waiting, the
+        capture failed), end the worker; raises the writer's failure, if any (not when discarding)."""
+        with self._cond:
+            self._closing = True
+            self._discard = discard
+            if discard:
+                self._queue.clear()
+                self._pending = 0
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if not discard:
+            self._raise_error()

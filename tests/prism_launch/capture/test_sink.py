@@ -1,0 +1,79 @@
+"""The coordinator's tensors reach the trace writer on a thread of their own: all of them, in
+order, with the bytes waiting bounded; a writer failure is raised on the coordinator's side;
+a failed capture drops what still waits."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from prism_launch.capture.sink import BackgroundSink
+from prism_launch.trace import TraceReader, TraceWriter
+from prism_launch.trace.errors import TraceSpaceError
+
+
+class SlowWriter:
+    def __init__(self, delay=0.0, fail_at=None):
+        self.got, self.delay, self.fail_at = [], delay, fail_at
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def record_tensor(self, rank, key, tensor):
+        self.gate.wait()
+        time.sleep(self.delay)
+        if self.fail_at is not None and len(self.got) == self.fail_at:
+            raise TraceSpaceError("/x", 1 << 20, 0, during=True)
+        self.got.append((rank, key, tensor))
+
+
+def test_every_tensor_arrives_in_order_into_a_real_trace(tmp_path):
+    with TraceWriter(tmp_path / "t") as w:
+        sink = BackgroundSink(w)
+        want = {f"k{i}": torch.full((1000,), float(i)) for i in range(50)}
+        for k, t in want.items():
+            sink.record_tensor(3, k, t)
+        sink.close()
+        w.add_events([{"rank": 3, "idx": 0, "unit": 0, "kind": "marker", "op": "step", "group": -1, "seq": -1,
+                       "peer": -1, "t_start": 0.0, "t_end": 0.0}])
+        w.commit(fingerprint={"f": "1"}, versions={}, world_size=4, topology={}, groups=[], ranks_captured=[3])
+    r = TraceReader(tmp_path / "t")
+    assert all(torch.equal(r.tensor(3, k), t) for k, t in want.items())
+
+
+def test_waiting_bytes_are_bounded_and_the_coordinator_waits_for_room():
+    w = SlowWriter()
+    w.gate.clear()  # the writer is stuck: the sink fills up to its bound, then record waits
+    sink = BackgroundSink(w, pending_bytes=4000)
+    sink.record_tensor(0, "a", torch.zeros(500))  # 2000 B
+    sink.record_tensor(0, "b", torch.zeros(500))  # 4000 B: at the bound
+    done = threading.Event()
+    threading.Thread(target=lambda: (sink.record_tensor(0, "c", torch.zeros(500)), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # no room: waits for the writer
+    w.gate.set()
+    assert done.wait(5)
+    sink.close()
+    assert [k for _, k, _ in w.got] == ["a", "b", "c"] and sink.waited_s > 0.2
+
+
+def test_a_writer_failure_is_raised_on_the_coordinators_side():
+    sink = BackgroundSink(SlowWriter(fail_at=1))
+    sink.record_tensor(0, "a", torch.zeros(4))
+    sink.record_tensor(0, "b", torch.zeros(4))
+    deadline = time.monotonic() + 5
+    with pytest.raises(TraceSpaceError, match="disk filled up"):
+        while time.monotonic() < deadline:
+            sink.record_tensor(0, "c", torch.zeros(4))
+            time.sleep(0.01)
+    with pytest.raises(TraceSpaceError):
+        sink.close()
+
+
+def test_a_failed_capture_drops_what_waits():
+    w = SlowWriter(delay=0.05)
+    sink = BackgroundSink(w)
+    for i in range(40):
+        sink.record_tensor(0, f"k{i}", torch.zeros(4))
+    t0 = time.monotonic()
+    sink.close(discard=True)
+    assert time.monotonic() - t0 < 1.0 and len(w.got) < 40
