@@ -76,9 +76,11 @@ class CaptureTransport:
         """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
         self._regions: dict[int, tuple] = {}
         """op id -> the arena region its contribution occupies until every member has read it."""
-        self._mirrored: set[str] = set()
+        self._mirrored: dict[str, bool] = {}
         """Keys of folded groups whose collectives this rank computes itself (the coordinator said
-        so: it is their only captured member and stands in for every other; :mod:`nccl_ext.mirrored`)."""
+        so: it is their only captured member and stands in for every other; :mod:`nccl_ext.mirrored`)
+        -> whether the trace keeps its data of them (a sandbox rank's: its contribution's digest,
+        its result), which then goes through the exchange."""
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.mirrored_ops = 0
         self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0}
@@ -144,8 +146,9 @@ class CaptureTransport:
         if not self._scratch and self._captured is not None and call.tensors and call.tensors[0].is_cuda:
             # before the program's memory grows, so no peak is measured without it
             self._scratch_on(call.tensors[0].device)
-        if group.key in self._mirrored and call.kind in mirrored.SUPPORTED:
-            return self._mirrored_op(group, seq, call, what)
+        keep = self._mirrored.get(group.key)
+        if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
+            return self._mirrored_op(group, seq, call, what, keep)
         if self._exchange is not None and call.kind is not Collective.BARRIER and \
                 group.size <= EXCHANGE_MAX_MEMBERS and (self._captured is None or self._captured.issuperset(group.ranks)):
             return self._exchanged(group, seq, call, what)
@@ -202,19 +205,49 @@ class CaptureTransport:
         if p is not None:
             p.complete(out)
 
-    def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
+    def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, keep: bool) -> Pending:
         """A folded group's collective whose every member contributes this rank's data: computed
         here with the coordinator's arithmetic (:mod:`nccl_ext.mirrored`); the coordinator gets
-        the event's metadata (the trace keeps no tensor of a non-sandbox rank's folded op)."""
+        the event's metadata, and where the trace keeps this rank's data (``keep``: a sandbox
+        rank) where its contribution (staged before an in-place reduction changes it) and its
+        result lie in the arena; the regions are freed when the coordinator has read them."""
         t, wall, cpu = self._span()
         mine = call.tensors or ()
-        device = next((x.device for x in (*mine, *(call.outputs or ()))), torch.device("cpu"))
+        device = next((x.device for x in (*mine, *(call.outputs or ()), *(call.standin or ()))), torch.device("cpu"))
+        kept = None
+        if keep:
+            if self._arena is None:
+                self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+            with self._pending_lock:
+                op_id = self._next_id
+                self._next_id += 1
+            t0 = time.perf_counter()
+            regions, contribution = [], None
+            if mine:
+                gen, descs, region = self._arena.put(list(mine))
+                regions.append(region)
+                contribution = (gen, descs)
+            self.busy_s["stage"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         out = mirrored.results(call, group.size, group.group_rank(self.rank), self._scratch_on(device))
         self.busy_s["mirror_compute"] += time.perf_counter() - t0
+        if keep:
+            t0 = time.perf_counter()
+            by_id = {id(x): i for i, x in enumerate(mine)}
+            if call.kind in (Collective.ALL_GATHER, Collective.ALL_TO_ALL):  # pieces of the contribution
+                result = ("c", [by_id[id(x)] for x in out])
+            elif out:
+                gen, descs, region = self._arena.put(out)
+                regions.append(region)
+                result = ("r", gen, descs)
+            else:
+                result = None
+            self.busy_s["stage"] += time.perf_counter() - t0
+            self._regions[op_id] = regions
+            kept = (op_id, contribution, result)
         self._send(("lcoll", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
                     call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
-                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine)))
+                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine), kept))
         self.mirrored_ops += 1
         return Pending.done(what, out)
 
@@ -327,7 +360,7 @@ class CaptureTransport:
                 if kind == "alive":
                     continue
                 if kind == "mirror":
-                    self._mirrored.add(header[1])
+                    self._mirrored[header[1]] = header[2]
                     continue
                 if kind == "xok":
                     self._compute_exchanged(header[1], header[2])
@@ -335,7 +368,8 @@ class CaptureTransport:
                 if kind == "xfree":
                     region = self._regions.pop(header[1], None)
                     if region is not None and self._arena is not None:
-                        self._arena.free(region)
+                        for r in region if isinstance(region, list) else [region]:
+                            self._arena.free(r)
                     continue
                 op_id = header[1]
                 with self._pending_lock:

@@ -193,8 +193,11 @@ class Coordinator(SynthesizedOps):
                         if not is_replicated(desc, ranks, self.world_size, self.fold.replicated):
                             self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
                 self._groups[key] = g
-                if self._mirrored(g) == self._rank_of[conn]:
-                    wire.send(conn, ("mirror", key))
+                rank = self._rank_of[conn]
+                if self._mirrored(g) == rank:
+                    # a sandbox rank's data of the group is kept: it comes through the exchange
+                    if rank not in self.scope or self._views is not None:
+                        wire.send(conn, ("mirror", key, rank in self.scope))
         elif kind == "xcoll":
             loc = header[-1]
             rank = self._rank_of[conn]
@@ -243,12 +246,12 @@ class Coordinator(SynthesizedOps):
     def _mirrored(self, g: OpGroup) -> int | None:
         """The rank that computes ``g``'s collectives itself (:mod:`nccl_ext.mirrored`): in a
         sandbox-scoped trace, a folded group's only captured member when it stands in for every
-        other member and is not a sandbox rank (the trace keeps nothing of its ops on the group:
-        no contribution, no result, no digest), else None."""
+        other member (the trace keeps nothing of a virtual rank's ops on the group; of a sandbox
+        rank's, its contribution's digest and its result, read where the rank staged them), else None."""
         if self.scope is None or self.payload == "none" or g.sources is None or len(g.ranks) < 2:
             return None
         first = g.sources[0]
-        if any(s != first for s in g.sources) or first in self.scope:
+        if any(s != first for s in g.sources):
             return None
         return first
 
