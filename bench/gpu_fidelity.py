@@ -169,6 +169,10 @@ def calibrated_prediction(script: Path, job: list, trace: Path, cluster: str, np
     return out
 
 
+SEEN: dict[str, list[float]] = {"capture": [], "pair": []}
+"""Seconds the captures and pairs so far took: a case starts only when its capture and one pair fit."""
+
+
 def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: int, keep: bool,
              deadline: float, record) -> dict | None:
     case = cases()[name]
@@ -178,6 +182,7 @@ def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: 
     try:
         t0 = time.monotonic()
         capture(script, job, trace)
+        SEEN["capture"].append(time.monotonic() - t0)
         print(f"  {name}: captured in {time.monotonic() - t0:.0f}s", flush=True)
         for i in range(pairs):
             if took and time.monotonic() + max(took) > deadline:
@@ -196,6 +201,7 @@ def run_case(name: str, script: Path, pairs: int, iters: int, cluster: str, dp: 
             method = method or _method(done["pred"][2])
             out.append(Pair(done["real"][0], done["pred"][0], done["real"][1], done["pred"][1]))
             took.append(time.monotonic() - t1)
+            SEEN["pair"].append(took[-1])
             print(f"  {name} pair {i + 1}/{pairs} ({'real first' if i % 2 == 0 else 'prediction first'}, "
                   f"{took[-1]:.0f}s): real {out[-1].real_step_s * 1e3:.2f} ms, predicted "
                   f"{out[-1].predicted_step_s * 1e3:.2f} ms ({out[-1].time_error_pct:+.2f}%; the calibrating run's own step "
@@ -269,7 +275,8 @@ def main() -> int:
 
     rows = []
     for n in names:
-        if rows and time.monotonic() > deadline:
+        need = max(SEEN["capture"] or [0.0]) + max(SEEN["pair"] or [0.0])
+        if rows and time.monotonic() + need > deadline:
             print(f"  {n}: not run (--budget-s)", flush=True)
             continue
         row = run_case(n, script, a.pairs, a.iters, a.cluster, a.dp if n in dp_cases else 0, a.keep, deadline, record)
