@@ -46,19 +46,29 @@ def median_after_first(xs: list[float]) -> float | None:
     return statistics.median(xs[1:]) if len(xs) > 1 else None
 
 
-def blocked_seconds(trace: Path) -> dict[int, float]:
-    """Each captured rank's seconds blocked in waits on its ops (the trace's ``wait`` events)."""
+def blocked_seconds(trace: Path) -> tuple[dict[int, float], dict[int, dict[str, list]]]:
+    """Each captured rank's seconds blocked in waits on its ops (the trace's ``wait`` events), in
+    all and by what it waited on: ``<c|s|r>:<group desc>(<size>)`` -> [seconds, waits]."""
     from prism_launch.trace import TraceReader
 
+    reader = TraceReader(trace)
+    groups = {g["id"]: f"{g.get('desc') or g['id']}({len(g.get('ranks') or [])})" for g in reader.manifest.groups}
     out: dict[int, float] = {}
-    for row in TraceReader(trace).events().to_pylist():
+    by: dict[int, dict[str, list]] = {}
+    for row in reader.events().to_pylist():
         if row["kind"] == "wait" and row["extra"]:
-            b = json.loads(row["extra"]).get("blocked_s")
-            out[row["rank"]] = round(out.get(row["rank"], 0.0) + (b or 0.0), 3)
-    return out
+            extra = json.loads(row["extra"])
+            b = extra.get("blocked_s") or 0.0
+            out[row["rank"]] = round(out.get(row["rank"], 0.0) + b, 3)
+            cell = by.setdefault(row["rank"], {}).setdefault(f"{extra.get('ref')}:{groups.get(row['group'], row['group'])}",
+                                                             [0.0, 0])
+            cell[0] = round(cell[0] + b, 3)
+            cell[1] += 1
+    return out, by
 
 
-def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float) -> dict:
+def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float,
+            stacks: Path | None = None) -> dict:
     layout, mp, steps, full_bytes = JOBS[name]
     dp = world // mp
     job = [*MODEL, *layout, "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(steps)]
@@ -70,7 +80,8 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
             *([f"capture.slots={slots}"] if slots is not None else [])]
     res: dict = {"job": name, "world": world, "steps": steps, "sandbox": sandbox, "full_tensor_bytes": full_bytes}
     try:
-        _r, res["capture_s"] = prism([*base, "--log-dir", work / "cap-logs", "mode=capture", script, *job], work, timeout)
+        _r, res["capture_s"] = prism([*base, "--log-dir", work / "cap-logs", "mode=capture", script, *job], work, timeout,
+                                      stacks=None if stacks is None else stacks / name)
         files = [p for p in trace.rglob("*") if p.is_file()]
         res["trace_bytes"] = sum(p.stat().st_size for p in files)
         res["tensor_bytes"] = sum(p.stat().st_size for p in files if "tensors" in p.parts)
@@ -79,7 +90,7 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         res["capture_stats"] = {k: stats.get(k) for k in ("wall_s", "slots", "max_running", "resumes",
                                                           "launcher_peak_rss_bytes", "coordinator_busy_s", "writer_busy_s",
                                                           "coordinator_waited_for_writer_s", "rank_busy_s")}
-        res["blocked_s"] = blocked_seconds(trace)
+        res["blocked_s"], res["blocked_by_op"] = blocked_seconds(trace)
         logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
         res["capture_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
         _r, res["emulate_s"] = prism([*base, "--log-dir", work / "emu-logs", "mode=emulate",
@@ -113,6 +124,9 @@ def show(r: dict) -> list[str]:
           f"{[round(x) for x in r['emulate_ms_per_iteration']]} ms; capture / job step (medians after the first) "
           f"{'-' if ratio is None else f'{ratio:.1f}x'}")
     print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
+    for rank, cells in sorted((r.get("blocked_by_op") or {}).items()):
+        top = sorted(cells.items(), key=lambda kv: -kv[1][0])[:6]
+        print(f"    rank {rank} blocked on: " + ", ".join(f"{k} {v[0]:.2f}s/{v[1]}" for k, v in top))
     print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
           f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
           f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "
@@ -136,6 +150,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds for each prism-launch run")
     ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
     ap.add_argument("--out")
+    ap.add_argument("--stacks", type=Path, default=None,
+                    help="sample the capture's processes' stacks into this folder (bench/stack_summary.py prints them)")
     a = ap.parse_args()
     script = pretrain_gpt(a.mlm)
     if script is None:
@@ -147,7 +163,7 @@ def main() -> int:
     results, bad = [], []
     try:
         for name in a.jobs.split(","):
-            results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout))
+            results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout, a.stacks))
             bad += show(results[-1])
     finally:
         if a.out:

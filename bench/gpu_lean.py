@@ -56,8 +56,16 @@ def llama8b(seq: int, tp: int, pp: int, world: int, iters: int, micro_batches: i
             "--eval-interval", "100000", "--eval-iters", "0"]
 
 
-def prism(args: list, cwd: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+STACKS = Path(__file__).resolve().parent / "stack_sampler"
+
+
+def prism(args: list, cwd: Path, timeout: float, *, stacks: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run prism-launch; with ``stacks``, every process it starts samples its threads' stacks
+    into that folder (``bench/stack_sampler``; ``bench/stack_summary.py`` prints them)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if stacks is not None:
+        env["PRISM_STACK_SAMPLES"] = str(stacks)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STACKS), env.get("PYTHONPATH", "")) if p)
     t0 = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-m", "prism_launch", *map(str, args)], cwd=cwd, env=env,
