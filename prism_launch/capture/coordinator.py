@@ -76,6 +76,8 @@ class Coordinator(SynthesizedOps):
         """The shared-memory exchange (:mod:`nccl_ext.exchange`): what a trace records is read where
         the member staged it."""
         self._reads: dict[tuple[int, int], Reads] = {}
+        self._deferred: deque = deque()
+        """Work left for after the replies of this pump (:meth:`drain`)."""
         """Tensor bytes this capture may hold (None: no limit); past it, :class:`PayloadBudgetError`."""
         self.bytes_recorded = 0
         self.fold = fold
@@ -167,6 +169,7 @@ class Coordinator(SynthesizedOps):
                 if rank is not None:
                     self.scheduler.gone(rank)
         self.scheduler.schedule()
+        self.drain()
         self._check_deadlines()
 
     def _handle(self, conn: Connection, header: tuple, tensors: list[torch.Tensor]) -> None:
@@ -314,23 +317,44 @@ class Coordinator(SynthesizedOps):
                  "n": len(contribution) if contribution is not None else 0,
                  "shapes": [list(t.shape) for t in contribution or ()],
                  "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()],
-                 "digests": self._digests(rank, contribution or ())}
+                 "digests": []}
         keep = contribution is not None and self._keeps(group, rank, grank, kind, root)
-        if contribution is not None and not keep and rank in (self.scope or ()):
-            extra["stats"] = [piece_stats(x) for x in contribution]  # what its divergence checks read
         row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
-                        f"{tkey}/0" if keep and contribution else None, extra)
-        if keep:
-            t0 = time.perf_counter()
-            for i, tensor in enumerate(contribution):
-                # a staged piece is the member's until every member has read it: the trace keeps a copy
-                self.sink.record_tensor(rank, f"{tkey}/{i}", tensor if location is None else detached(tensor))
-            self.busy_s["record"] += time.perf_counter() - t0
-            self._count(row["nbytes"])
+                        f"{tkey}/0" if keep and contribution else None, None)
+        # what the trace keeps of the contribution: a staged one is read after the members have
+        # their results (they compute them themselves), so no member waits for its digest or copy
+        note = (self._note_contribution, (rank, row, extra, contribution, keep, tkey, location is not None))
+        if location is not None:
+            self._deferred.append(note)
+        else:
+            note[0](*note[1])
         self.scheduler.issued(rank, op_id)
         pc.arrivals[grank] = Arrival(rank, op_id, conn, row)
         if len(pc.arrivals) == group.present:
             self._complete(pc)
+
+    def _note_contribution(self, rank: int, row: dict, extra: dict, contribution, keep: bool, tkey: str,
+                           staged: bool) -> None:
+        """A contribution's digest, statistics and (when the trace keeps it) a copy of its data."""
+        extra["digests"] = self._digests(rank, contribution or ())
+        if contribution is not None and not keep and rank in (self.scope or ()):
+            extra["stats"] = [piece_stats(x) for x in contribution]  # what its divergence checks read
+        row["extra"] = json.dumps(extra)
+        if keep:
+            t0 = time.perf_counter()
+            for i, tensor in enumerate(contribution):
+                # a staged piece is the member's until every member has read it: the trace keeps a copy
+                self.sink.record_tensor(rank, f"{tkey}/{i}", detached(tensor) if staged else tensor)
+            self.busy_s["record"] += time.perf_counter() - t0
+            self._count(row["nbytes"])
+
+    def drain(self) -> None:
+        """Do the work left for after the replies (:meth:`_note_contribution` of staged
+        contributions, digests of sends): before a region is freed, after each pump, and
+        before the events are written."""
+        while self._deferred:
+            fn, args = self._deferred.popleft()
+            fn(*args)
 
     def _digests(self, rank: int, tensors) -> list[str]:
         """Digests of ``rank``'s contribution or send: the divergence checks of a sandbox rank read
@@ -419,6 +443,7 @@ class Coordinator(SynthesizedOps):
             return
         reads.left -= 1
         if reads.left == 0:
+            self.drain()  # what the trace keeps of the regions is read first
             for owner, oid in reads.owners:
                 try:
                     wire.send(owner, ("xfree", oid))
@@ -440,7 +465,7 @@ class Coordinator(SynthesizedOps):
         self._check_p2p_peer(src, dst, group, "send to")
         tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
         extra = {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
-                 "dtypes": [wire.dtype_name(tensor.dtype)], "digests": self._digests(src, (tensor,))}
+                 "dtypes": [wire.dtype_name(tensor.dtype)], "digests": []}
         # a sandbox-scoped trace stores what a sandbox rank receives from a virtual one
         if self.scope is None or (dst in self.scope and src not in self.scope):
             t0 = time.perf_counter()
@@ -449,15 +474,21 @@ class Coordinator(SynthesizedOps):
             self._count(tensor.numel() * tensor.element_size())
         else:
             tkey = None
-            if src in self.scope:
-                extra["stats"] = [piece_stats(tensor)]
-        self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, extra)
+        row = self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, None)
+        # its digest (and a sandbox rank's statistics) after the receiver has it: the tensor is ours
+        self._deferred.append((self._note_send, (src, row, extra, tensor, tkey is None and src in (self.scope or ()))))
         chan = (key, src, dst, tag)
         waiting = self._recvs.get(chan)
         if waiting:
             self._deliver(waiting.popleft(), seq, tensor, src)
         else:
             self._sends.setdefault(chan, deque()).append((seq, tensor))
+
+    def _note_send(self, src: int, row: dict, extra: dict, tensor, stats: bool) -> None:
+        extra["digests"] = self._digests(src, (tensor,))
+        if stats:
+            extra["stats"] = [piece_stats(tensor)]
+        row["extra"] = json.dumps(extra)
 
     def _on_recv(self, conn, header) -> None:
         _, op_id, key, src, tag, seq, unit, t, wall, cpu = header

@@ -217,6 +217,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
             raise RunFailedError(f"capture failed: {e}") from None
         for _ in range(50):  # drain what ranks sent right before exiting
             coord.pump(0.01)
+        coord.drain()
         left = coord.unfinished()
         if left:
             raise RunFailedError(f"capture incomplete: {left}")
