@@ -205,6 +205,28 @@ class CaptureTransport:
         if p is not None:
             p.complete(out)
 
+    def _receive_exchanged(self, op_id: int, location) -> None:
+        """A send staged in the sender's arena: this rank's copy of it, then the region may go."""
+        with self._pending_lock:
+            p = self._pending.pop(op_id, None)
+        t0 = time.perf_counter()
+        try:
+            out = [detached(x) for x in self._peers_views().views(location)]
+            self.busy_s["exchange_compute"] += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
+            self._send(("xread", op_id))
+            if p is not None:
+                p.fail(RuntimeError(f"{p.what}: reading the sender's staged tensor failed: {e}"))
+            return
+        self._send(("xread", op_id))
+        if p is not None:
+            p.complete(out)
+
+    def _peers_views(self) -> PeerViews:
+        if self._peers is None:
+            self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+        return self._peers
+
     def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, keep: bool) -> Pending:
         """A folded group's collective whose every member contributes this rank's data: computed
         here with the coordinator's arithmetic (:mod:`nccl_ext.mirrored`); the coordinator gets
@@ -279,6 +301,19 @@ class CaptureTransport:
         if self.synthesize:
             self._send(("psend", group.key, dst, tag, seq, self.unit, t, wall, cpu, list(tensor.shape),
                         wire.dtype_name(tensor.dtype), tensor.numel() * tensor.element_size()))
+            return Pending.done("send")
+        if self._exchange is not None and (self._captured is None or dst in self._captured):
+            # staged in this rank's arena; the receiver reads it there (the coordinator names where)
+            # and the region is freed once it has
+            if self._arena is None:
+                self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+            with self._pending_lock:
+                op_id = self._next_id
+                self._next_id += 1
+            t0 = time.perf_counter()
+            gen, descs, self._regions[op_id] = self._arena.put([tensor])
+            self.busy_s["stage"] += time.perf_counter() - t0
+            self._send(("xsend", op_id, group.key, dst, tag, seq, self.unit, t, wall, cpu, (gen, descs)))
             return Pending.done("send")
         self._send(("send", -1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
         return Pending.done("send")
@@ -364,6 +399,9 @@ class CaptureTransport:
                     continue
                 if kind == "xok":
                     self._compute_exchanged(header[1], header[2])
+                    continue
+                if kind == "xrecv":
+                    self._receive_exchanged(header[1], header[2])
                     continue
                 if kind == "xfree":
                     region = self._regions.pop(header[1], None)

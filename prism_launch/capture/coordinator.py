@@ -219,6 +219,8 @@ class Coordinator(SynthesizedOps):
             self._on_meta(conn, header, mirrored=True)
         elif kind in ("psend", "precv"):
             self._on_p2p_meta(conn, header)
+        elif kind == "xsend":
+            self._on_xsend(conn, header)
         elif kind == "send":
             self._on_send(conn, header, tensors[0])
         elif kind == "recv":
@@ -458,8 +460,10 @@ class Coordinator(SynthesizedOps):
                 f"({self.bytes_recorded / 2**30:.2f} GiB after {self.ops_completed} ops)")
 
     # -- point to point -----------------------------------------------------------------
-    def _on_send(self, conn, header, tensor) -> None:
-        _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header
+    def _on_send(self, conn, header, tensor, staged: tuple | None = None) -> None:
+        """A send: its tensor came over the connection, or (``staged``: the sender's op id and
+        the location) lies in the sender's arena until the receiver has read it."""
+        _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header[:10]
         src = self._rank_of[conn]
         group = self._group(key)
         self._check_p2p_peer(src, dst, group, "send to")
@@ -467,27 +471,34 @@ class Coordinator(SynthesizedOps):
         extra = {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
                  "dtypes": [wire.dtype_name(tensor.dtype)], "digests": []}
         # a sandbox-scoped trace stores what a sandbox rank receives from a virtual one
-        if self.scope is None or (dst in self.scope and src not in self.scope):
-            t0 = time.perf_counter()
-            self.sink.record_tensor(src, tkey, tensor)
-            self.busy_s["record"] += time.perf_counter() - t0
-            self._count(tensor.numel() * tensor.element_size())
-        else:
+        if not (self.scope is None or (dst in self.scope and src not in self.scope)):
             tkey = None
         row = self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, None)
-        # its digest (and a sandbox rank's statistics) after the receiver has it: the tensor is ours
-        self._deferred.append((self._note_send, (src, row, extra, tensor, tkey is None and src in (self.scope or ()))))
+        # its digest, a sandbox rank's statistics, the kept copy: after the receiver has it
+        self._deferred.append((self._note_send, (src, row, extra, tensor, tkey, staged is not None)))
+        if staged is not None:
+            staged = (conn, *staged)
         chan = (key, src, dst, tag)
         waiting = self._recvs.get(chan)
         if waiting:
-            self._deliver(waiting.popleft(), seq, tensor, src)
+            self._deliver(waiting.popleft(), seq, tensor, src, staged)
         else:
-            self._sends.setdefault(chan, deque()).append((seq, tensor))
+            self._sends.setdefault(chan, deque()).append((seq, tensor, staged))
 
-    def _note_send(self, src: int, row: dict, extra: dict, tensor, stats: bool) -> None:
+    def _on_xsend(self, conn, header) -> None:
+        op_id, location = header[1], (self._rank_of[conn], *header[-1])
+        self._on_send(conn, header, self._views.views(location)[0], (op_id, location))
+
+    def _note_send(self, src: int, row: dict, extra: dict, tensor, tkey: str | None, staged: bool) -> None:
         extra["digests"] = self._digests(src, (tensor,))
-        if stats:
-            extra["stats"] = [piece_stats(tensor)]
+        if tkey is None:
+            if src in (self.scope or ()):
+                extra["stats"] = [piece_stats(tensor)]
+        else:
+            t0 = time.perf_counter()
+            self.sink.record_tensor(src, tkey, detached(tensor) if staged else tensor)
+            self.busy_s["record"] += time.perf_counter() - t0
+            self._count(tensor.numel() * tensor.element_size())
         row["extra"] = json.dumps(extra)
 
     def _on_recv(self, conn, header) -> None:
@@ -502,8 +513,8 @@ class Coordinator(SynthesizedOps):
         chan = (key, src, dst, tag)
         queued = self._sends.get(chan)
         if queued:
-            send_seq, tensor = queued.popleft()
-            self._deliver(waiter, send_seq, tensor, src)
+            send_seq, tensor, staged = queued.popleft()
+            self._deliver(waiter, send_seq, tensor, src, staged)
         else:
             self._recvs.setdefault(chan, deque()).append(waiter)
 
@@ -517,7 +528,9 @@ class Coordinator(SynthesizedOps):
                 "capture.replicated_groups"
             )
 
-    def _deliver(self, waiter, send_seq: int, tensor: torch.Tensor, src: int) -> None:
+    def _deliver(self, waiter, send_seq: int, tensor: torch.Tensor, src: int, staged: tuple | None = None) -> None:
+        """Answer a receive: with the tensor, or with where the sender staged it (``staged``: the
+        sender's connection, op id, location; the sender frees the region once it is read)."""
         op_id, conn, row, seq, dst, _ = waiter
         if seq != send_seq:
             raise CaptureError(f"p2p order mismatch: rank {dst} recv #{seq} from rank {src} matched send #{send_seq}")
@@ -525,7 +538,12 @@ class Coordinator(SynthesizedOps):
         row["dtype"], row["shape"] = wire.dtype_name(tensor.dtype), list(tensor.shape)
         row["nbytes"] = tensor.numel() * tensor.element_size()
         t0 = time.perf_counter()
-        wire.send(conn, ("ok", op_id), [tensor])
+        if staged is None:
+            wire.send(conn, ("ok", op_id), [tensor])
+        else:
+            owner, send_id, location = staged
+            self._reads[(dst, op_id)] = Reads(1, [(owner, send_id)])
+            wire.send(conn, ("xrecv", op_id, location))
         self.busy_s["reply"] += time.perf_counter() - t0
         self.scheduler.answered(dst, op_id)
         self.ops_completed += 1
