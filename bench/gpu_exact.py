@@ -48,27 +48,36 @@ def median_after_first(xs: list[float]) -> float | None:
 
 def blocked_seconds(trace: Path) -> tuple[dict[int, float], dict[int, dict[str, list]]]:
     """Each captured rank's seconds blocked in waits on its ops (the trace's ``wait`` events), in
-    all and by what it waited on: ``<c|s|r>:<group desc>(<size>)`` -> [seconds, waits]."""
+    all and by what it waited on: ``<c|s|r>:<group desc>(<size>)`` -> [seconds, waits, seconds
+    before the op completed at the coordinator (its peers still to come), seconds after (the
+    rank computing its result from the exchange, being resumed)]."""
     from prism_launch.trace import TraceReader
 
     reader = TraceReader(trace)
     groups = {g["id"]: f"{g.get('desc') or g['id']}({len(g.get('ranks') or [])})" for g in reader.manifest.groups}
+    rows = reader.events().to_pylist()
+    done = {(r["rank"], r["group"], r["seq"]): r["t_end"] for r in rows if r["kind"] == "collective"}
     out: dict[int, float] = {}
     by: dict[int, dict[str, list]] = {}
-    for row in reader.events().to_pylist():
+    for row in rows:
         if row["kind"] == "wait" and row["extra"]:
             extra = json.loads(row["extra"])
             b = extra.get("blocked_s") or 0.0
             out[row["rank"]] = round(out.get(row["rank"], 0.0) + b, 3)
             cell = by.setdefault(row["rank"], {}).setdefault(f"{extra.get('ref')}:{groups.get(row['group'], row['group'])}",
-                                                             [0.0, 0])
+                                                             [0.0, 0, 0.0, 0.0])
             cell[0] = round(cell[0] + b, 3)
             cell[1] += 1
+            end = done.get((row["rank"], row["group"], row["seq"])) if extra.get("ref") == "c" else None
+            if b and end is not None:
+                before = min(b, max(0.0, end - row["t_start"]))
+                cell[2] = round(cell[2] + before, 3)
+                cell[3] = round(cell[3] + b - before, 3)
     return out, by
 
 
 def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float,
-            stacks: Path | None = None) -> dict:
+            stacks: Path | None = None, capture_only: bool = False) -> dict:
     layout, mp, steps, full_bytes = JOBS[name]
     dp = world // mp
     job = [*MODEL, *layout, "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(steps)]
@@ -93,6 +102,8 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         res["blocked_s"], res["blocked_by_op"] = blocked_seconds(trace)
         logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
         res["capture_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
+        if capture_only:
+            return res
         _r, res["emulate_s"] = prism([*base, "--log-dir", work / "emu-logs", "mode=emulate",
                                       f"report.dir={work / 'report'}", script, *job], work, timeout)
         rep = json.loads((work / "report" / "report.json").read_text())
@@ -111,6 +122,19 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
     return res
 
 
+def show_capture(r: dict) -> None:
+    """Print a job's capture figures (``--capture-only``)."""
+    print(f"{r['job']}: {r['captured_ranks']} captured ranks x {r['steps']} steps; trace {r['trace_bytes'] / 1e9:.2f} GB")
+    print(f"  capture {r['capture_s']:.0f}s ({r['capture_stats']}); Megatron per iteration in capture "
+          f"{[round(x) for x in r['capture_ms_per_iteration']]} ms")
+    print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
+    for rank, cells in sorted((r.get("blocked_by_op") or {}).items()):
+        top = sorted(cells.items(), key=lambda kv: -kv[1][0])[:4]
+        print(f"    rank {rank} blocked on: " + ", ".join(
+            f"{k} {v[0]:.2f}s/{v[1]}" + (f" ({v[2]:.2f}s before the op completed, {v[3]:.2f}s after)" if k[0] == "c" else "")
+            for k, v in top))
+
+
 def show(r: dict) -> list[str]:
     """Print one job's figures; returns what fails it."""
     cap, emu = median_after_first(r["capture_ms_per_iteration"]), median_after_first(r["emulate_ms_per_iteration"])
@@ -126,7 +150,9 @@ def show(r: dict) -> list[str]:
     print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
     for rank, cells in sorted((r.get("blocked_by_op") or {}).items()):
         top = sorted(cells.items(), key=lambda kv: -kv[1][0])[:6]
-        print(f"    rank {rank} blocked on: " + ", ".join(f"{k} {v[0]:.2f}s/{v[1]}" for k, v in top))
+        print(f"    rank {rank} blocked on: " + ", ".join(
+            f"{k} {v[0]:.2f}s/{v[1]}" + (f" ({v[2]:.2f}s before the op completed, {v[3]:.2f}s after)" if k[0] == "c" else "")
+            for k, v in top))
     print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
           f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
           f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "
@@ -152,6 +178,7 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--stacks", type=Path, default=None,
                     help="sample the capture's processes' stacks into this folder (bench/stack_summary.py prints them)")
+    ap.add_argument("--capture-only", action="store_true", help="capture and print its figures; no emulation")
     a = ap.parse_args()
     script = pretrain_gpt(a.mlm)
     if script is None:
@@ -163,8 +190,11 @@ def main() -> int:
     results, bad = [], []
     try:
         for name in a.jobs.split(","):
-            results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout, a.stacks))
-            bad += show(results[-1])
+            results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout, a.stacks, a.capture_only))
+            if a.capture_only:
+                show_capture(results[-1])
+            else:
+                bad += show(results[-1])
     finally:
         if a.out:
             Path(a.out).write_text(json.dumps(results, indent=1, default=str))
