@@ -96,7 +96,7 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         res["tensor_bytes"] = sum(p.stat().st_size for p in files if "tensors" in p.parts)
         stats = json.loads((trace / "capture.json").read_text())
         res["captured_ranks"] = len(json.loads((trace / "manifest.json").read_text())["ranks_captured"])
-        res["capture_stats"] = {k: stats.get(k) for k in ("wall_s", "slots", "max_running", "resumes",
+        res["capture_stats"] = {k: stats.get(k) for k in ("wall_s", "slots", "max_running", "resumes", "parking_off_after_s",
                                                           "launcher_peak_rss_bytes", "coordinator_busy_s", "writer_busy_s",
                                                           "coordinator_waited_for_writer_s", "rank_busy_s")}
         res["blocked_s"], res["blocked_by_op"] = blocked_seconds(trace)

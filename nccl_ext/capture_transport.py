@@ -65,6 +65,8 @@ class CaptureTransport:
         self._go = threading.Semaphore(0)
         self.parked_s = 0.0
         """Time this rank waited for an execution slot."""
+        self._unparked = False
+        """The coordinator said every rank has a slot of its own: blocking waits keep it."""
         self._captured = frozenset(captured) if captured is not None else None
         """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in);
         None: every rank runs."""
@@ -112,7 +114,7 @@ class CaptureTransport:
         self.parked_s += time.monotonic() - t0
 
     def park(self, pending: Pending):
-        if pending.op_id < 0:
+        if pending.op_id < 0 or self._unparked:
             return None
         self._send(("park", pending.op_id))
         what = f"{pending.what}: resuming after the op completed"
@@ -393,6 +395,9 @@ class CaptureTransport:
                     self._go.release()
                     continue
                 if kind == "alive":
+                    continue
+                if kind == "free":
+                    self._unparked = True
                     continue
                 if kind == "mirror":
                     self._mirrored[header[1]] = header[2]

@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, Listener, wait
 
 import torch
@@ -53,6 +54,21 @@ class MemorySink:
         self.tensors.setdefault(rank, {})[key] = tensor
 
 
+SUMMARY_THREADS = 2
+"""Worker threads taking digests and statistics (:meth:`Coordinator._summarize`)."""
+
+
+def _summary(tensors: list[torch.Tensor], stats: bool) -> tuple[list[str], list | None, float]:
+    t0 = time.perf_counter()
+    digests = [wire.digest(t) for t in tensors]
+    return digests, [piece_stats(t) for t in tensors] if stats else None, time.perf_counter() - t0
+
+
+def _copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+    t0 = time.perf_counter()
+    return [detached(t) for t in tensors], time.perf_counter() - t0
+
+
 class Coordinator(SynthesizedOps):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
     (anything with ``record_tensor(rank, key, tensor)``; default a :class:`MemorySink`)."""
@@ -78,6 +94,10 @@ class Coordinator(SynthesizedOps):
         self._reads: dict[tuple[int, int], Reads] = {}
         self._deferred: deque = deque()
         """Work left for after the replies of this pump (:meth:`drain`)."""
+        self._summaries: deque = deque()
+        """(future, what to do with its result here) of work on the worker threads — digests
+        (:meth:`_summarize`), copies of staged tensors (:meth:`_record`) — in issue order."""
+        self._pool: ThreadPoolExecutor | None = None
         """Tensor bytes this capture may hold (None: no limit); past it, :class:`PayloadBudgetError`."""
         self.bytes_recorded = 0
         self.fold = fold
@@ -105,9 +125,9 @@ class Coordinator(SynthesizedOps):
         """Each rank's memory accounting summary (peak bytes, per-unit samples, method)."""
         self.t0 = time.monotonic()
         self.ops_completed = 0
-        self.busy_s = {"receive": 0.0, "digest": 0.0, "compute": 0.0, "reply": 0.0, "record": 0.0}
-        """The coordinator's own seconds by activity (one thread: what a capture waits on when
-        every op passes through it)."""
+        self.busy_s = {"receive": 0.0, "digest": 0.0, "copy": 0.0, "compute": 0.0, "reply": 0.0, "record": 0.0}
+        """Seconds by activity: the coordinator's thread (what a capture waits on when every op
+        passes through it), and its worker threads' ``digest`` and ``copy``."""
         self.rank_busy_s: dict[int, dict] = {}
         """Each rank's own seconds by activity (``CaptureTransport.busy_s``, sent at its close)."""
         self._accepting = True
@@ -129,6 +149,8 @@ class Coordinator(SynthesizedOps):
                 self._new_conns.append(conn)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         self.scheduler.close()
         self._accepting = False
         sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
@@ -337,31 +359,68 @@ class Coordinator(SynthesizedOps):
 
     def _note_contribution(self, rank: int, row: dict, extra: dict, contribution, keep: bool, tkey: str,
                            staged: bool) -> None:
-        """A contribution's digest, statistics and (when the trace keeps it) a copy of its data."""
-        extra["digests"] = self._digests(rank, contribution or ())
-        if contribution is not None and not keep and rank in (self.scope or ()):
-            extra["stats"] = [piece_stats(x) for x in contribution]  # what its divergence checks read
-        row["extra"] = json.dumps(extra)
+        """A contribution's digest, statistics (a sandbox rank's, what its divergence checks read)
+        and, when the trace keeps it, a copy of its data."""
+        self._summarize(rank, row, extra, contribution or (),
+                        stats=contribution is not None and not keep and rank in (self.scope or ()))
         if keep:
-            t0 = time.perf_counter()
-            for i, tensor in enumerate(contribution):
-                # a staged piece is the member's until every member has read it: the trace keeps a copy
-                self.sink.record_tensor(rank, f"{tkey}/{i}", detached(tensor) if staged else tensor)
-            self.busy_s["record"] += time.perf_counter() - t0
-            self._count(row["nbytes"])
+            # a staged piece is the member's until every member has read it: the trace keeps a copy
+            self._record(rank, [f"{tkey}/{i}" for i in range(len(contribution))], contribution, staged)
 
-    def drain(self) -> None:
+    def _record(self, rank: int, keys: list[str], tensors: list, staged: bool) -> None:
+        """Store ``tensors`` under ``keys``: staged ones (in a rank's arena until it frees the
+        region) through a copy made on a worker thread, before the region is freed."""
+        if not staged:
+            t0 = time.perf_counter()
+            for key, t in zip(keys, tensors):
+                self.sink.record_tensor(rank, key, t)
+            self.busy_s["record"] += time.perf_counter() - t0
+            self._count(sum(t.numel() * t.element_size() for t in tensors))
+            return
+
+        def store(copies: tuple[list, float]) -> None:
+            self.busy_s["copy"] += copies[1]
+            self._record(rank, keys, copies[0], staged=False)
+
+        self._summaries.append((self._workers().submit(_copies, list(tensors)), store))
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=SUMMARY_THREADS, thread_name_prefix="prism-capture-digest")
+        return self._pool
+
+    def drain(self, wait: bool = False) -> None:
         """Do the work left for after the replies (:meth:`_note_contribution` of staged
-        contributions, digests of sends): before a region is freed, after each pump, and
-        before the events are written."""
+        contributions, digests of sends) and take in the summaries that are done — all of them
+        with ``wait``: before a region is freed and before the events are written."""
         while self._deferred:
             fn, args = self._deferred.popleft()
             fn(*args)
+        while self._summaries and (wait or self._summaries[0][0].done()):
+            fut, then = self._summaries.popleft()
+            then(fut.result())
+
+    def _summarize(self, rank: int, row: dict, extra: dict, tensors, *, stats: bool) -> None:
+        """Set ``row``'s extra once the digests of ``rank``'s contribution or send (and with
+        ``stats`` their :func:`piece_stats`) are taken, on a worker thread: the divergence checks
+        of a sandbox rank read them, and in a sandbox-scoped trace only sandbox ranks replay (a
+        digest of every other rank's data would cost a pass over every byte the capture moves).
+        Both release the GIL, so the coordinator goes on answering meanwhile."""
+        if not tensors or (self.scope is not None and rank not in self.scope):
+            row["extra"] = json.dumps(extra)
+            return
+
+        def fill(summary: tuple[list[str], list | None, float]) -> None:
+            extra["digests"] = summary[0]
+            if summary[1] is not None:
+                extra["stats"] = summary[1]
+            row["extra"] = json.dumps(extra)
+            self.busy_s["digest"] += summary[2]
+
+        self._summaries.append((self._workers().submit(_summary, list(tensors), stats), fill))
 
     def _digests(self, rank: int, tensors) -> list[str]:
-        """Digests of ``rank``'s contribution or send: the divergence checks of a sandbox rank read
-        them, and in a sandbox-scoped trace only sandbox ranks replay (a digest of every other
-        rank's data would cost a pass over every byte the capture moves)."""
+        """Digests of ``rank``'s contribution or send, on this thread (see :meth:`_summarize`)."""
         if self.scope is not None and rank not in self.scope:
             return []
         t0 = time.perf_counter()
@@ -445,7 +504,7 @@ class Coordinator(SynthesizedOps):
             return
         reads.left -= 1
         if reads.left == 0:
-            self.drain()  # what the trace keeps of the regions is read first
+            self.drain(wait=True)  # what the trace keeps of the regions is read first
             for owner, oid in reads.owners:
                 try:
                     wire.send(owner, ("xfree", oid))
@@ -490,16 +549,9 @@ class Coordinator(SynthesizedOps):
         self._on_send(conn, header, self._views.views(location)[0], (op_id, location))
 
     def _note_send(self, src: int, row: dict, extra: dict, tensor, tkey: str | None, staged: bool) -> None:
-        extra["digests"] = self._digests(src, (tensor,))
-        if tkey is None:
-            if src in (self.scope or ()):
-                extra["stats"] = [piece_stats(tensor)]
-        else:
-            t0 = time.perf_counter()
-            self.sink.record_tensor(src, tkey, detached(tensor) if staged else tensor)
-            self.busy_s["record"] += time.perf_counter() - t0
-            self._count(tensor.numel() * tensor.element_size())
-        row["extra"] = json.dumps(extra)
+        self._summarize(src, row, extra, (tensor,), stats=tkey is None and src in (self.scope or ()))
+        if tkey is not None:
+            self._record(src, [tkey], [tensor], staged)
 
     def _on_recv(self, conn, header) -> None:
         _, op_id, key, src, tag, seq, unit, t, wall, cpu = header

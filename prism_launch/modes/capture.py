@@ -217,7 +217,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
             raise RunFailedError(f"capture failed: {e}") from None
         for _ in range(50):  # drain what ranks sent right before exiting
             coord.pump(0.01)
-        coord.drain()
+        coord.drain(wait=True)
         left = coord.unfinished()
         if left:
             raise RunFailedError(f"capture incomplete: {left}")
@@ -236,6 +236,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     sched = coord.scheduler
     tensors = writer.tensor_stats()
     stats = {"wall_s": wall, "slots": slots, "max_running": sched.max_running, "resumes": sched.switches,
+             "parking_off_after_s": None if sched.unparked_at is None else round(sched.unparked_at - coord.t0, 3),
              "extra_slots": sched.extra, "parking": park.stats.to_dict() if park is not None else None,
              "ranks": len(ranks), "folded": fold.folded, "payload": payload,
              "admission": admit.to_dict() if admit is not None else None,

@@ -135,3 +135,15 @@ def test_device_checks_carry_the_live_norm_that_classifies_a_mismatch():
              for (_w, _i, dt, numel, norm), ref in zip(bad, [rec, rec, ints])]
     assert kinds == [Kind.tolerance, Kind.value, Kind.value]
     assert bad[0][3] == 512 and bad[2][4] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_piece_statistics_are_the_float64_norm_and_the_exact_max_abs(dtype):
+    t = (torch.randn(3, 4099, generator=torch.Generator().manual_seed(1)) * 7).to(dtype)
+    t[1, 5] = -1000  # the largest magnitude is negative
+    ws, l1, mx = piece_stats(t)
+    ref = t.double().abs()
+    assert ws == piece_stats(t.clone())[0] and isinstance(ws, int)
+    assert abs(l1 - float(ref.sum())) <= 1e-12 * float(ref.sum())
+    assert mx == float(ref.max()) == 1000.0
+    assert piece_stats(torch.arange(5))[1:] == [None, None]  # integers: the word sum only

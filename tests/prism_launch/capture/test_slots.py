@@ -194,3 +194,32 @@ def test_an_ended_rank_holds_its_memory_until_its_process_has_exited(monkeypatch
         assert s.running == {1} and adm.forced == 0
     finally:
         proc.kill()
+
+
+def test_ranks_stop_parking_once_every_rank_runs_with_a_slot_of_its_own(monkeypatch):
+    sent = []
+    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): sent.append((conn.rank, header)))
+
+    def scheduler(slots, expected):
+        s = SlotScheduler(slots, expected=expected)
+        for r in range(expected):
+            conn = _Conn()
+            conn.rank = r
+            s.arrive(r, NO_PID + r, conn)
+        return s
+
+    s = scheduler(slots=4, expected=3)
+    s.schedule()
+    assert s.unparked_at is not None
+    assert [h for _r, h in sent] == [("go",)] * 3 + [("free",)] * 3
+    sent.clear()
+    s.schedule()
+    assert not sent  # said once
+
+    s = scheduler(slots=2, expected=3)  # a slot handed back goes to the third rank: keep parking
+    s.schedule()
+    assert s.unparked_at is None and ("free",) not in [h for _r, h in sent]
+    s.issued(0, 7)
+    s.park(0, 7)
+    s.schedule()
+    assert s.unparked_at is None and 2 in s.running  # all started, but rank 0 waits for a slot
