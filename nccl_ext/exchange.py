@@ -11,8 +11,12 @@ coordinator says every member has read it (``xfree``); peers map a generation on
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import mmap
 import os
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass, field
 
@@ -26,6 +30,52 @@ _MIN_BYTES = 4 << 20
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+OWNER_FILE = ".owner"
+"""In an exchange directory: the file its launcher holds an exclusive ``flock`` on while it lives."""
+
+_owned: dict[str, int] = {}
+
+
+def claim_directory(base: str | os.PathLike) -> str:
+    """A new exchange directory under ``base``, held by this process (:data:`OWNER_FILE`), after
+    removing those whose launcher died without removing them (:func:`sweep_stale`)."""
+    sweep_stale(base)
+    d = tempfile.mkdtemp(prefix="prism-exchange-", dir=base)
+    fd = os.open(os.path.join(d, OWNER_FILE), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _owned[d] = fd
+    return d
+
+
+def release_directory(d: str) -> None:
+    """Remove an exchange directory this process claimed."""
+    shutil.rmtree(d, ignore_errors=True)
+    fd = _owned.pop(d, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_stale(base: str | os.PathLike) -> list[str]:
+    """Remove the exchange directories under ``base`` whose owner lock nobody holds: their launcher
+    was killed (``SIGKILL`` runs no cleanup) and its ranks died with it (the lock is held by every
+    process that inherited it). Arenas are memory under ``/dev/shm``; each run would leak them."""
+    gone = []
+    for d in glob.glob(os.path.join(os.fspath(base), "prism-exchange-*")):
+        try:
+            fd = os.open(os.path.join(d, OWNER_FILE), os.O_RDWR)
+        except OSError:  # not ours to judge: being created, or from before the owner file
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
 
 
 def arena_path(directory: str, rank: int, gen: int) -> str:

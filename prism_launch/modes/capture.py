@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from nccl_ext.exchange import claim_directory, release_directory
 from prism_launch.config import Mode, Park
 from prism_launch.config.plan import CapturePlan
 from prism_launch.errors import RunFailedError
@@ -97,7 +98,7 @@ def exchange_dir(fallback: Path, ranks: int) -> str | None:
         except OSError:
             continue
         if os.access(base, os.W_OK) and st.f_bavail * st.f_frsize >= need:
-            return tempfile.mkdtemp(prefix="prism-exchange-", dir=base)
+            return claim_directory(base)
     print(f"prism-launch: capture.exchange: neither /dev/shm nor {fallback} has {need / 2**30:.1f} GiB free for "
           f"{ranks} ranks' arenas; every op goes through the coordinator", file=sys.stderr)
     return None
@@ -195,7 +196,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
                             scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None, exchange=exchange)
     except BaseException:
         if exchange is not None:  # nothing else will remove it
-            shutil.rmtree(exchange, ignore_errors=True)
+            release_directory(exchange)
         raise
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
@@ -227,7 +228,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         monitor.close()
         coord.close()
         if exchange is not None:
-            shutil.rmtree(exchange, ignore_errors=True)
+            release_directory(exchange)
         for p in sock_dir.iterdir():
             p.unlink(missing_ok=True)
         sock_dir.rmdir()

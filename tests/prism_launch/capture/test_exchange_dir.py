@@ -5,16 +5,17 @@ import os
 import shutil
 from pathlib import Path
 
+from nccl_ext.exchange import OWNER_FILE, release_directory
 from prism_launch.modes import capture as mode
 
 
 def test_room_for_the_arenas_picks_a_fresh_directory(tmp_path):
     d = mode.exchange_dir(tmp_path, 1)
     try:
-        assert d is not None and os.path.isdir(d) and os.listdir(d) == []
+        assert d is not None and os.path.isdir(d) and os.listdir(d) == [OWNER_FILE]  # no arena yet
         assert Path(d).parent in (Path("/dev/shm"), tmp_path)
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        release_directory(d)
 
 
 def test_no_room_anywhere_leaves_the_coordinator_path(tmp_path, capsys):
@@ -22,3 +23,29 @@ def test_no_room_anywhere_leaves_the_coordinator_path(tmp_path, capsys):
     ranks = free // mode.EXCHANGE_BYTES_PER_RANK + 1
     assert mode.exchange_dir(tmp_path, ranks) is None
     assert "every op goes through the coordinator" in capsys.readouterr().err
+
+
+def test_a_killed_launchers_exchange_is_removed_by_the_next_capture(tmp_path):
+    import subprocess
+    import sys
+
+    from nccl_ext import exchange
+
+    # a launcher that claims a directory, fills an arena and is SIGKILLed (no cleanup runs)
+    code = ("import os, signal, sys; from nccl_ext import exchange; d = exchange.claim_directory(sys.argv[1]); "
+            "open(os.path.join(d, 'r0-g0'), 'wb').write(b'x' * 4096); print(d, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[3])
+    dead = r.stdout.strip()
+    assert r.returncode == -9 and os.path.isdir(dead), r.stderr
+    old = tmp_path / "prism-exchange-old"  # no owner file (being created, or older): left alone
+    old.mkdir()
+    mine = exchange.claim_directory(tmp_path)  # sweeps first; then held by this process
+    try:
+        assert not os.path.exists(dead)
+        assert old.is_dir() and os.path.isdir(mine)
+        assert exchange.sweep_stale(tmp_path) == []  # a live owner's directory stays
+    finally:
+        exchange.release_directory(mine)
+    assert not os.path.exists(mine)
