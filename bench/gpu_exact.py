@@ -122,17 +122,22 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
     return res
 
 
+def show_blocked(r: dict, top: int) -> None:
+    """Print each rank's blocked seconds: in all, then its ``top`` ops and groups by seconds."""
+    print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
+    for rank, cells in sorted((r.get("blocked_by_op") or {}).items()):
+        most = sorted(cells.items(), key=lambda kv: -kv[1][0])[:top]
+        print(f"    rank {rank} blocked on: " + ", ".join(
+            f"{k} {v[0]:.2f}s/{v[1]}" + (f" ({v[2]:.2f}s before the op completed, {v[3]:.2f}s after)" if k[0] == "c" else "")
+            for k, v in most))
+
+
 def show_capture(r: dict) -> None:
     """Print a job's capture figures (``--capture-only``)."""
     print(f"{r['job']}: {r['captured_ranks']} captured ranks x {r['steps']} steps; trace {r['trace_bytes'] / 1e9:.2f} GB")
     print(f"  capture {r['capture_s']:.0f}s ({r['capture_stats']}); Megatron per iteration in capture "
           f"{[round(x) for x in r['capture_ms_per_iteration']]} ms")
-    print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
-    for rank, cells in sorted((r.get("blocked_by_op") or {}).items()):
-        top = sorted(cells.items(), key=lambda kv: -kv[1][0])[:4]
-        print(f"    rank {rank} blocked on: " + ", ".join(
-            f"{k} {v[0]:.2f}s/{v[1]}" + (f" ({v[2]:.2f}s before the op completed, {v[3]:.2f}s after)" if k[0] == "c" else "")
-            for k, v in top))
+    show_blocked(r, 4)
 
 
 def show(r: dict) -> list[str]:
@@ -147,12 +152,7 @@ def show(r: dict) -> list[str]:
           f"{[round(x) for x in r['capture_ms_per_iteration']]} ms, in emulation "
           f"{[round(x) for x in r['emulate_ms_per_iteration']]} ms; capture / job step (medians after the first) "
           f"{'-' if ratio is None else f'{ratio:.1f}x'}")
-    print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
-    for rank, cells in sorted((r.get("blocked_by_op") or {}).items()):
-        top = sorted(cells.items(), key=lambda kv: -kv[1][0])[:6]
-        print(f"    rank {rank} blocked on: " + ", ".join(
-            f"{k} {v[0]:.2f}s/{v[1]}" + (f" ({v[2]:.2f}s before the op completed, {v[3]:.2f}s after)" if k[0] == "c" else "")
-            for k, v in top))
+    show_blocked(r, 6)
     print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
           f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
           f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "

@@ -172,8 +172,7 @@ class CaptureTransport:
         computes its result from their pieces (:meth:`_compute_exchanged`)."""
         op_id, p = self._new_pending(what)
         t, wall, cpu = self._span()
-        if self._arena is None:
-            self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+        self._open_exchange()
         location = None
         if call.tensors is not None:
             t0 = time.perf_counter()
@@ -190,44 +189,43 @@ class CaptureTransport:
         """Every member's contribution is staged: fold them (group-rank order, as the coordinator
         would), tell the coordinator this rank has read them, complete the op."""
         kind, reduce, root, me = self._xops.pop(op_id)
-        with self._pending_lock:
-            p = self._pending.pop(op_id, None)
-        t0 = time.perf_counter()
-        try:
+
+        def read() -> list:
             out = compute(kind, [self._peers.views(loc) for loc in locations], reduce=reduce, root=root)[me]
             if kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
                 out = [detached(x) for x in out]  # pieces of the peers' regions, which are about to be freed
-            self.busy_s["exchange_compute"] += time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
-            self._send(("xread", op_id))
-            if p is not None:
-                p.fail(RuntimeError(f"{p.what}: reading the peers' contributions failed: {e}"))
-            return
-        self._send(("xread", op_id))
-        if p is not None:
-            p.complete(out)
+            return out
+
+        self._read_staged(op_id, read, "reading the peers' contributions")
 
     def _receive_exchanged(self, op_id: int, location) -> None:
         """A send staged in the sender's arena: this rank's copy of it, then the region may go."""
+        self._read_staged(op_id, lambda: [detached(x) for x in self._open_exchange()[1].views(location)],
+                          "reading the sender's staged tensor")
+
+    def _read_staged(self, op_id: int, read, what: str) -> None:
+        """Complete op ``op_id`` with ``read()`` (or fail it with why), then tell the coordinator
+        this rank is done with the staged regions (``xread``)."""
         with self._pending_lock:
             p = self._pending.pop(op_id, None)
         t0 = time.perf_counter()
         try:
-            out = [detached(x) for x in self._peers_views().views(location)]
+            out = read()
             self.busy_s["exchange_compute"] += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
             self._send(("xread", op_id))
             if p is not None:
-                p.fail(RuntimeError(f"{p.what}: reading the sender's staged tensor failed: {e}"))
+                p.fail(RuntimeError(f"{p.what}: {what} failed: {e}"))
             return
         self._send(("xread", op_id))
         if p is not None:
             p.complete(out)
 
-    def _peers_views(self) -> PeerViews:
-        if self._peers is None:
+    def _open_exchange(self) -> tuple[Arena, PeerViews]:
+        """This rank's arena and its views of the peers' (opened at first use)."""
+        if self._arena is None:
             self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
-        return self._peers
+        return self._arena, self._peers
 
     def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, keep: bool) -> Pending:
         """A folded group's collective whose every member contributes this rank's data: computed
@@ -240,8 +238,7 @@ class CaptureTransport:
         device = next((x.device for x in (*mine, *(call.outputs or ()), *(call.standin or ()))), torch.device("cpu"))
         kept = None
         if keep:
-            if self._arena is None:
-                self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+            self._open_exchange()
             with self._pending_lock:
                 op_id = self._next_id
                 self._next_id += 1
@@ -307,8 +304,7 @@ class CaptureTransport:
         if self._exchange is not None and (self._captured is None or dst in self._captured):
             # staged in this rank's arena; the receiver reads it there (the coordinator names where)
             # and the region is freed once it has
-            if self._arena is None:
-                self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+            self._open_exchange()
             with self._pending_lock:
                 op_id = self._next_id
                 self._next_id += 1
