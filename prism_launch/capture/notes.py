@@ -1,0 +1,117 @@
+"""What a capture's trace keeps of the tensors ranks exchange — digests, a sandbox rank's
+statistics, copies of the tensors it stores — taken after the coordinator has answered the ranks:
+staged contributions and sends are noted at the end of the pump (:meth:`TraceNotes.drain`), and
+the digests, statistics and copies of staged tensors run on worker threads (each releases the
+GIL). A region of a rank's arena is freed only once the work that reads it is done."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from nccl_ext import wire
+from nccl_ext.divergence import piece_stats
+from nccl_ext.exchange import detached
+
+
+SUMMARY_THREADS = 2
+"""Worker threads taking digests, statistics and copies (:meth:`TraceNotes._summarize`, :meth:`TraceNotes._record`)."""
+
+
+def _summary(tensors: list[torch.Tensor], stats: bool) -> tuple[list[str], list | None, float]:
+    t0 = time.perf_counter()
+    digests = [wire.digest(t) for t in tensors]
+    return digests, [piece_stats(t) for t in tensors] if stats else None, time.perf_counter() - t0
+
+
+def _copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+    t0 = time.perf_counter()
+    return [detached(t) for t in tensors], time.perf_counter() - t0
+
+
+class TraceNotes:
+    """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator` (its ``scope``, ``sink``,
+    ``busy_s`` and ``_count``)."""
+
+    def _init_notes(self) -> None:
+        self._deferred: deque = deque()
+        """Work left for after the replies of this pump (:meth:`drain`)."""
+        self._summaries: deque = deque()
+        """(future, what to do with its result here) of work on the worker threads — digests
+        (:meth:`_summarize`), copies of staged tensors (:meth:`_record`) — in issue order."""
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _close_notes(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _note_contribution(self, rank: int, row: dict, extra: dict, contribution, keep: bool, tkey: str,
+                           staged: bool) -> None:
+        """A contribution's digest, statistics (a sandbox rank's, what its divergence checks read)
+        and, when the trace keeps it, a copy of its data."""
+        self._summarize(rank, row, extra, contribution or (),
+                        stats=contribution is not None and not keep and rank in (self.scope or ()))
+        if keep:
+            # a staged piece is the member's until every member has read it: the trace keeps a copy
+            self._record(rank, [f"{tkey}/{i}" for i in range(len(contribution))], contribution, staged)
+
+    def _record(self, rank: int, keys: list[str], tensors: list, staged: bool) -> None:
+        """Store ``tensors`` under ``keys``: staged ones (in a rank's arena until it frees the
+        region) through a copy made on a worker thread, before the region is freed."""
+        if not staged:
+            t0 = time.perf_counter()
+            for key, t in zip(keys, tensors):
+                self.sink.record_tensor(rank, key, t)
+            self.busy_s["record"] += time.perf_counter() - t0
+            self._count(sum(t.numel() * t.element_size() for t in tensors))
+            return
+
+        def store(copies: tuple[list, float]) -> None:
+            self.busy_s["copy"] += copies[1]
+            self._record(rank, keys, copies[0], staged=False)
+
+        self._summaries.append((self._workers().submit(_copies, list(tensors)), store))
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=SUMMARY_THREADS, thread_name_prefix="prism-capture-digest")
+        return self._pool
+
+    def drain(self, wait: bool = False) -> None:
+        """Do the work left for after the replies (:meth:`_note_contribution` of staged
+        contributions, digests of sends) and take in the summaries that are done — all of them
+        with ``wait``: before a region is freed and before the events are written."""
+        while self._deferred:
+            fn, args = self._deferred.popleft()
+            fn(*args)
+        while self._summaries and (wait or self._summaries[0][0].done()):
+            fut, then = self._summaries.popleft()
+            then(fut.result())
+
+    def _summarize(self, rank: int, row: dict, extra: dict, tensors, *, stats: bool) -> None:
+        """Set ``row``'s extra once the digests of ``rank``'s contribution or send (and with
+        ``stats`` their :func:`piece_stats`) are taken, on a worker thread: the divergence checks
+        of a sandbox rank read them, and in a sandbox-scoped trace only sandbox ranks replay (a
+        digest of every other rank's data would cost a pass over every byte the capture moves).
+        Both release the GIL, so the coordinator goes on answering meanwhile."""
+        if not tensors or (self.scope is not None and rank not in self.scope):
+            row["extra"] = json.dumps(extra)
+            return
+
+        def fill(summary: tuple[list[str], list | None, float]) -> None:
+            extra["digests"] = summary[0]
+            if summary[1] is not None:
+                extra["stats"] = summary[1]
+            row["extra"] = json.dumps(extra)
+            self.busy_s["digest"] += summary[2]
+
+        self._summaries.append((self._workers().submit(_summary, list(tensors), stats), fill))
+
+    def _note_send(self, src: int, row: dict, extra: dict, tensor, tkey: str | None, staged: bool) -> None:
+        self._summarize(src, row, extra, (tensor,), stats=tkey is None and src in (self.scope or ()))
+        if tkey is not None:
+            self._record(src, [tkey], [tensor], staged)
