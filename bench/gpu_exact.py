@@ -19,7 +19,9 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -46,8 +48,9 @@ def median_after_first(xs: list[float]) -> float | None:
     return statistics.median(xs[1:]) if len(xs) > 1 else None
 
 
-def blocked_seconds(trace: Path) -> tuple[dict[int, float], dict[int, dict[str, list]]]:
-    """Each captured rank's seconds blocked in waits on its ops (the trace's ``wait`` events), in
+def blocked_seconds(trace: Path, since_unit: int = 0) -> tuple[dict[int, float], dict[int, dict[str, list]]]:
+    """Each captured rank's seconds blocked in waits on its ops (the trace's ``wait`` events of
+    steps ``since_unit`` on), in
     all and by what it waited on: ``<c|s|r>:<group desc>(<size>)`` -> [seconds, waits, seconds
     before the op completed at the coordinator (its peers still to come), seconds after (the
     rank computing its result from the exchange, being resumed)]."""
@@ -60,7 +63,7 @@ def blocked_seconds(trace: Path) -> tuple[dict[int, float], dict[int, dict[str, 
     out: dict[int, float] = {}
     by: dict[int, dict[str, list]] = {}
     for row in rows:
-        if row["kind"] == "wait" and row["extra"]:
+        if row["kind"] == "wait" and row["extra"] and row["unit"] >= since_unit:
             extra = json.loads(row["extra"])
             b = extra.get("blocked_s") or 0.0
             out[row["rank"]] = round(out.get(row["rank"], 0.0) + b, 3)
@@ -76,8 +79,24 @@ def blocked_seconds(trace: Path) -> tuple[dict[int, float], dict[int, dict[str, 
     return out, by
 
 
+class GpuUtil:
+    """``nvidia-smi``'s GPU utilization every 100 ms while a phase runs (``--gpu-util``): whether
+    a capture's steps are bound by the card (near 100%) or by its ranks' host-side waits."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                      "-lms", "100"], stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> list[int]:
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        return [int(x) for x in out.split() if x.isdigit()]
+
+
 def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float,
-            stacks: Path | None = None, capture_only: bool = False) -> dict:
+            stacks: Path | None = None, capture_only: bool = False, gpu_util: bool = False,
+            overrides: tuple[str, ...] = ()) -> dict:
     layout, mp, steps, full_bytes = JOBS[name]
     dp = world // mp
     job = [*MODEL, *layout, "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(steps)]
@@ -86,11 +105,16 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
     trace = work / "trace"
     base = ["--nnodes", str(world // 8), "--nproc-per-node", "8", f"device={DEVICE}", f"sandbox.ranks=[{sandbox}]",
             f"trace.dir={trace}", f"cluster={cluster}", "capture.payload=exact",
-            *([f"capture.slots={slots}"] if slots is not None else [])]
+            *([f"capture.slots={slots}"] if slots is not None else []), *overrides]
     res: dict = {"job": name, "world": world, "steps": steps, "sandbox": sandbox, "full_tensor_bytes": full_bytes}
     try:
-        _r, res["capture_s"] = prism([*base, "--log-dir", work / "cap-logs", "mode=capture", script, *job], work, timeout,
-                                      stacks=None if stacks is None else stacks / name)
+        util = GpuUtil() if gpu_util else None
+        try:
+            _r, res["capture_s"] = prism([*base, "--log-dir", work / "cap-logs", "mode=capture", script, *job], work,
+                                          timeout, stacks=None if stacks is None else stacks / name)
+        finally:
+            if util is not None:
+                res["gpu_util"] = util.stop()
         files = [p for p in trace.rglob("*") if p.is_file()]
         res["trace_bytes"] = sum(p.stat().st_size for p in files)
         res["tensor_bytes"] = sum(p.stat().st_size for p in files if "tensors" in p.parts)
@@ -100,6 +124,8 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
                                                           "launcher_peak_rss_bytes", "coordinator_busy_s", "writer_busy_s",
                                                           "coordinator_waited_for_writer_s", "rank_busy_s")}
         res["blocked_s"], res["blocked_by_op"] = blocked_seconds(trace)
+        res["steady_from"] = min(3, steps - 1)
+        res["steady_blocked_s"], res["steady_blocked_by_op"] = blocked_seconds(trace, res["steady_from"])
         logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
         res["capture_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
         if capture_only:
@@ -122,10 +148,18 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
     return res
 
 
-def show_blocked(r: dict, top: int) -> None:
-    """Print each rank's blocked seconds: in all, then its ``top`` ops and groups by seconds."""
-    print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
-    for rank, cells in sorted((r.get("blocked_by_op") or {}).items()):
+def show_blocked(r: dict, top: int, steady: bool = False) -> None:
+    """Print each rank's blocked seconds: in all, then its ``top`` ops and groups by seconds
+    (``steady``: per step, over the steps from ``steady_from`` on)."""
+    if not steady:
+        print(f"  ranks' seconds blocked in waits {r.get('blocked_s')}")
+        show_blocked(r, top, steady=True)
+    key = "steady_blocked_by_op" if steady else "blocked_by_op"
+    if steady:
+        n = max(1, r["steps"] - r["steady_from"])
+        print(f"  per step from step {r['steady_from']} on ({n} steps), seconds blocked: "
+              f"{ {k: round(v / n, 3) for k, v in (r.get('steady_blocked_s') or {}).items()} } (totals over those steps below)")
+    for rank, cells in sorted((r.get(key) or {}).items()):
         most = sorted(cells.items(), key=lambda kv: -kv[1][0])[:top]
         print(f"    rank {rank} blocked on: " + ", ".join(
             f"{k} {v[0]:.2f}s/{v[1]}" + (f" ({v[2]:.2f}s before the op completed, {v[3]:.2f}s after)" if k[0] == "c" else "")
@@ -138,6 +172,15 @@ def show_capture(r: dict) -> None:
     print(f"  capture {r['capture_s']:.0f}s ({r['capture_stats']}); Megatron per iteration in capture "
           f"{[round(x) for x in r['capture_ms_per_iteration']]} ms")
     show_blocked(r, 4)
+    show_util(r)
+
+
+def show_util(r: dict) -> None:
+    u = r.get("gpu_util")
+    if u:
+        tail = u[-150:]
+        print(f"  GPU utilization (%) over the capture's last {len(tail) / 10:.0f}s, 0.5s means: "
+              f"{[round(statistics.mean(tail[i:i + 5])) for i in range(0, len(tail), 5)]}")
 
 
 def show(r: dict) -> list[str]:
@@ -153,6 +196,7 @@ def show(r: dict) -> list[str]:
           f"{[round(x) for x in r['emulate_ms_per_iteration']]} ms; capture / job step (medians after the first) "
           f"{'-' if ratio is None else f'{ratio:.1f}x'}")
     show_blocked(r, 6)
+    show_util(r)
     print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
           f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
           f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "
@@ -178,6 +222,9 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--stacks", type=Path, default=None,
                     help="sample the capture's processes' stacks into this folder (bench/stack_summary.py prints them)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a further prism-launch override for both phases (repeatable)")
+    ap.add_argument("--gpu-util", action="store_true", help="sample nvidia-smi's GPU utilization during the captures")
     ap.add_argument("--capture-only", action="store_true", help="capture and print its figures; no emulation")
     a = ap.parse_args()
     script = pretrain_gpt(a.mlm)
@@ -190,7 +237,8 @@ def main() -> int:
     results, bad = [], []
     try:
         for name in a.jobs.split(","):
-            results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout, a.stacks, a.capture_only))
+            results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout, a.stacks, a.capture_only,
+                                   a.gpu_util, tuple(a.set)))
             if a.capture_only:
                 show_capture(results[-1])
             else:

@@ -25,6 +25,7 @@ import torch
 
 from nccl_ext import mirrored, synth, wire
 from nccl_ext.exchange import Arena, PeerViews, detached
+from nccl_ext.exchange_device import DeviceFold
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute
 from nccl_ext.pending import CommDeadlineError, Pending
@@ -84,8 +85,12 @@ class CaptureTransport:
         -> whether the trace keeps its data of them (a sandbox rank's: its contribution's digest,
         its result), which then goes through the exchange."""
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._device_fold: DeviceFold | None = None
+        """Exchanged results computed on this rank's GPU (:mod:`nccl_ext.exchange_device`)."""
+        self._recv_on: dict[int, torch.device] = {}
+        """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
         self.mirrored_ops = 0
-        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0}
+        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0}
         """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
         close; ``capture.json``'s ``rank_busy_s``): where a capture's time goes on the rank side."""
         self._send(("hello", rank, os.getpid()))
@@ -148,6 +153,8 @@ class CaptureTransport:
         if not self._scratch and self._captured is not None and call.tensors and call.tensors[0].is_cuda:
             # before the program's memory grows, so no peak is measured without it
             self._scratch_on(call.tensors[0].device)
+            if self._exchange is not None:
+                self._device_fold = DeviceFold(call.tensors[0].device)
         keep = self._mirrored.get(group.key)
         if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
             return self._mirrored_op(group, seq, call, what, keep)
@@ -179,7 +186,9 @@ class CaptureTransport:
             gen, descs, self._regions[op_id] = self._arena.put(list(call.tensors))
             self.busy_s["stage"] += time.perf_counter() - t0
             location = (gen, descs)
-        self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank))
+        device = next((x.device for x in (*(call.tensors or ()), *(call.outputs or ()), *(call.standin or ()))
+                       if x.is_cuda), None)
+        self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device)
         self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
                     None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
                     self.unit, t, wall, cpu, location))
@@ -188,24 +197,51 @@ class CaptureTransport:
     def _compute_exchanged(self, op_id: int, locations: list) -> None:
         """Every member's contribution is staged: fold them (group-rank order, as the coordinator
         would), tell the coordinator this rank has read them, complete the op."""
-        kind, reduce, root, me = self._xops.pop(op_id)
+        kind, reduce, root, me, own, device = self._xops.pop(op_id)
+        on_device = self._fold_on(device)
 
         def read() -> list:
-            out = compute(kind, [self._peers.views(loc) for loc in locations], reduce=reduce, root=root)[me]
+            views = [self._peers.views(loc) for loc in locations]
+            if on_device is not None:
+                if own is not None:
+                    views[me] = list(own)  # already on the device, unchanged until the op completes
+                with torch.cuda.stream(on_device.stream):
+                    out = on_device.results(kind, views, me, reduce=reduce, root=root)
+                if out is not None:
+                    return out
+                views = [self._peers.views(loc) for loc in locations]
+            out = compute(kind, views, reduce=reduce, root=root)[me]
             if kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
                 out = [detached(x) for x in out]  # pieces of the peers' regions, which are about to be freed
             return out
 
-        self._read_staged(op_id, read, "reading the peers' contributions")
+        self._read_staged(op_id, read, "reading the peers' contributions", on_device)
+
+    def _fold_on(self, device: torch.device | None) -> DeviceFold | None:
+        """The device fold for results on ``device`` (None: on the host)."""
+        f = self._device_fold
+        return f if f is not None and device is not None and device == f.device else None
 
     def _receive_exchanged(self, op_id: int, location) -> None:
         """A send staged in the sender's arena: this rank's copy of it, then the region may go."""
-        self._read_staged(op_id, lambda: [detached(x) for x in self._open_exchange()[1].views(location)],
-                          "reading the sender's staged tensor")
+        on_device = self._fold_on(self._recv_on.pop(op_id, None))
 
-    def _read_staged(self, op_id: int, read, what: str) -> None:
+        def read() -> list:
+            views = self._open_exchange()[1].views(location)
+            if on_device is not None:
+                with torch.cuda.stream(on_device.stream):
+                    out = on_device.results(Collective.BROADCAST, [views], 0, root=0)
+                if out is not None:
+                    return out
+            return [detached(x) for x in views]
+
+        self._read_staged(op_id, read, "reading the sender's staged tensor", on_device)
+
+    def _read_staged(self, op_id: int, read, what: str, on_device: DeviceFold | None = None) -> None:
         """Complete op ``op_id`` with ``read()`` (or fail it with why), then tell the coordinator
-        this rank is done with the staged regions (``xread``)."""
+        this rank is done with the staged regions (``xread``). Results on the device are written
+        into the program's tensors on the fold's stream, which is waited for before the program
+        is woken (:attr:`Pending.after_apply`)."""
         with self._pending_lock:
             p = self._pending.pop(op_id, None)
         t0 = time.perf_counter()
@@ -218,13 +254,23 @@ class CaptureTransport:
                 p.fail(RuntimeError(f"{p.what}: {what} failed: {e}"))
             return
         self._send(("xread", op_id))
-        if p is not None:
+        if p is None:
+            return
+        t0 = time.perf_counter()
+        if on_device is not None and out and out[0].is_cuda:
+            p.after_apply = on_device.finish
+            with torch.cuda.stream(on_device.stream):
+                p.complete(out)
+        else:
             p.complete(out)
+        self.busy_s["apply"] += time.perf_counter() - t0
 
     def _open_exchange(self) -> tuple[Arena, PeerViews]:
         """This rank's arena and its views of the peers' (opened at first use)."""
         if self._arena is None:
-            self._arena, self._peers = Arena(self._exchange, self.rank), PeerViews(self._exchange)
+            pinned = self._device_fold is not None  # copies to and from the GPU at the link's speed
+            self._arena = Arena(self._exchange, self.rank, pin=pinned)
+            self._peers = PeerViews(self._exchange, pin=pinned)
         return self._arena, self._peers
 
     def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, keep: bool) -> Pending:
@@ -326,6 +372,8 @@ class CaptureTransport:
             return Pending.done(what, [synth.fill(like)])
         op_id, p = self._new_pending(what)
         t, wall, cpu = self._span()
+        if like.is_cuda:
+            self._recv_on[op_id] = like.device
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 
@@ -357,7 +405,10 @@ class CaptureTransport:
             return
         self._closed.set()
         try:
+            folds = self._device_fold
             self._send(("stats", self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
+                                             "device_folds": folds.device_ops if folds else 0,
+                                             "host_folds": folds.host_ops if folds else 0,
                                              **{k: round(v, 3) for k, v in self.busy_s.items()}}))
             self._send(("bye", self.rank))
         except OSError:
@@ -411,6 +462,7 @@ class CaptureTransport:
                             self._arena.free(r)
                     continue
                 op_id = header[1]
+                self._recv_on.pop(op_id, None)
                 with self._pending_lock:
                     p = self._pending.pop(op_id, None)
                 if p is None:

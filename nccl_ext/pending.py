@@ -37,8 +37,8 @@ class CommDeadlineError(RuntimeError):
 class Pending:
     """One outstanding op: completed by a transport, observed by the process group."""
 
-    __slots__ = ("what", "deadline", "timeout_s", "op_id", "waiting_for", "_event", "_value", "_error",
-                 "_callbacks", "_lock")
+    __slots__ = ("what", "deadline", "timeout_s", "op_id", "waiting_for", "after_apply", "_event", "_value",
+                 "_error", "_callbacks", "_lock")
 
     def __init__(self, what: str, timeout_s: float, op_id: int = -1):
         self.what = what
@@ -50,6 +50,10 @@ class Pending:
         self.waiting_for = ""
         """What the op waits for besides the program (e.g. the assistant's message), if the
         transport says: named when the op misses its deadline."""
+        self.after_apply: Callable[[], None] | None = None
+        """Set by a transport whose results are computed on a stream of its own: waits for that
+        stream once the results are in the caller's tensors (the process group calls it before
+        it wakes the caller). Its results are valid only until the transport's next op."""
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None

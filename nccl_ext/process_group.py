@@ -27,6 +27,7 @@ import torch.distributed as dist
 from nccl_ext.groups import GroupInfo, GroupRegistry
 from nccl_ext.ops import Collective, ReduceKind, reduce_kind
 from nccl_ext.pending import LIMIT_KEY, CommDeadlineError, Pending, short_ranks, timeout_seconds
+from nccl_ext.results import copy_pieces, no_grad_copy, own_copies
 
 MONITORED_BARRIER_TAG = 0x3FFF_FFF7
 """The point-to-point tag of :meth:`PrismProcessGroup.monitored_barrier`'s messages (kept apart
@@ -136,38 +137,6 @@ class PrismWorld:
         return cls(self, info, name=name)
 
 
-def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """``src`` already is ``dst``'s memory (a result written in place)."""
-    return dst.data_ptr() == src.data_ptr() and dst.numel() == src.numel() and dst.dtype == src.dtype \
-        and src.is_contiguous() and dst.is_contiguous()
-
-
-def _no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    if dst.numel() != src.numel():
-        raise RuntimeError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
-    if _same(dst, src):
-        return
-    with torch.no_grad():
-        dst.copy_(src.reshape(dst.shape))
-
-
-def _copy_pieces(dst: torch.Tensor, pieces, what: str) -> None:
-    """Write ``pieces`` back to back into ``dst`` without a temporary concatenation."""
-    total = sum(p.numel() for p in pieces)
-    if dst.numel() != total:
-        raise RuntimeError(f"{what}: result has {total} elements, output tensor has {dst.numel()}")
-    flat = dst.view(-1) if dst.is_contiguous() else None
-    with torch.no_grad():
-        if flat is None:
-            dst.copy_(torch.cat([p.reshape(-1) for p in pieces]).reshape(dst.shape))
-            return
-        offset = 0
-        for p in pieces:
-            k = p.numel()
-            flat[offset : offset + k].copy_(p.reshape(-1))
-            offset += k
-
-
 class PrismProcessGroup(dist.ProcessGroup):
     """One communicator of the logical world as seen by one member."""
 
@@ -237,7 +206,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     def _all_reduce(self, api, tensors, red, opts):
         def apply(res):
             for t, r in zip(tensors, res, strict=True):
-                _no_grad_copy(t, r, api)
+                no_grad_copy(t, r, api)
 
         return self._submit(CollectiveCall(api, Collective.ALL_REDUCE, list(tensors), reduce=red), apply, opts)
 
@@ -248,7 +217,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         def apply(res):
             if self.rank() != root:
                 for t, r in zip(tensors, res, strict=True):
-                    _no_grad_copy(t, r, "broadcast")
+                    no_grad_copy(t, r, "broadcast")
 
         call = CollectiveCall("broadcast", Collective.BROADCAST, mine, root=root,
                               standin=None if mine is not None else list(tensors))
@@ -261,7 +230,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         def apply(res):
             if self.rank() == root:
                 for t, r in zip(tensors, res, strict=True):
-                    _no_grad_copy(t, r, "reduce")
+                    no_grad_copy(t, r, "reduce")
 
         return self._submit(CollectiveCall("reduce", Collective.REDUCE, list(tensors), reduce=red, root=root), apply, opts)
 
@@ -277,7 +246,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         def apply(res):
             for i, outs in enumerate(output_lists):
                 for m, out in enumerate(outs):
-                    _no_grad_copy(out, res[i * n + m], api)
+                    no_grad_copy(out, res[i * n + m], api)
 
         return self._submit(CollectiveCall(api, Collective.ALL_GATHER, list(input_list)), apply, opts)
 
@@ -298,7 +267,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         def apply(res):
             for i, out in enumerate(outputs):
-                _copy_pieces(out, res[i * n : (i + 1) * n], api)
+                copy_pieces(out, res[i * n : (i + 1) * n], api)
 
         return self._submit(CollectiveCall(api, Collective.ALL_GATHER, list(inputs)), apply, opts)
 
@@ -313,7 +282,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         def apply(res):
             for t, r in zip(outputs, res, strict=True):
-                _no_grad_copy(t, r, "reduce_scatter")
+                no_grad_copy(t, r, "reduce_scatter")
 
         return self._submit(CollectiveCall("reduce_scatter", Collective.REDUCE_SCATTER, pieces, reduce=red,
                                            outputs=list(outputs)), apply, opts)
@@ -341,7 +310,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
         def apply(res):
             for t, r in zip(outputs, res, strict=True):
-                _no_grad_copy(t, r, api)
+                no_grad_copy(t, r, api)
 
         return self._submit(CollectiveCall(api, Collective.REDUCE_SCATTER, pieces, reduce=red, outputs=list(outputs)),
                             apply, opts)
@@ -360,14 +329,14 @@ class PrismProcessGroup(dist.ProcessGroup):
         outs = list(output.split(out_splits, dim=0)) if output.dim() and output.is_contiguous() else None
 
         def apply(res):
-            _copy_pieces(output, res, api)
+            copy_pieces(output, res, api)
 
         return self._submit(CollectiveCall(api, Collective.ALL_TO_ALL, pieces, outputs=outs), apply, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         def apply(res):
             for t, r in zip(outputs, res, strict=True):
-                _no_grad_copy(t, r, "alltoall")
+                no_grad_copy(t, r, "alltoall")
 
         return self._submit(CollectiveCall("alltoall", Collective.ALL_TO_ALL, list(inputs), outputs=list(outputs)),
                             apply, opts)
@@ -378,7 +347,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         def apply(res):
             if self.rank() == root:
                 for out, r in zip(output_lists[0], res, strict=True):
-                    _no_grad_copy(out, r, "gather")
+                    no_grad_copy(out, r, "gather")
 
         return self._submit(CollectiveCall("gather", Collective.GATHER, [inputs[0]], root=root), apply, opts)
 
@@ -387,7 +356,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         mine = list(input_lists[0]) if self.rank() == root else None
 
         def apply(res):
-            _no_grad_copy(outputs[0], res[0], "scatter")
+            no_grad_copy(outputs[0], res[0], "scatter")
 
         return self._submit(CollectiveCall("scatter", Collective.SCATTER, mine, root=root, outputs=[outputs[0]]),
                             apply, opts)
@@ -466,7 +435,7 @@ class PrismProcessGroup(dist.ProcessGroup):
                               self.info.ranks[src], tag, seq, tensor)
 
         def apply(res):
-            _no_grad_copy(tensor, res[0], "recv")
+            no_grad_copy(tensor, res[0], "recv")
 
         return PrismWork(pending, apply, self.world.transport, ("r", self.info.key, self.info.ranks[src], tag, seq))
 
@@ -518,12 +487,14 @@ class PrismWork(dist.Work):
                 apply_fn, self._apply = self._apply, None
                 if apply_fn is not None:
                     apply_fn(value)
+                if p.after_apply is not None:
+                    p.after_apply()
                 # drop every reference to the caller's tensors before waking the caller, so
                 # they are freed when the program drops them (as with a real backend)
                 del apply_fn
                 with self._lock:
-                    if self._fut is not None:
-                        self._value = value  # only a future's consumer still needs the tensors
+                    if self._fut is not None:  # only a future's consumer still needs the tensors
+                        self._value = value if p.after_apply is None else own_copies(value)
                 p.release()
                 del value
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()

@@ -96,6 +96,11 @@ class CaptureConfig:
     trace's next spill file (its memory for tensors, whatever the number of steps)."""
     carry_bytes: int = 64 * 1024
     """``payload=none``: broadcasts and scatters up to this size keep their real payload."""
+    switch_interval_us: int = 200
+    """Python's thread switch interval (``sys.setswitchinterval``) in the launcher and the captured
+    ranks while they capture. Each op's completion hops between threads (a rank's program and the
+    thread that receives its results, the coordinator and its helpers): at Python's default of
+    5,000 us a hop can wait that long for a busy thread to let go. 0: Python's default."""
     replicated_groups: list[str] = field(default_factory=lambda: [
         "DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg"])
     """Substrings of group descriptions (``group_desc``) that mark groups spanning
@@ -111,5 +116,7 @@ class CaptureConfig:
             raise ConfigError(f"capture.spill_mib must be > 0 (got {self.spill_mib})")
         if self.carry_bytes < 0:
             raise ConfigError(f"capture.carry_bytes must be >= 0 (got {self.carry_bytes})")
+        if self.switch_interval_us < 0:
+            raise ConfigError(f"capture.switch_interval_us must be >= 0 (got {self.switch_interval_us}; 0: Python's default)")
         if self.fold_threshold < 1:
             raise ConfigError(f"capture.fold_threshold must be >= 1 (got {self.fold_threshold})")

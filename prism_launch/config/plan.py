@@ -44,6 +44,8 @@ class CapturePlan:
     on the rank; only metadata and carried broadcasts go to the coordinator)."""
     carry_bytes: int = 0
     """``payload=none``: broadcasts up to this size keep their real payload."""
+    switch_interval_us: int = 0
+    """Python's thread switch interval in the rank while it captures (0: Python's default)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

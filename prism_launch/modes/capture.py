@@ -200,7 +200,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         raise
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
-        payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange))
+        payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange,
+        switch_interval_us=ctx.cfg.capture.switch_interval_us))
     from prism_launch.capture.monitor import CaptureMonitor
 
     monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress,
@@ -208,6 +209,9 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
                              still_to_write=lambda: max(writer.tensor_stats()["pending_bytes"],
                                                         spill if payload != "none" else 0))
     t0 = time.monotonic()
+    switch = sys.getswitchinterval()
+    if ctx.cfg.capture.switch_interval_us:
+        sys.setswitchinterval(ctx.cfg.capture.switch_interval_us * 1e-6)
     try:
         try:
             log_dir = ctx.agent.run(plan, log_dir=ctx.log_dir(Mode.capture),
@@ -224,6 +228,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
             raise RunFailedError(f"capture incomplete: {left}")
         sink.close()
     finally:
+        sys.setswitchinterval(switch)
         sink.close(discard=True)  # after a failure: drop what still waits (the writer is discarded)
         monitor.close()
         coord.close()

@@ -20,6 +20,10 @@ def capture(plan: RankPlan) -> MakeTransport:
     cp = plan.capture
 
     def make(rank: int, world_size: int, timeout_s: float):
+        if cp.switch_interval_us:
+            import sys
+
+            sys.setswitchinterval(cp.switch_interval_us * 1e-6)
         captured = frozenset(cp.captured) if cp.captured is not None else None
         return CaptureTransport(cp.coordinator, bytes.fromhex(cp.authkey), rank, timeout_s, captured=captured,
                                 payload=cp.payload, carry_bytes=cp.carry_bytes, exchange=cp.exchange)

@@ -1,0 +1,46 @@
+"""Writing a collective's results into the caller's tensors (what a real backend's kernels do)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """``src`` already is ``dst``'s memory (a result written in place)."""
+    return dst.data_ptr() == src.data_ptr() and dst.numel() == src.numel() and dst.dtype == src.dtype \
+        and src.is_contiguous() and dst.is_contiguous()
+
+
+def no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.numel() != src.numel():
+        raise RuntimeError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
+    if same(dst, src):
+        return
+    with torch.no_grad():
+        dst.copy_(src.reshape(dst.shape))
+
+
+def own_copies(value):
+    """Copies of a result's tensors (a transport's results that it reuses after the op)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(own_copies(v) for v in value)
+    return value
+
+
+def copy_pieces(dst: torch.Tensor, pieces, what: str) -> None:
+    """Write ``pieces`` back to back into ``dst`` without a temporary concatenation."""
+    total = sum(p.numel() for p in pieces)
+    if dst.numel() != total:
+        raise RuntimeError(f"{what}: result has {total} elements, output tensor has {dst.numel()}")
+    flat = dst.view(-1) if dst.is_contiguous() else None
+    with torch.no_grad():
+        if flat is None:
+            dst.copy_(torch.cat([p.reshape(-1) for p in pieces]).reshape(dst.shape))
+            return
+        offset = 0
+        for p in pieces:
+            k = p.numel()
+            flat[offset : offset + k].copy_(p.reshape(-1))
+            offset += k
