@@ -94,6 +94,43 @@ class GpuUtil:
         return [int(x) for x in out.split() if x.isdigit()]
 
 
+def step_timeline(trace: Path, since_unit: int, show_unit: int, show_ranks: tuple[int, ...], rows: int = 60) -> dict:
+    """Where each captured rank's steps go, from the trace's events of steps ``since_unit`` on:
+    per step, the program's own time between ops (the events' compute spans), time blocked in
+    waits, and the rest (issuing ops: staging contributions, messages). Then, for ``show_ranks``,
+    the first ``rows`` events of step ``show_unit`` (ms from the step's first event): kind, group,
+    seq, start, end, the compute span before it."""
+    from prism_launch.trace import TraceReader
+
+    reader = TraceReader(trace)
+    desc = {g["id"]: (g.get("desc") or str(g["id"]))[:12] + f"({len(g.get('ranks') or [])})" for g in reader.manifest.groups}
+    ev = reader.events().to_pylist()
+    out: dict = {"per_step": {}, "rows": {}}
+    by_rank: dict[int, list] = {}
+    for e in ev:
+        by_rank.setdefault(e["rank"], []).append(e)
+    for rank, es in sorted(by_rank.items()):
+        steady = [e for e in es if e["unit"] >= since_unit]
+        if not steady:
+            continue
+        units = sorted({e["unit"] for e in steady})
+        span = max(e["t_end"] for e in steady) - min(e["t_start"] for e in steady)
+        program = sum(e["compute_wall_s"] or 0.0 for e in steady)
+        blocked = sum((json.loads(e["extra"]).get("blocked_s") or 0.0) for e in steady if e["kind"] == "wait" and e["extra"])
+        n = len(units)
+        out["per_step"][rank] = {"step_ms": round(1e3 * span / n, 1), "program_ms": round(1e3 * program / n, 1),
+                                 "blocked_ms": round(1e3 * blocked / n, 1),
+                                 "rest_ms": round(1e3 * (span - program - blocked) / n, 1), "events": len(steady) // n}
+        if rank in show_ranks:
+            shown = [e for e in es if e["unit"] == show_unit][:rows]
+            if shown:
+                t0 = shown[0]["t_start"]
+                out["rows"][rank] = [(e["kind"][:4], desc.get(e["group"], "-"), e["seq"], round(1e3 * (e["t_start"] - t0), 2),
+                                      round(1e3 * (e["t_end"] - t0), 2), round(1e3 * (e["compute_wall_s"] or 0.0), 2))
+                                     for e in shown]
+    return out
+
+
 def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float,
             stacks: Path | None = None, capture_only: bool = False, gpu_util: bool = False,
             overrides: tuple[str, ...] = ()) -> dict:
@@ -126,6 +163,7 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         res["blocked_s"], res["blocked_by_op"] = blocked_seconds(trace)
         res["steady_from"] = min(3, steps - 1)
         res["steady_blocked_s"], res["steady_blocked_by_op"] = blocked_seconds(trace, res["steady_from"])
+        res["timeline"] = step_timeline(trace, res["steady_from"], steps - 2, (world - 1, world // 2 - 2))
         logs = sorted((work / "cap-logs").glob(f"*/{sandbox}/stdout.log"))
         res["capture_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
         if capture_only:
@@ -173,6 +211,16 @@ def show_capture(r: dict) -> None:
           f"{[round(x) for x in r['capture_ms_per_iteration']]} ms")
     show_blocked(r, 4)
     show_util(r)
+    show_timeline(r)
+
+
+def show_timeline(r: dict) -> None:
+    t = r.get("timeline") or {}
+    for rank, v in sorted((t.get("per_step") or {}).items()):
+        print(f"  rank {rank} per step (steady): {v}")
+    for rank, rows in sorted((t.get("rows") or {}).items()):
+        print(f"  rank {rank}, one step's events (kind group seq start end span-before, ms): "
+              + "; ".join(" ".join(str(x) for x in row) for row in rows))
 
 
 def show_util(r: dict) -> None:
@@ -197,6 +245,7 @@ def show(r: dict) -> list[str]:
           f"{'-' if ratio is None else f'{ratio:.1f}x'}")
     show_blocked(r, 6)
     show_util(r)
+    show_timeline(r)
     print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
           f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
           f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "

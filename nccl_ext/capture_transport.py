@@ -90,9 +90,14 @@ class CaptureTransport:
         self._recv_on: dict[int, torch.device] = {}
         """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
         self.mirrored_ops = 0
-        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0}
+        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0,
+                       "x_until_complete": 0.0, "x_to_reader": 0.0}
         """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
-        close; ``capture.json``'s ``rank_busy_s``): where a capture's time goes on the rank side."""
+        close; ``capture.json``'s ``rank_busy_s``): where a capture's time goes on the rank side.
+        Of its exchanged collectives: from sending its contribution's location until the
+        coordinator saw every member's (``x_until_complete``), and from there until this rank's
+        reader had the answer (``x_to_reader``)."""
+        self._x_sent: dict[int, float] = {}
         self._send(("hello", rank, os.getpid()))
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()
@@ -189,6 +194,7 @@ class CaptureTransport:
         device = next((x.device for x in (*(call.tensors or ()), *(call.outputs or ()), *(call.standin or ()))
                        if x.is_cuda), None)
         self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device)
+        self._x_sent[op_id] = time.monotonic()
         self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
                     None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
                     self.unit, t, wall, cpu, location))
@@ -450,6 +456,10 @@ class CaptureTransport:
                     self._mirrored[header[1]] = header[2]
                     continue
                 if kind == "xok":
+                    sent = self._x_sent.pop(header[1], None)
+                    if sent is not None and len(header) > 3:
+                        self.busy_s["x_until_complete"] += max(0.0, header[3] - sent)
+                        self.busy_s["x_to_reader"] += max(0.0, self._alive - header[3])
                     self._compute_exchanged(header[1], header[2])
                     continue
                 if kind == "xrecv":

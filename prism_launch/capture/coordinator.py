@@ -104,7 +104,8 @@ class Coordinator(SynthesizedOps, TraceNotes):
         """Each rank's memory accounting summary (peak bytes, per-unit samples, method)."""
         self.t0 = time.monotonic()
         self.ops_completed = 0
-        self.busy_s = {"receive": 0.0, "digest": 0.0, "copy": 0.0, "compute": 0.0, "reply": 0.0, "record": 0.0}
+        self.busy_s = {"receive": 0.0, "digest": 0.0, "copy": 0.0, "compute": 0.0, "reply": 0.0, "record": 0.0,
+                       "pump": 0.0}
         """Seconds by activity: the coordinator's thread (what a capture waits on when every op
         passes through it), and its worker threads' ``digest`` and ``copy``."""
         self.rank_busy_s: dict[int, dict] = {}
@@ -156,6 +157,7 @@ class Coordinator(SynthesizedOps, TraceNotes):
             self._conns.extend(self._new_conns)
             self._new_conns.clear()
         ready = wait(self._conns, timeout=timeout_s) if self._conns else time.sleep(timeout_s)
+        t_pump = time.perf_counter()
         for conn in ready or ():
             try:
                 while conn.poll(0):
@@ -171,6 +173,7 @@ class Coordinator(SynthesizedOps, TraceNotes):
         self.scheduler.schedule()
         self.drain()
         self._check_deadlines()
+        self.busy_s["pump"] += time.perf_counter() - t_pump
 
     def _handle(self, conn: Connection, header: tuple, tensors: list[torch.Tensor]) -> None:
         kind = header[0]
@@ -408,7 +411,7 @@ class Coordinator(SynthesizedOps, TraceNotes):
         for arrival in pc.arrivals.values():
             self._reads[(arrival.rank, arrival.op_id)] = reads
             arrival.row["t_end"] = now
-            wire.send(arrival.conn, ("xok", arrival.op_id, locations))
+            wire.send(arrival.conn, ("xok", arrival.op_id, locations, time.monotonic()))
             self.scheduler.answered(arrival.rank, arrival.op_id)
         self.busy_s["reply"] += time.perf_counter() - t0
         self.ops_completed += 1
