@@ -39,6 +39,12 @@ itself (the coordinator's one fold done by each member, in parallel); larger gro
 reduction of an unfolded capture — go through the coordinator, which folds once."""
 
 
+STAGED_MIN_BYTES = 64 << 10
+"""A contribution to a collective the coordinator computes (a group with members that do not run)
+of at least this size is staged in the rank's arena, and its result comes back through the
+coordinator's (``scoll``/``sok``, :mod:`prism_launch.capture.staged`); smaller ones ride the socket."""
+
+
 MIRROR_SCRATCH_BYTES = 16 << 20
 """Slice buffer of a mirrored in-place reduction (:mod:`nccl_ext.mirrored`)."""
 
@@ -90,6 +96,8 @@ class CaptureTransport:
         self._recv_on: dict[int, torch.device] = {}
         """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
         self.mirrored_ops = 0
+        self.staged_ops = 0
+        """Collectives computed by the coordinator whose contribution and result went through shared memory."""
         self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0,
                        "x_until_complete": 0.0, "x_to_reader": 0.0}
         """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
@@ -175,8 +183,34 @@ class CaptureTransport:
         header = ("coll", op_id, group.key, seq, call.api, str(call.kind),
                   None if call.reduce is None else str(call.reduce), call.root,
                   contributes, self.unit, t, wall, cpu)
+        if self._exchange is not None and contributes is True and tensors and \
+                sum(x.numel() * x.element_size() for x in tensors) >= STAGED_MIN_BYTES:
+            self._open_exchange()
+            t0 = time.perf_counter()
+            gen, descs, self._regions[op_id] = self._arena.put(list(tensors))
+            self.busy_s["stage"] += time.perf_counter() - t0
+            self.staged_ops += 1
+            self._send(("scoll", *header[1:], (gen, descs)))
+            return p
         self._send(header, tensors or ())
         return p
+
+    def _receive_result(self, op_id: int, location) -> None:
+        """The coordinator staged this rank's result of op ``op_id``: copied from there into the
+        program's tensors, then the coordinator may free it (``xread``)."""
+        with self._pending_lock:
+            p = self._pending.pop(op_id, None)
+        t0 = time.perf_counter()
+        try:
+            if p is not None:
+                p.after_apply = _results_are_views
+                p.complete(self._open_exchange()[1].views(location))
+        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
+            if p is not None:
+                p.fail(RuntimeError(f"{p.what}: reading the staged result failed: {e}"))
+        finally:
+            self.busy_s["apply"] += time.perf_counter() - t0
+            self._send(("xread", op_id))
 
     def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
         """A collective among captured ranks only: the contribution is staged in this rank's arena,
@@ -413,6 +447,7 @@ class CaptureTransport:
         try:
             folds = self._device_fold
             self._send(("stats", self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
+                                             "staged_ops": self.staged_ops,
                                              "device_folds": folds.device_ops if folds else 0,
                                              "host_folds": folds.host_ops if folds else 0,
                                              **{k: round(v, 3) for k, v in self.busy_s.items()}}))
@@ -462,6 +497,9 @@ class CaptureTransport:
                         self.busy_s["x_to_reader"] += max(0.0, self._alive - header[3])
                     self._compute_exchanged(header[1], header[2])
                     continue
+                if kind == "sok":
+                    self._receive_result(header[1], header[2])
+                    continue
                 if kind == "xrecv":
                     self._receive_exchanged(header[1], header[2])
                     continue
@@ -493,6 +531,11 @@ class CaptureTransport:
             pend, self._pending = list(self._pending.values()), {}
         for p in pend:
             p.fail(RuntimeError(f"{p.what}: {why}"))
+
+
+def _results_are_views() -> None:
+    """:attr:`Pending.after_apply` of a result read where the coordinator staged it: nothing to
+    wait for, but a future's consumer gets copies (the region is freed after the op)."""
 
 
 def _short(ranks: tuple[int, ...]) -> str:

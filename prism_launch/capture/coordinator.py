@@ -26,6 +26,7 @@ from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduc
 from prism_launch.capture.ops_state import Arrival, OpGroup, PendingCollective, Reads, describe
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.notes import TraceNotes
+from prism_launch.capture.staged import StagedResults, recordable
 from prism_launch.capture.synthesized import SynthesizedOps
 
 
@@ -53,7 +54,7 @@ class MemorySink:
         self.tensors.setdefault(rank, {})[key] = tensor
 
 
-class Coordinator(SynthesizedOps, TraceNotes):
+class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
     (anything with ``record_tensor(rank, key, tensor)``; default a :class:`MemorySink`)."""
 
@@ -77,6 +78,7 @@ class Coordinator(SynthesizedOps, TraceNotes):
         the member staged it."""
         self._reads: dict[tuple[int, int], Reads] = {}
         self._init_notes()
+        self._init_staged(exchange)
         """Tensor bytes this capture may hold (None: no limit); past it, :class:`PayloadBudgetError`."""
         self.bytes_recorded = 0
         self.fold = fold
@@ -150,6 +152,7 @@ class Coordinator(SynthesizedOps, TraceNotes):
             c.close()
         if self._views is not None:
             self._views.close()
+        self._close_staged()
 
     # -- the pump ---------------------------------------------------------------------
     def pump(self, timeout_s: float = 0.05) -> None:
@@ -209,6 +212,9 @@ class Coordinator(SynthesizedOps, TraceNotes):
             rank = self._rank_of[conn]
             location = None if loc is None else (rank, *loc)
             self._on_collective(conn, header[:-1], self._views.views(location) or [], location)
+        elif kind == "scoll":  # computed here from the contribution where the rank staged it
+            rank = self._rank_of[conn]
+            self._on_collective(conn, header[:-1], self._views.views((rank, *header[-1])), staged=True)
         elif kind == "xread":
             self._on_read(conn, header[1])
         elif kind == "coll":
@@ -287,7 +293,7 @@ class Coordinator(SynthesizedOps, TraceNotes):
             raise CaptureError(f"op on unregistered group {key}") from None
 
     # -- collectives --------------------------------------------------------------------
-    def _on_collective(self, conn, header, tensors, location: tuple | None = None) -> None:
+    def _on_collective(self, conn, header, tensors, location: tuple | None = None, staged: bool = False) -> None:
         _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
         rank = self._rank_of[conn]
         group = self._group(key)
@@ -328,13 +334,13 @@ class Coordinator(SynthesizedOps, TraceNotes):
                         f"{tkey}/0" if keep and contribution else None, None)
         # what the trace keeps of the contribution: a staged one is read after the members have
         # their results (they compute them themselves), so no member waits for its digest or copy
-        note = (self._note_contribution, (rank, row, extra, contribution, keep, tkey, location is not None))
-        if location is not None:
+        note = (self._note_contribution, (rank, row, extra, contribution, keep, tkey, location is not None or staged))
+        if location is not None or staged:
             self._deferred.append(note)
         else:
             note[0](*note[1])
         self.scheduler.issued(rank, op_id)
-        pc.arrivals[grank] = Arrival(rank, op_id, conn, row)
+        pc.arrivals[grank] = Arrival(rank, op_id, conn, row, staged)
         if len(pc.arrivals) == group.present:
             self._complete(pc)
 
@@ -385,20 +391,28 @@ class Coordinator(SynthesizedOps, TraceNotes):
             results = compute(pc.kind, contributions, reduce=pc.reduce, root=pc.root)
         self.busy_s["compute"] += time.perf_counter() - t0
         now = time.monotonic() - self.t0
+        staged = [(a.conn, a.op_id) for a in pc.arrivals.values() if a.staged]
+        shared: dict = {}
         for grank, arrival in pc.arrivals.items():
             if group.sources is not None and results[grank] is not None and \
                     (self.scope is None or arrival.rank in self.scope):
                 # replay cannot recompute a folded result without O(replicas) work: keep it
                 t0 = time.perf_counter()
-                for i, t in enumerate(results[grank]):
+                for i, t in enumerate(recordable(pc.kind, results[grank], bool(staged))):
                     self.sink.record_tensor(arrival.rank, f"r/{group.id}/{pc.seq}/{i}", t)
                 self.busy_s["record"] += time.perf_counter() - t0
                 self._count(sum(t.numel() * t.element_size() for t in results[grank]))
             arrival.row["t_end"] = now
             t0 = time.perf_counter()
-            wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
+            if arrival.staged and results[grank]:
+                self._reply_staged(arrival, results[grank], shared)
+            else:
+                wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
             self.busy_s["reply"] += time.perf_counter() - t0
             self.scheduler.answered(arrival.rank, arrival.op_id)
+        if staged:
+            pc.contributions = []
+            self._free_contributions(staged)
         self.ops_completed += 1
 
     def _complete_exchanged(self, pc: PendingCollective) -> None:
@@ -417,18 +431,17 @@ class Coordinator(SynthesizedOps, TraceNotes):
         self.ops_completed += 1
 
     def _on_read(self, conn, op_id: int) -> None:
-        """A member has its result: once every member has, each frees its region."""
-        reads = self._reads.pop((self._rank_of[conn], op_id), None)
+        """A member has its result: once every member has, each frees its region (once the trace's
+        notes of the regions are taken); or a member has copied a result the coordinator staged."""
+        rank = self._rank_of[conn]
+        if self._read_result(rank, op_id):
+            return
+        reads = self._reads.pop((rank, op_id), None)
         if reads is None:
             return
         reads.left -= 1
         if reads.left == 0:
-            self.drain(wait=True)  # what the trace keeps of the regions is read first
-            for owner, oid in reads.owners:
-                try:
-                    wire.send(owner, ("xfree", oid))
-                except OSError:
-                    pass
+            self._free_contributions(reads.owners)
 
     def _count(self, nbytes: int) -> None:
         self.bytes_recorded += nbytes

@@ -44,6 +44,11 @@ class TraceNotes:
         """(future, what to do with its result here) of work on the worker threads — digests
         (:meth:`_summarize`), copies of staged tensors (:meth:`_record`) — in issue order."""
         self._pool: ThreadPoolExecutor | None = None
+        self._submitted = 0
+        self._taken = 0
+        self._after: deque = deque()
+        """(summaries submitted so far, what to do once they are taken in): frees of regions that
+        the work submitted before them reads (:meth:`after_notes`)."""
 
     def _close_notes(self) -> None:
         if self._pool is not None:
@@ -74,7 +79,19 @@ class TraceNotes:
             self.busy_s["copy"] += copies[1]
             self._record(rank, keys, copies[0], staged=False)
 
-        self._summaries.append((self._workers().submit(_copies, list(tensors)), store))
+        self._submit(_copies, store, list(tensors))
+
+    def _submit(self, fn, then, *args) -> None:
+        self._summaries.append((self._workers().submit(fn, *args), then))
+        self._submitted += 1
+
+    def after_notes(self, fn) -> None:
+        """Call ``fn`` once the work noted so far — deferred notes included — is done (the notes
+        of staged data read it where it lies): at a later :meth:`drain`, without waiting for it."""
+        self._deferred.append((self._queue_after, (fn,)))
+
+    def _queue_after(self, fn) -> None:
+        self._after.append((self._submitted, fn))
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -90,7 +107,10 @@ class TraceNotes:
             fn(*args)
         while self._summaries and (wait or self._summaries[0][0].done()):
             fut, then = self._summaries.popleft()
+            self._taken += 1
             then(fut.result())
+        while self._after and self._after[0][0] <= self._taken:
+            self._after.popleft()[1]()
 
     def _summarize(self, rank: int, row: dict, extra: dict, tensors, *, stats: bool) -> None:
         """Set ``row``'s extra once the digests of ``rank``'s contribution or send (and with
@@ -109,7 +129,7 @@ class TraceNotes:
             row["extra"] = json.dumps(extra)
             self.busy_s["digest"] += summary[2]
 
-        self._summaries.append((self._workers().submit(_summary, list(tensors), stats), fill))
+        self._submit(_summary, fill, list(tensors), stats)
 
     def _note_send(self, src: int, row: dict, extra: dict, tensor, tkey: str | None, staged: bool) -> None:
         self._summarize(src, row, extra, (tensor,), stats=tkey is None and src in (self.scope or ()))

@@ -31,6 +31,8 @@ class Arrival:
     op_id: int
     conn: Connection
     row: dict
+    staged: bool = False
+    """The member staged its contribution (``scoll``): its result is staged too."""
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ def test_explicit_values_win():
     ("compat.integrations=[nope]", "compat.integrations"),
     ("integration.moe=nope", "integration.moe"),
     ("physical.nodes=2", "physical.nodes"),
+    ("capture.switch_interval_us=-1", "capture.switch_interval_us"),
 ])
 def test_each_section_refuses_a_bad_value_by_name(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -1,0 +1,85 @@
+"""Large contributions and results of collectives the coordinator computes (groups with members
+that do not run in a folded capture: data-parallel gradient reductions, the distributed
+optimizer's gathers) pass through shared memory instead of the coordinator's socket.
+
+A rank stages its contribution in its arena (``scoll``: where it lies); the coordinator folds
+the members' contributions where they lie, with the same arithmetic as for socket-borne ones,
+stages each distinct result once in an arena of its own and tells each member where its result
+lies (``sok``); the member copies it into its tensors and says so (``xread``). A result region is
+freed when every member it went to has read it; a contribution's region once the trace's notes
+of it (digest, statistics, kept copy) are taken — without the coordinator waiting for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nccl_ext import wire
+from nccl_ext.exchange import Arena, detached
+from nccl_ext.ops import Collective
+
+COORDINATOR_ARENA = -1
+"""The arena id (in place of a rank) of the coordinator's staged results."""
+
+FRESH = (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
+"""Kinds whose results are new tensors; other kinds' results are pieces of the contributions."""
+
+
+@dataclass(slots=True)
+class ResultReads:
+    left: int
+    token: tuple
+
+
+class StagedResults:
+    """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator` (its exchange directory,
+    ``after_notes``)."""
+
+    def _init_staged(self, exchange: str | None) -> None:
+        self._result_arena = Arena(exchange, COORDINATOR_ARENA) if exchange is not None else None
+        self._result_reads: dict[tuple[int, int], ResultReads] = {}
+        self.staged_bytes = 0
+        """Bytes of results handed out through the coordinator's arena."""
+
+    def _close_staged(self) -> None:
+        if self._result_arena is not None:
+            self._result_arena.close()
+
+    def _reply_staged(self, arrival, tensors: list, shared: dict) -> None:
+        """Stage ``tensors`` (one region per distinct result: members of an all-reduce share it)
+        and tell the member where they lie."""
+        entry = shared.get(id(tensors))
+        if entry is None:
+            gen, descs, token = self._result_arena.put(list(tensors))
+            self.staged_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            entry = shared[id(tensors)] = ((COORDINATOR_ARENA, gen, descs), ResultReads(0, token))
+        entry[1].left += 1
+        self._result_reads[(arrival.rank, arrival.op_id)] = entry[1]
+        wire.send(arrival.conn, ("sok", arrival.op_id, entry[0]))
+
+    def _read_result(self, rank: int, op_id: int) -> bool:
+        """A member has copied its staged result (False: not a staged result)."""
+        reads = self._result_reads.pop((rank, op_id), None)
+        if reads is None:
+            return False
+        reads.left -= 1
+        if reads.left == 0:
+            self._result_arena.free(reads.token)
+        return True
+
+    def _free_contributions(self, owners: list) -> None:
+        """Free members' staged contributions once the notes taken of them are done."""
+        def free() -> None:
+            for conn, op_id in owners:
+                try:
+                    wire.send(conn, ("xfree", op_id))
+                except OSError:
+                    pass
+
+        self.after_notes(free)
+
+
+def recordable(kind: Collective, tensors: list, staged: bool) -> list:
+    """What the trace may keep of a folded result: pieces of staged contributions are copied
+    (their regions are freed after the op)."""
+    return tensors if not staged or kind in FRESH else [detached(t) for t in tensors]

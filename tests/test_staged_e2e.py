@@ -1,0 +1,54 @@
+"""Collectives the coordinator computes — a folded capture's groups with members that do not
+run, here the data-parallel gradient reductions of the bundled Megatron-core MoE recipe
+(PP2·EP2 at 16 ranks: each stage's two captured expert-parallel ranks share one 8-member
+data-parallel group) — pass their contributions and results through shared memory
+(``scoll``/``sok``) with the results of the socket path, bit for bit; emulation of the
+sandbox rank is bit-identical to the capture."""
+
+import json
+
+import pytest
+
+from tests.conftest import EXAMPLES, logged_metrics, rank_lines, run_prism
+
+RECIPE = EXAMPLES / "megatron_gpt.py"
+MOE = ["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
+       "--moe-aux-loss-coeff", "0.01", "--replicate-data", "--log-all-ranks"]
+BASE = ["--nnodes", "2", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120", "capture.fold=true",
+        "capture.payload=exact"]
+SANDBOX = 15
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory):
+    out = {}
+    for exchange in ("true", "false"):
+        d = tmp_path_factory.mktemp(f"staged-{exchange}")
+        r = run_prism([*BASE, "--log-dir", d / "logs", "mode=capture", f"capture.exchange={exchange}",
+                       f"sandbox.ranks=[{SANDBOX}]", f"trace.dir={d / 'trace'}", RECIPE, *MOE], cwd=d, timeout=900)
+        assert r.returncode == 0, r.stderr[-4000:]
+        out[exchange] = d
+    return out
+
+
+def test_staged_collectives_give_the_socket_paths_results(captures):
+    staged, socket = captures["true"], captures["false"]
+    busy = json.loads((staged / "trace" / "capture.json").read_text())["rank_busy_s"]
+    assert sorted(map(int, busy)) == [6, 7, 14, 15]
+    assert all(b["staged_ops"] > 0 for b in busy.values()), busy
+    busy = json.loads((socket / "trace" / "capture.json").read_text())["rank_busy_s"]
+    assert all(b["staged_ops"] == 0 for b in busy.values()), busy
+    for rank in (6, 7, 14, 15):
+        a, b = logged_metrics(rank_lines(staged / "logs", rank)), logged_metrics(rank_lines(socket / "logs", rank))
+        assert len(a) >= 3 and a == b, rank  # exact float equality
+
+
+def test_emulation_of_a_staged_capture_is_bit_identical(captures, tmp_path):
+    d = captures["true"]
+    r = run_prism([*BASE, "--log-dir", tmp_path / "logs", "mode=emulate", f"trace.dir={d / 'trace'}",
+                   f"sandbox.ranks=[{SANDBOX}]", "emulate.strict=true", f"report.dir={tmp_path / 'report'}",
+                   RECIPE, *MOE], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    emu = logged_metrics(rank_lines(tmp_path / "logs", SANDBOX))
+    assert len(emu) >= 3 and emu == logged_metrics(rank_lines(d / "logs", SANDBOX))
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["ranks"][str(SANDBOX)]["divergences"] == []
