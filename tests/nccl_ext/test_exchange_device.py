@@ -6,41 +6,28 @@ import torch
 
 from nccl_ext.exchange_device import DeviceFold
 from nccl_ext.ops import Collective, ReduceKind, compute
-
-KINDS = [Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER,
-         Collective.BROADCAST, Collective.ALL_TO_ALL, Collective.GATHER, Collective.SCATTER]
-
-
-def contributions(kind, n, dtype, gen):
-    pieces = n if kind in (Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL, Collective.SCATTER) else 2
-    out = []
-    for m in range(n):
-        if kind in (Collective.BROADCAST, Collective.SCATTER) and m != 1:
-            out.append(None)
-        else:
-            out.append([(torch.randn(37, 5, generator=gen) * 1e3).to(dtype) for _ in range(pieces)])
-    return out
-
+from tests.nccl_ext.test_device_path import KINDS, _contributions
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_results_are_the_host_folds_bits(kind, n, dtype):
-    gen = torch.Generator().manual_seed(n)
-    cs = contributions(kind, n, dtype, gen)
-    reduce = ReduceKind.SUM if kind in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) else None
+    cs = _contributions(kind, n, dtype, torch.Generator().manual_seed(n))
+    reduces = [ReduceKind.SUM, ReduceKind.AVG, ReduceKind.MAX, ReduceKind.PRODUCT] \
+        if kind in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER) else [None]
     fold = DeviceFold(torch.device("cpu"), 1 << 20)
-    for me in range(n):
-        want = compute(kind, [None if c is None else [t.clone() for t in c] for c in cs], reduce=reduce, root=1)[me]
-        got = fold.results(kind, cs, me, reduce=reduce, root=1)
-        assert got is not None and len(got) == len(want)
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and g.shape == w.shape
-            assert torch.equal(g.view(torch.uint8) if g.dtype == torch.bfloat16 else g,
-                               w.view(torch.uint8) if w.dtype == torch.bfloat16 else w)
-            if cs[me] is not None and not any(g is t for t in cs[me]):
-                assert g.data_ptr() >= fold.buf.data_ptr()  # a peer's piece or a fold: in the scratch
-    assert fold.device_ops == n and fold.host_ops == 0
+    for reduce in reduces:
+        for me in range(n):
+            want = compute(kind, [[t.clone() for t in c] for c in cs], reduce=reduce, root=1)[me]
+            got = fold.results(kind, cs, me, reduce=reduce, root=1)
+            assert got is not None and len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and g.shape == w.shape
+                assert torch.equal(g.view(torch.int16) if g.dtype == torch.bfloat16 else g.view(torch.int32),
+                                   w.view(torch.int16) if w.dtype == torch.bfloat16 else w.view(torch.int32))
+                if not any(g is t for t in cs[me]):  # a peer's piece or a fold: in the scratch
+                    assert fold.buf.data_ptr() <= g.data_ptr() < fold.buf.data_ptr() + fold.buf.numel()
+    assert fold.device_ops == n * len(reduces) and fold.host_ops == 0
 
 
 def test_own_pieces_are_used_in_place_and_peers_copied():
