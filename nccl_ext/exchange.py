@@ -172,7 +172,7 @@ def _clear_cuda_error() -> None:
 
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_NOLOAD).cudaGetLastError()
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError()
             return
         except (OSError, AttributeError):
             continue
