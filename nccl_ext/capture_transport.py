@@ -24,7 +24,7 @@ from multiprocessing.connection import Client
 import torch
 
 from nccl_ext import mirrored, synth, wire
-from nccl_ext.exchange import Arena, PeerViews, detached
+from nccl_ext.exchange import PIN_COUNTS, Arena, PeerViews, detached
 from nccl_ext.exchange_device import DeviceFold
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute
@@ -289,20 +289,31 @@ class CaptureTransport:
             out = read()
             self.busy_s["exchange_compute"] += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
+            if on_device is not None:
+                try:  # copies already issued read the regions until the stream is done
+                    on_device.finish()
+                except BaseException:  # noqa: BLE001 - the op's own error is the one to report
+                    pass
             self._send(("xread", op_id))
             if p is not None:
                 p.fail(RuntimeError(f"{p.what}: {what} failed: {e}"))
             return
-        self._send(("xread", op_id))
-        if p is None:
-            return
         t0 = time.perf_counter()
         if on_device is not None and out and out[0].is_cuda:
-            p.after_apply = on_device.finish
-            with torch.cuda.stream(on_device.stream):
-                p.complete(out)
+            # the copies from the staged regions are done once the fold's stream is: then they may go
+            try:
+                if p is not None:
+                    p.after_apply = on_device.finish
+                    with torch.cuda.stream(on_device.stream):
+                        p.complete(out)
+                else:
+                    on_device.finish()
+            finally:
+                self._send(("xread", op_id))
         else:
-            p.complete(out)
+            self._send(("xread", op_id))
+            if p is not None:
+                p.complete(out)
         self.busy_s["apply"] += time.perf_counter() - t0
 
     def _open_exchange(self) -> tuple[Arena, PeerViews]:
@@ -450,6 +461,7 @@ class CaptureTransport:
                                              "staged_ops": self.staged_ops,
                                              "device_folds": folds.device_ops if folds else 0,
                                              "host_folds": folds.host_ops if folds else 0,
+                                             "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
                                              **{k: round(v, 3) for k, v in self.busy_s.items()}}))
             self._send(("bye", self.rank))
         except OSError:

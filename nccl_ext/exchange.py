@@ -146,6 +146,10 @@ def _map(path: str, size: int | None = None) -> mmap.mmap:
         os.close(fd)
 
 
+PIN_COUNTS = {"pinned": 0, "refused": 0}
+"""Mappings this process page-locked, and those the driver refused (a rank's capture stats)."""
+
+
 def pin(mm: mmap.mmap) -> int | None:
     """Page-lock a mapping for the GPU (``cudaHostRegister``, as torch does for shared memory):
     copies between it and the device then run at the link's speed instead of through the
@@ -156,7 +160,9 @@ def pin(mm: mmap.mmap) -> int | None:
     del t  # the buffer export would keep the mapping from closing
     if int(torch.cuda.cudart().cudaHostRegister(ptr, n, 1)) != 0:  # 1: cudaHostRegisterPortable
         _clear_cuda_error()
+        PIN_COUNTS["refused"] += 1
         return None
+    PIN_COUNTS["pinned"] += 1
     return ptr
 
 

@@ -10,7 +10,9 @@ every piece that is not a reduction's, and the result's trip back to the device.
 
 The work runs on a stream of its own; :meth:`DeviceFold.finish` waits for it once the results
 are in the program's tensors, before the program is woken, so whatever stream the program uses
-reads finished data. The scratch is reused by the next op: a result is valid until then.
+reads finished data. The copies from the peers' pieces are asynchronous: their regions may be
+freed only after :meth:`DeviceFold.finish`. The scratch is reused by the next op: a result is
+valid until then.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class DeviceFold:
             return t
         out = self._take(t)
         if out is not None:
-            out.copy_(t)
+            # ordered before the fold on the stream; the source stays mapped until :meth:`finish`
+            out.copy_(t, non_blocking=True)
         return out
 
     def results(self, kind: Collective, contributions: list, me: int, *, reduce: ReduceKind | None = None,
