@@ -116,9 +116,16 @@ def step_timeline(trace: Path, since_unit: int, show_unit: int, show_ranks: tupl
         units = sorted({e["unit"] for e in steady})
         span = max(e["t_end"] for e in steady) - min(e["t_start"] for e in steady)
         program = sum(e["compute_wall_s"] or 0.0 for e in steady)
+        program_cpu = sum(e["compute_cpu_s"] or 0.0 for e in steady)
+        # program spans whose wall time exceeds their CPU time by more than 1 ms: the program's
+        # thread did not run (the GIL, the scheduler, a synchronizing CUDA call)
+        stalled = [(e["compute_wall_s"] or 0.0) - (e["compute_cpu_s"] or 0.0) for e in steady]
+        stalled = [x for x in stalled if x > 1e-3]
         blocked = sum((json.loads(e["extra"]).get("blocked_s") or 0.0) for e in steady if e["kind"] == "wait" and e["extra"])
         n = len(units)
         out["per_step"][rank] = {"step_ms": round(1e3 * span / n, 1), "program_ms": round(1e3 * program / n, 1),
+                                 "program_cpu_ms": round(1e3 * program_cpu / n, 1),
+                                 "stalled_spans": round(len(stalled) / n, 1), "stalled_ms": round(1e3 * sum(stalled) / n, 1),
                                  "blocked_ms": round(1e3 * blocked / n, 1),
                                  "rest_ms": round(1e3 * (span - program - blocked) / n, 1), "events": len(steady) // n}
         if rank in show_ranks:
@@ -126,7 +133,8 @@ def step_timeline(trace: Path, since_unit: int, show_unit: int, show_ranks: tupl
             if shown:
                 t0 = shown[0]["t_start"]
                 out["rows"][rank] = [(e["kind"][:4], desc.get(e["group"], "-"), e["seq"], round(1e3 * (e["t_start"] - t0), 2),
-                                      round(1e3 * (e["t_end"] - t0), 2), round(1e3 * (e["compute_wall_s"] or 0.0), 2))
+                                      round(1e3 * (e["t_end"] - t0), 2), round(1e3 * (e["compute_wall_s"] or 0.0), 2),
+                                      round(1e3 * (e["compute_cpu_s"] or 0.0), 2))
                                      for e in shown]
     return out
 
@@ -219,7 +227,7 @@ def show_timeline(r: dict) -> None:
     for rank, v in sorted((t.get("per_step") or {}).items()):
         print(f"  rank {rank} per step (steady): {v}")
     for rank, rows in sorted((t.get("rows") or {}).items()):
-        print(f"  rank {rank}, one step's events (kind group seq start end span-before, ms): "
+        print(f"  rank {rank}, one step's events (kind group seq start end span-before its-cpu, ms): "
               + "; ".join(" ".join(str(x) for x in row) for row in rows))
 
 

@@ -30,7 +30,7 @@ from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute
 from nccl_ext.pending import CommDeadlineError, Pending
 from nccl_ext.process_group import CollectiveCall
-from nccl_ext.spans import ComputeClock
+from nccl_ext.spans import ComputeClock, thread_cpu_seconds
 
 
 EXCHANGE_MAX_MEMBERS = 8
@@ -97,6 +97,8 @@ class CaptureTransport:
         """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
         self.mirrored_ops = 0
         self.staged_ops = 0
+        self.exchanged_ops = 0
+        """Collectives among captured ranks only, computed by their members (:meth:`_exchanged`)."""
         """Collectives computed by the coordinator whose contribution and result went through shared memory."""
         self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0,
                        "x_until_complete": 0.0, "x_to_reader": 0.0}
@@ -229,6 +231,7 @@ class CaptureTransport:
                        if x.is_cuda), None)
         self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device)
         self._x_sent[op_id] = time.monotonic()
+        self.exchanged_ops += 1
         self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
                     None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
                     self.unit, t, wall, cpu, location))
@@ -462,6 +465,9 @@ class CaptureTransport:
                                              "device_folds": folds.device_ops if folds else 0,
                                              "host_folds": folds.host_ops if folds else 0,
                                              "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
+                                             "exchanged_ops": self.exchanged_ops,
+                                             "fold_finish": round(folds.finish_s, 3) if folds else 0.0,
+                                             "thread_cpu_s": thread_cpu_seconds(),
                                              **{k: round(v, 3) for k, v in self.busy_s.items()}}))
             self._send(("bye", self.rank))
         except OSError:

@@ -17,6 +17,8 @@ valid until then.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from nccl_ext.ops import Collective, ReduceKind, compute, fold
@@ -47,6 +49,8 @@ class DeviceFold:
         self.device_ops = 0
         self.host_ops = 0
         """Ops whose pieces did not fit the scratch (folded on the host)."""
+        self.finish_s = 0.0
+        """Seconds :meth:`finish` waited for the stream."""
 
     def _take(self, like: torch.Tensor) -> torch.Tensor | None:
         n = like.numel() * like.element_size()
@@ -115,4 +119,6 @@ class DeviceFold:
         """Wait until the stream's work — the fold and the copies into the program's tensors —
         is done."""
         if self.stream is not None:
+            t0 = time.perf_counter()
             self.stream.synchronize()
+            self.finish_s += time.perf_counter() - t0

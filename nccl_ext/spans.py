@@ -160,3 +160,29 @@ class SpanRecorder:
             print(f"prism: rank {rank}: no device-timeline spans ({type(e).__name__}: {e})", file=sys.stderr)
             device = []
         return [(*sp, device[i] if i < len(device) else None) for i, sp in enumerate(self.host)]
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by name (the Python thread's name where
+    one owns the OS thread, else the OS's name, e.g. the CUDA driver's), summed per name; {}
+    where ``/proc`` has no task list. Where a rank's CPU time goes, beside its wall time."""
+    import os
+
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(tid), comm)
+        out[name] = round(out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick, 2)
+    return out
