@@ -24,10 +24,12 @@ from multiprocessing.connection import Client
 import torch
 
 from nccl_ext import mirrored, synth, wire
-from nccl_ext.exchange import PIN_COUNTS, Arena, PeerViews, detached
+from nccl_ext.capture_exchange import RankExchange
+from nccl_ext.exchange import PIN_COUNTS, Arena, PeerViews
 from nccl_ext.exchange_device import DeviceFold
+from nccl_ext.exchange_ipc import GpuExchange
 from nccl_ext.groups import GroupInfo
-from nccl_ext.ops import Collective, compute
+from nccl_ext.ops import Collective
 from nccl_ext.pending import CommDeadlineError, Pending
 from nccl_ext.process_group import CollectiveCall
 from nccl_ext.spans import ComputeClock, thread_cpu_seconds
@@ -49,10 +51,10 @@ MIRROR_SCRATCH_BYTES = 16 << 20
 """Slice buffer of a mirrored in-place reduction (:mod:`nccl_ext.mirrored`)."""
 
 
-class CaptureTransport:
+class CaptureTransport(RankExchange):
     def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
                  captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0,
-                 exchange: str | None = None):
+                 exchange: str | None = None, gpu_exchange_bytes: int = 0, scope: frozenset[int] | None = None):
         self.rank = rank
         self.synthesize = payload == "none"
         """``payload=none``: results are synthesized here (:mod:`nccl_ext.synth`); the coordinator
@@ -93,7 +95,13 @@ class CaptureTransport:
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._device_fold: DeviceFold | None = None
         """Exchanged results computed on this rank's GPU (:mod:`nccl_ext.exchange_device`)."""
+        self._gpu_bytes = gpu_exchange_bytes
+        self._scope = scope
+        self._gpu: GpuExchange | None = None
+        """Contributions and sends staged on this rank's GPU (:mod:`nccl_ext.exchange_ipc`), or None."""
         self._recv_on: dict[int, torch.device] = {}
+        self._recv_issue: dict[int, tuple] = {}
+        """op id -> (event, program stream) of a pending recv whose result the GPU exchange writes."""
         """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
         self.mirrored_ops = 0
         self.staged_ops = 0
@@ -170,6 +178,9 @@ class CaptureTransport:
             self._scratch_on(call.tensors[0].device)
             if self._exchange is not None:
                 self._device_fold = DeviceFold(call.tensors[0].device)
+                if self._gpu_bytes > 0:
+                    self._gpu = GpuExchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
+                                            lambda op_id: self._send(("xread", op_id)), self._scope)
         keep = self._mirrored.get(group.key)
         if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
             return self._mirrored_op(group, seq, call, what, keep)
@@ -196,136 +207,6 @@ class CaptureTransport:
             return p
         self._send(header, tensors or ())
         return p
-
-    def _receive_result(self, op_id: int, location) -> None:
-        """The coordinator staged this rank's result of op ``op_id``: copied from there into the
-        program's tensors, then the coordinator may free it (``xread``)."""
-        with self._pending_lock:
-            p = self._pending.pop(op_id, None)
-        t0 = time.perf_counter()
-        try:
-            if p is not None:
-                p.after_apply = _results_are_views
-                p.complete(self._open_exchange()[1].views(location))
-        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
-            if p is not None:
-                p.fail(RuntimeError(f"{p.what}: reading the staged result failed: {e}"))
-        finally:
-            self.busy_s["apply"] += time.perf_counter() - t0
-            self._send(("xread", op_id))
-
-    def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
-        """A collective among captured ranks only: the contribution is staged in this rank's arena,
-        the coordinator gets where it lies, and once every member has staged its own this rank
-        computes its result from their pieces (:meth:`_compute_exchanged`)."""
-        op_id, p = self._new_pending(what)
-        t, wall, cpu = self._span()
-        self._open_exchange()
-        location = None
-        if call.tensors is not None:
-            t0 = time.perf_counter()
-            gen, descs, self._regions[op_id] = self._arena.put(list(call.tensors))
-            self.busy_s["stage"] += time.perf_counter() - t0
-            location = (gen, descs)
-        device = next((x.device for x in (*(call.tensors or ()), *(call.outputs or ()), *(call.standin or ()))
-                       if x.is_cuda), None)
-        self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device)
-        self._x_sent[op_id] = time.monotonic()
-        self.exchanged_ops += 1
-        self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
-                    None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
-                    self.unit, t, wall, cpu, location))
-        return p
-
-    def _compute_exchanged(self, op_id: int, locations: list) -> None:
-        """Every member's contribution is staged: fold them (group-rank order, as the coordinator
-        would), tell the coordinator this rank has read them, complete the op."""
-        kind, reduce, root, me, own, device = self._xops.pop(op_id)
-        on_device = self._fold_on(device)
-
-        def read() -> list:
-            views = [self._peers.views(loc) for loc in locations]
-            if on_device is not None:
-                if own is not None:
-                    views[me] = list(own)  # already on the device, unchanged until the op completes
-                with torch.cuda.stream(on_device.stream):
-                    out = on_device.results(kind, views, me, reduce=reduce, root=root)
-                if out is not None:
-                    return out
-                views = [self._peers.views(loc) for loc in locations]
-            out = compute(kind, views, reduce=reduce, root=root)[me]
-            if kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
-                out = [detached(x) for x in out]  # pieces of the peers' regions, which are about to be freed
-            return out
-
-        self._read_staged(op_id, read, "reading the peers' contributions", on_device)
-
-    def _fold_on(self, device: torch.device | None) -> DeviceFold | None:
-        """The device fold for results on ``device`` (None: on the host)."""
-        f = self._device_fold
-        return f if f is not None and device is not None and device == f.device else None
-
-    def _receive_exchanged(self, op_id: int, location) -> None:
-        """A send staged in the sender's arena: this rank's copy of it, then the region may go."""
-        on_device = self._fold_on(self._recv_on.pop(op_id, None))
-
-        def read() -> list:
-            views = self._open_exchange()[1].views(location)
-            if on_device is not None:
-                with torch.cuda.stream(on_device.stream):
-                    out = on_device.results(Collective.BROADCAST, [views], 0, root=0)
-                if out is not None:
-                    return out
-            return [detached(x) for x in views]
-
-        self._read_staged(op_id, read, "reading the sender's staged tensor", on_device)
-
-    def _read_staged(self, op_id: int, read, what: str, on_device: DeviceFold | None = None) -> None:
-        """Complete op ``op_id`` with ``read()`` (or fail it with why), then tell the coordinator
-        this rank is done with the staged regions (``xread``). Results on the device are written
-        into the program's tensors on the fold's stream, which is waited for before the program
-        is woken (:attr:`Pending.after_apply`)."""
-        with self._pending_lock:
-            p = self._pending.pop(op_id, None)
-        t0 = time.perf_counter()
-        try:
-            out = read()
-            self.busy_s["exchange_compute"] += time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
-            if on_device is not None:
-                try:  # copies already issued read the regions until the stream is done
-                    on_device.finish()
-                except BaseException:  # noqa: BLE001 - the op's own error is the one to report
-                    pass
-            self._send(("xread", op_id))
-            if p is not None:
-                p.fail(RuntimeError(f"{p.what}: {what} failed: {e}"))
-            return
-        t0 = time.perf_counter()
-        if on_device is not None and out and out[0].is_cuda:
-            # the copies from the staged regions are done once the fold's stream is: then they may go
-            try:
-                if p is not None:
-                    p.after_apply = on_device.finish
-                    with torch.cuda.stream(on_device.stream):
-                        p.complete(out)
-                else:
-                    on_device.finish()
-            finally:
-                self._send(("xread", op_id))
-        else:
-            self._send(("xread", op_id))
-            if p is not None:
-                p.complete(out)
-        self.busy_s["apply"] += time.perf_counter() - t0
-
-    def _open_exchange(self) -> tuple[Arena, PeerViews]:
-        """This rank's arena and its views of the peers' (opened at first use)."""
-        if self._arena is None:
-            pinned = self._device_fold is not None  # copies to and from the GPU at the link's speed
-            self._arena = Arena(self._exchange, self.rank, pin=pinned)
-            self._peers = PeerViews(self._exchange, pin=pinned)
-        return self._arena, self._peers
 
     def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, keep: bool) -> Pending:
         """A folded group's collective whose every member contributes this rank's data: computed
@@ -409,9 +290,10 @@ class CaptureTransport:
                 op_id = self._next_id
                 self._next_id += 1
             t0 = time.perf_counter()
-            gen, descs, self._regions[op_id] = self._arena.put([tensor])
+            gpu = self._gpu if self._gpu is not None and tensor.device == self._gpu.device else None
+            location = self._stage(op_id, [tensor], gpu, (self.rank, dst))
             self.busy_s["stage"] += time.perf_counter() - t0
-            self._send(("xsend", op_id, group.key, dst, tag, seq, self.unit, t, wall, cpu, (gen, descs)))
+            self._send(("xsend", op_id, group.key, dst, tag, seq, self.unit, t, wall, cpu, location))
             return Pending.done("send")
         self._send(("send", -1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
         return Pending.done("send")
@@ -428,6 +310,8 @@ class CaptureTransport:
         t, wall, cpu = self._span()
         if like.is_cuda:
             self._recv_on[op_id] = like.device
+            if self._gpu is not None and like.device == self._gpu.device:
+                self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 
@@ -458,6 +342,8 @@ class CaptureTransport:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._gpu is not None:  # the reads of ops whose folds are still running on the GPU
+            self._gpu.close(self.timeout_s)
         try:
             folds = self._device_fold
             self._send(("stats", self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
@@ -466,6 +352,8 @@ class CaptureTransport:
                                              "host_folds": folds.host_ops if folds else 0,
                                              "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
                                              "exchanged_ops": self.exchanged_ops,
+                                             "gpu_staged": self._gpu.ops if self._gpu else 0,
+                                             "gpu_full": self._gpu.arena.full if self._gpu else 0,
                                              "fold_finish": round(folds.finish_s, 3) if folds else 0.0,
                                              "thread_cpu_s": thread_cpu_seconds(),
                                              **{k: round(v, 3) for k, v in self.busy_s.items()}}))
@@ -523,7 +411,9 @@ class CaptureTransport:
                     continue
                 if kind == "xfree":
                     region = self._regions.pop(header[1], None)
-                    if region is not None and self._arena is not None:
+                    if region is not None and region[0] == "gpu":
+                        self._gpu.free(region[1], self._arena)
+                    elif region is not None and self._arena is not None:
                         for r in region if isinstance(region, list) else [region]:
                             self._arena.free(r)
                     continue
@@ -549,11 +439,6 @@ class CaptureTransport:
             pend, self._pending = list(self._pending.values()), {}
         for p in pend:
             p.fail(RuntimeError(f"{p.what}: {why}"))
-
-
-def _results_are_views() -> None:
-    """:attr:`Pending.after_apply` of a result read where the coordinator staged it: nothing to
-    wait for, but a future's consumer gets copies (the region is freed after the op)."""
 
 
 def _short(ranks: tuple[int, ...]) -> str:

@@ -213,8 +213,10 @@ class Arena:
             self._drop(old)
         return seg
 
-    def put(self, tensors: list[torch.Tensor]) -> tuple[int, list[tuple[int, str, list[int]]], tuple]:
-        """Copy ``tensors`` into one region; returns (generation, [(offset, dtype, shape)], token)."""
+    def put(self, tensors: list[torch.Tensor], *, non_blocking: bool = False) -> tuple[int, list[tuple[int, str, list[int]]], tuple]:
+        """Copy ``tensors`` into one region; returns (generation, [(offset, dtype, shape)], token).
+        ``non_blocking``: a GPU tensor's copy is queued on the current stream (the region is read
+        only after it, in stream order)."""
         sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
         total = max(_ALIGN, sum(sizes))
         with self._lock:
@@ -226,7 +228,7 @@ class Arena:
         descs, at = [], start
         for t, n in zip(tensors, sizes):
             if n:
-                _view(seg.mm, at, t.dtype, t.shape).copy_(t.detach())
+                _view(seg.mm, at, t.dtype, t.shape).copy_(t.detach(), non_blocking=non_blocking)
             descs.append((at, wire.dtype_name(t.dtype), list(t.shape)))
             at += n
         self.bytes_staged += total

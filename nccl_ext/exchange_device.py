@@ -122,3 +122,15 @@ class DeviceFold:
             t0 = time.perf_counter()
             self.stream.synchronize()
             self.finish_s += time.perf_counter() - t0
+
+
+def gpu_results(fold: DeviceFold, kind: Collective, views: list, me: int, reduce: ReduceKind | None,
+                root: int | None) -> list[torch.Tensor]:
+    """Member ``me``'s results on ``fold``'s device from every member's pieces (on the device or
+    on the host): in the scratch, or, where they do not fit it, computed by :func:`compute` on
+    the device (on the current stream)."""
+    out = fold.results(kind, views, me, reduce=reduce, root=root)
+    if out is not None:
+        return out
+    views = [None if v is None else [t.to(fold.device, non_blocking=True) for t in v] for v in views]
+    return compute(kind, views, reduce=reduce, root=root)[me]

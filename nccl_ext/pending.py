@@ -37,7 +37,8 @@ class CommDeadlineError(RuntimeError):
 class Pending:
     """One outstanding op: completed by a transport, observed by the process group."""
 
-    __slots__ = ("what", "deadline", "timeout_s", "op_id", "waiting_for", "after_apply", "_event", "_value",
+    __slots__ = ("what", "deadline", "timeout_s", "op_id", "waiting_for", "after_apply", "apply_stream",
+                 "device_done", "_event", "_value",
                  "_error", "_callbacks", "_lock")
 
     def __init__(self, what: str, timeout_s: float, op_id: int = -1):
@@ -54,6 +55,12 @@ class Pending:
         """Set by a transport whose results are computed on a stream of its own: waits for that
         stream once the results are in the caller's tensors (the process group calls it before
         it wakes the caller). Its results are valid only until the transport's next op."""
+        self.apply_stream = None
+        """Set by a transport whose results lie on a CUDA stream of its own: the results are
+        written into the caller's tensors on that stream (whichever thread completes the op)."""
+        self.device_done = None
+        """A CUDA event after which the results are in the caller's tensors, where nothing on the
+        CPU waited for them: the stream that waits for the op waits for this event on the GPU."""
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None

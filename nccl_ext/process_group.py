@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -485,16 +486,19 @@ class PrismWork(dist.Work):
             try:
                 value = p.result()
                 apply_fn, self._apply = self._apply, None
-                if apply_fn is not None:
-                    apply_fn(value)
-                if p.after_apply is not None:
-                    p.after_apply()
-                # drop every reference to the caller's tensors before waking the caller, so
-                # they are freed when the program drops them (as with a real backend)
-                del apply_fn
-                with self._lock:
-                    if self._fut is not None:  # only a future's consumer still needs the tensors
-                        self._value = value if p.after_apply is None else own_copies(value)
+                with torch.cuda.stream(p.apply_stream) if p.apply_stream is not None else nullcontext():
+                    try:
+                        if apply_fn is not None:
+                            apply_fn(value)
+                        # drop every reference to the caller's tensors before waking the caller, so
+                        # they are freed when the program drops them (as with a real backend)
+                        del apply_fn
+                        with self._lock:
+                            if self._fut is not None:  # only a future's consumer still needs the tensors
+                                self._value = value if p.after_apply is None else own_copies(value)
+                    finally:  # the transport's stream is waited for (its regions released) even when applying failed
+                        if p.after_apply is not None:
+                            p.after_apply()
                 p.release()
                 del value
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
@@ -540,6 +544,9 @@ class PrismWork(dist.Work):
             self._transport.waited(self._ref, None, None)
         if self._error is not None:
             raise self._error
+        done = self._pending.device_done
+        if done is not None:  # as NCCL's wait: the caller's current stream waits for the op on the GPU
+            torch.cuda.current_stream().wait_event(done)
         return True
 
     def is_completed(self) -> bool:

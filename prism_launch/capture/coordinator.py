@@ -21,6 +21,7 @@ import torch
 
 from nccl_ext import wire
 from nccl_ext.exchange import PeerViews
+from nccl_ext.exchange_ipc import is_device_location
 from nccl_ext.ops import Collective, ReduceKind, compute, contributors
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduction
 from prism_launch.capture.ops_state import Arrival, OpGroup, PendingCollective, Reads, describe
@@ -211,7 +212,9 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
             loc = header[-1]
             rank = self._rank_of[conn]
             location = None if loc is None else (rank, *loc)
-            self._on_collective(conn, header[:-1], self._views.views(location) or [], location)
+            tensors = [] if location is None else self._located(location, self._group(header[2]).consumed,
+                                                                f"{header[4]} (seq {header[3]}) on group {header[2]}")
+            self._on_collective(conn, header[:-1], tensors, location)
         elif kind == "scoll":  # computed here from the contribution where the rank staged it
             rank = self._rank_of[conn]
             self._on_collective(conn, header[:-1], self._views.views((rank, *header[-1])), staged=True)
@@ -335,7 +338,9 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         # what the trace keeps of the contribution: a staged one is read after the members have
         # their results (they compute them themselves), so no member waits for its digest or copy
         note = (self._note_contribution, (rank, row, extra, contribution, keep, tkey, location is not None or staged))
-        if location is not None or staged:
+        if is_device_location(location):
+            pc.held.append(note)
+        elif location is not None or staged:
             self._deferred.append(note)
         else:
             note[0](*note[1])
@@ -419,7 +424,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         """Every member staged its contribution: each computes its own result from the locations."""
         locations = [pc.locations.get(g) for g in range(len(pc.group.ranks))]
         pc.contributions = []  # the coordinator's views of the regions: the members free them
-        reads = Reads(len(pc.arrivals), [(a.conn, a.op_id) for g, a in pc.arrivals.items() if g in pc.locations])
+        reads = Reads(len(pc.arrivals), [(a.conn, a.op_id) for g, a in pc.arrivals.items() if g in pc.locations],
+                      pc.held)
         now = time.monotonic() - self.t0
         t0 = time.perf_counter()
         for arrival in pc.arrivals.values():
@@ -441,6 +447,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
             return
         reads.left -= 1
         if reads.left == 0:
+            for fn, args in reads.notes:  # data staged on a GPU: its host copies are complete now
+                fn(*args)
             self._free_contributions(reads.owners)
 
     def _count(self, nbytes: int) -> None:
@@ -466,9 +474,13 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
             tkey = None
         row = self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, None)
         # its digest, a sandbox rank's statistics, the kept copy: after the receiver has it
-        self._deferred.append((self._note_send, (src, row, extra, tensor, tkey, staged is not None)))
-        if staged is not None:
-            staged = (conn, *staged)
+        note = (self._note_send, (src, row, extra, tensor, tkey, staged is not None))
+        if staged is not None and is_device_location(staged[1]):
+            staged = (conn, *staged, note)  # taken once the receiver has read it
+        else:
+            self._deferred.append(note)
+            if staged is not None:
+                staged = (conn, *staged)
         chan = (key, src, dst, tag)
         waiting = self._recvs.get(chan)
         if waiting:
@@ -478,7 +490,10 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
 
     def _on_xsend(self, conn, header) -> None:
         op_id, location = header[1], (self._rank_of[conn], *header[-1])
-        self._on_send(conn, header, self._views.views(location)[0], (op_id, location))
+        src, dst = location[0], header[3]
+        reads = self.scope is None or src in self.scope or dst in self.scope
+        tensor = self._located(location, reads, f"send from rank {src} to rank {dst} (seq {header[5]})")[0]
+        self._on_send(conn, header, tensor, (op_id, location))
 
     def _on_recv(self, conn, header) -> None:
         _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
@@ -520,8 +535,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         if staged is None:
             wire.send(conn, ("ok", op_id), [tensor])
         else:
-            owner, send_id, location = staged
-            self._reads[(dst, op_id)] = Reads(1, [(owner, send_id)])
+            owner, send_id, location, *notes = staged
+            self._reads[(dst, op_id)] = Reads(1, [(owner, send_id)], notes)
             wire.send(conn, ("xrecv", op_id, location))
         self.busy_s["reply"] += time.perf_counter() - t0
         self.scheduler.answered(dst, op_id)

@@ -50,6 +50,9 @@ class PendingCollective:
     """Folded capture: members' own buffers offered for an uncaptured broadcast root."""
     locations: dict[int, tuple] | None = None
     """Exchanged through shared memory: each contributing member's ``(rank, gen, descs)``."""
+    held: list = field(default_factory=list)
+    """Notes of contributions staged on a GPU: taken once every member has read (their host
+    copies are complete by then)."""
 
 
 @dataclass(slots=True)
@@ -57,6 +60,8 @@ class Reads:
     """An exchanged collective whose members are reading each other's regions."""
     left: int
     owners: list[tuple[Connection, int]]
+    notes: list = field(default_factory=list)
+    """(function, arguments) of the trace's notes to take once every member has read."""
 
 
 def describe(ranks: tuple[int, ...]) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from nccl_ext import wire
 from nccl_ext.exchange import Arena, detached
+from nccl_ext.exchange_ipc import described, is_device_location
 from nccl_ext.ops import Collective
 
 COORDINATOR_ARENA = -1
@@ -66,6 +67,21 @@ class StagedResults:
         if reads.left == 0:
             self._result_arena.free(reads.token)
         return True
+
+    def _located(self, location, reads_data: bool, what: str) -> list:
+        """A member's contribution or send (``location``: rank first) where it lies: views of its
+        host arena's region, or — staged on its GPU alone — meta tensors of its pieces (shapes
+        and dtypes). ``reads_data``: the trace reads its data (an error where only the GPU has
+        it). The data of a GPU-staged piece is read once every member has read it."""
+        if not is_device_location(location):
+            return self._views.views(location)
+        rank, _tag, descs, _ev, host = location
+        if host is not None:
+            return self._views.views((rank, *host))
+        if reads_data:
+            raise RuntimeError(f"capture: {what}: rank {rank} staged it on its GPU without the host copy the "
+                               "trace reads (a sandbox rank's data); capture with capture.gpu_exchange_mib=0")
+        return described(descs)
 
     def _free_contributions(self, owners: list) -> None:
         """Free members' staged contributions once the notes taken of them are done."""

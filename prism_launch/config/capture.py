@@ -91,6 +91,13 @@ class CaptureConfig:
     memory (``/dev/shm``): each member stages its contribution there and computes its own result from
     its peers' (the same fold, in group-rank order); the coordinator gets where they lie and reads
     only what the trace records. ``false``: every contribution goes to the coordinator and back."""
+    gpu_exchange_mib: int = 512
+    """``exchange`` on CUDA: each captured rank's buffer on its GPU (outside its memory figures)
+    where its contributions and sends stay: its peers read them there by CUDA IPC, ordered by
+    interprocess events, so no CPU waits for the GPU at a collective and the program runs ahead
+    of its kernels as over NCCL. What the trace reads on the host (a sandbox rank's digests, the
+    contributions it consumes) is also copied to the host arena, asynchronously. A contribution
+    that does not fit goes through the host arena. 0: every contribution through the host arena."""
     spill_mib: float = 64.0
     """``payload=exact``/``full``: distinct tensors the launcher holds before writing them into the
     trace's next spill file (its memory for tensors, whatever the number of steps)."""
@@ -116,6 +123,8 @@ class CaptureConfig:
             raise ConfigError(f"capture.spill_mib must be > 0 (got {self.spill_mib})")
         if self.carry_bytes < 0:
             raise ConfigError(f"capture.carry_bytes must be >= 0 (got {self.carry_bytes})")
+        if self.gpu_exchange_mib < 0:
+            raise ConfigError(f"capture.gpu_exchange_mib must be >= 0 (got {self.gpu_exchange_mib}; 0: off)")
         if self.switch_interval_us < 0:
             raise ConfigError(f"capture.switch_interval_us must be >= 0 (got {self.switch_interval_us}; 0: Python's default)")
         if self.fold_threshold < 1:

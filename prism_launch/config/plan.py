@@ -46,6 +46,11 @@ class CapturePlan:
     """``payload=none``: broadcasts up to this size keep their real payload."""
     switch_interval_us: int = 0
     """Python's thread switch interval in the rank while it captures (0: Python's default)."""
+    gpu_exchange_bytes: int = 0
+    """Each rank's device buffer of the exchange on CUDA (:mod:`nccl_ext.exchange_ipc`; 0: off)."""
+    scope: tuple[int, ...] | None = None
+    """The ranks the trace is scoped to (``exact``: the sandbox ranks; None: every rank): the
+    data of their ops is what the coordinator reads on the host."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

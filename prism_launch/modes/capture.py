@@ -189,11 +189,11 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
     authkey = os.urandom(16)
     exchange = exchange_dir(sock_dir, len(ranks)) if payload != "none" and ctx.cfg.capture.exchange else None
+    scope = tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None
     try:
         coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
                             parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
-                            admission=admit, sink=sink,
-                            scope=tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None, exchange=exchange)
+                            admission=admit, sink=sink, scope=scope, exchange=exchange)
     except BaseException:
         if exchange is not None:  # nothing else will remove it
             release_directory(exchange)
@@ -201,7 +201,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange,
-        switch_interval_us=ctx.cfg.capture.switch_interval_us))
+        switch_interval_us=ctx.cfg.capture.switch_interval_us,
+        gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, scope=scope))
     from prism_launch.capture.monitor import CaptureMonitor
 
     monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress,

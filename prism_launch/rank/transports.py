@@ -26,7 +26,9 @@ def capture(plan: RankPlan) -> MakeTransport:
             sys.setswitchinterval(cp.switch_interval_us * 1e-6)
         captured = frozenset(cp.captured) if cp.captured is not None else None
         return CaptureTransport(cp.coordinator, bytes.fromhex(cp.authkey), rank, timeout_s, captured=captured,
-                                payload=cp.payload, carry_bytes=cp.carry_bytes, exchange=cp.exchange)
+                                payload=cp.payload, carry_bytes=cp.carry_bytes, exchange=cp.exchange,
+                                gpu_exchange_bytes=cp.gpu_exchange_bytes,
+                                scope=frozenset(cp.scope) if cp.scope is not None else None)
 
     return make
 

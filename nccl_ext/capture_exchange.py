@@ -1,0 +1,200 @@
+"""A captured rank's side of the shared-memory exchange (:mod:`nccl_ext.exchange`): staging its
+contributions and sends (on its GPU where it can, :mod:`nccl_ext.exchange_ipc`; else in its host
+arena), computing its results from its peers' staged pieces (on its GPU, :mod:`nccl_ext.exchange_device`,
+or on the host), reading results the coordinator staged, and telling the coordinator what it has read."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from nccl_ext.exchange import Arena, PeerViews, detached
+from nccl_ext.exchange_device import DeviceFold, gpu_results
+from nccl_ext.exchange_ipc import GpuExchange
+from nccl_ext.groups import GroupInfo
+from nccl_ext.ops import Collective, compute
+from nccl_ext.pending import Pending
+from nccl_ext.process_group import CollectiveCall
+
+
+class RankExchange:
+    """Mixed into :class:`~nccl_ext.capture_transport.CaptureTransport` (its connection, pending
+    ops, arenas and busy seconds)."""
+
+    def _receive_result(self, op_id: int, location) -> None:
+        """The coordinator staged this rank's result of op ``op_id``: copied from there into the
+        program's tensors, then the coordinator may free it (``xread``)."""
+        with self._pending_lock:
+            p = self._pending.pop(op_id, None)
+        t0 = time.perf_counter()
+        try:
+            if p is not None:
+                p.after_apply = _results_are_views
+                p.complete(self._open_exchange()[1].views(location))
+        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
+            if p is not None:
+                p.fail(RuntimeError(f"{p.what}: reading the staged result failed: {e}"))
+        finally:
+            self.busy_s["apply"] += time.perf_counter() - t0
+            self._send(("xread", op_id))
+
+    def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
+        """A collective among captured ranks only: the contribution is staged in this rank's arena,
+        the coordinator gets where it lies, and once every member has staged its own this rank
+        computes its result from their pieces (:meth:`_compute_exchanged`)."""
+        op_id, p = self._new_pending(what)
+        t, wall, cpu = self._span()
+        self._open_exchange()
+        device = next((x.device for x in (*(call.tensors or ()), *(call.outputs or ()), *(call.standin or ()))
+                       if x.is_cuda), None)
+        gpu = self._gpu if self._gpu is not None and device == self._gpu.device else None
+        location = None
+        if call.tensors is not None:
+            t0 = time.perf_counter()
+            location = self._stage(op_id, list(call.tensors), gpu, group.ranks)
+            self.busy_s["stage"] += time.perf_counter() - t0
+        issue = (gpu.issued(), torch.cuda.current_stream(device)) if gpu is not None else None
+        self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device, issue)
+        self._x_sent[op_id] = time.monotonic()
+        self.exchanged_ops += 1
+        self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
+                    None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
+                    self.unit, t, wall, cpu, location))
+        return p
+
+    def _stage(self, op_id: int, tensors: list[torch.Tensor], gpu: GpuExchange | None, ranks) -> tuple:
+        """Stage a contribution or send: on the GPU where it can (with a host copy where the
+        trace reads it), else in the host arena; returns its location."""
+        if gpu is not None and gpu.fits(tensors):
+            staged = gpu.stage(tensors, self._arena if gpu.needs_host(ranks) else None)
+            if staged is not None:
+                location, token = staged
+                self._regions[op_id] = ("gpu", token)
+                return location
+        gen, descs, self._regions[op_id] = self._arena.put(tensors)
+        return gen, descs
+
+    def _compute_exchanged(self, op_id: int, locations: list) -> None:
+        """Every member's contribution is staged: fold them (group-rank order, as the coordinator
+        would), tell the coordinator this rank has read them, complete the op."""
+        kind, reduce, root, me, own, device, issue = self._xops.pop(op_id)
+        if issue is not None:
+            with self._pending_lock:
+                p = self._pending.pop(op_id, None)
+            gpu = self._gpu
+
+            def results() -> list:
+                views = [list(own) if g == me and own is not None else gpu.views(loc, self._peers.views)
+                         for g, loc in enumerate(locations)]
+                return gpu_results(gpu.fold, kind, views, me, reduce, root)
+
+            t0 = time.perf_counter()
+            gpu.complete(p, op_id, issue[0], issue[1], results)
+            self.busy_s["exchange_compute"] += time.perf_counter() - t0
+            return
+        on_device = self._fold_on(device)
+
+        def read() -> list:
+            views = [self._peers.views(loc) for loc in locations]
+            if on_device is not None:
+                if own is not None:
+                    views[me] = list(own)  # already on the device, unchanged until the op completes
+                with torch.cuda.stream(on_device.stream):
+                    out = on_device.results(kind, views, me, reduce=reduce, root=root)
+                if out is not None:
+                    return out
+                views = [self._peers.views(loc) for loc in locations]
+            out = compute(kind, views, reduce=reduce, root=root)[me]
+            if kind not in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+                out = [detached(x) for x in out]  # pieces of the peers' regions, which are about to be freed
+            return out
+
+        self._read_staged(op_id, read, "reading the peers' contributions", on_device)
+
+    def _fold_on(self, device: torch.device | None) -> DeviceFold | None:
+        """The device fold for results on ``device`` (None: on the host)."""
+        f = self._device_fold
+        return f if f is not None and device is not None and device == f.device else None
+
+    def _receive_exchanged(self, op_id: int, location) -> None:
+        """A send staged in the sender's arena: this rank's copy of it, then the region may go."""
+        device = self._recv_on.pop(op_id, None)
+        issue = self._recv_issue.pop(op_id, None)
+        if issue is not None:
+            with self._pending_lock:
+                p = self._pending.pop(op_id, None)
+            gpu = self._gpu
+
+            def results() -> list:
+                return gpu_results(gpu.fold, Collective.BROADCAST, [gpu.views(location, self._peers.views)], 0, None, 0)
+
+            t0 = time.perf_counter()
+            gpu.complete(p, op_id, issue[0], issue[1], results)
+            self.busy_s["exchange_compute"] += time.perf_counter() - t0
+            return
+        on_device = self._fold_on(device)
+
+        def read() -> list:
+            views = self._open_exchange()[1].views(location)
+            if on_device is not None:
+                with torch.cuda.stream(on_device.stream):
+                    out = on_device.results(Collective.BROADCAST, [views], 0, root=0)
+                if out is not None:
+                    return out
+            return [detached(x) for x in views]
+
+        self._read_staged(op_id, read, "reading the sender's staged tensor", on_device)
+
+    def _read_staged(self, op_id: int, read, what: str, on_device: DeviceFold | None = None) -> None:
+        """Complete op ``op_id`` with ``read()`` (or fail it with why), then tell the coordinator
+        this rank is done with the staged regions (``xread``). Results on the device are written
+        into the program's tensors on the fold's stream, which is waited for before the program
+        is woken (:attr:`Pending.after_apply`)."""
+        with self._pending_lock:
+            p = self._pending.pop(op_id, None)
+        t0 = time.perf_counter()
+        try:
+            out = read()
+            self.busy_s["exchange_compute"] += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
+            if on_device is not None:
+                try:  # copies already issued read the regions until the stream is done
+                    on_device.finish()
+                except BaseException:  # noqa: BLE001 - the op's own error is the one to report
+                    pass
+            self._send(("xread", op_id))
+            if p is not None:
+                p.fail(RuntimeError(f"{p.what}: {what} failed: {e}"))
+            return
+        t0 = time.perf_counter()
+        if on_device is not None and out and out[0].is_cuda:
+            # the copies from the staged regions are done once the fold's stream is: then they may go
+            try:
+                if p is not None:
+                    p.after_apply = on_device.finish
+                    p.apply_stream = on_device.stream
+                    with torch.cuda.stream(on_device.stream):
+                        p.complete(out)
+                else:
+                    on_device.finish()
+            finally:
+                self._send(("xread", op_id))
+        else:
+            self._send(("xread", op_id))
+            if p is not None:
+                p.complete(out)
+        self.busy_s["apply"] += time.perf_counter() - t0
+
+    def _open_exchange(self) -> tuple[Arena, PeerViews]:
+        """This rank's arena and its views of the peers' (opened at first use)."""
+        if self._arena is None:
+            pinned = self._device_fold is not None  # copies to and from the GPU at the link's speed
+            self._arena = Arena(self._exchange, self.rank, pin=pinned)
+            self._peers = PeerViews(self._exchange, pin=pinned)
+        return self._arena, self._peers
+
+
+def _results_are_views() -> None:
+    """:attr:`Pending.after_apply` of a result read where the coordinator staged it: nothing to
+    wait for, but a future's consumer gets copies (the region is freed after the op)."""

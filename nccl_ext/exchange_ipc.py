@@ -1,0 +1,304 @@
+"""Exchanged collectives whose tensors stay on the GPU: CUDA IPC between captured ranks.
+
+A captured rank on a GPU stages its contribution to an exchanged collective (or a send) in a
+buffer of its own on that GPU (:class:`DeviceArena`, outside the program's memory figures),
+shared with its peers by CUDA IPC — torch's own sharing of CUDA tensors between processes —
+and records an interprocess CUDA event after the copy, on the stream the program computed the
+contribution on. The location it sends to the coordinator names the region and the event.
+A peer's fold stream waits for that event (a wait on the GPU: no CPU thread blocks), reads the
+region there, folds and writes the result into the program's tensors; the program's stream
+then waits for the fold (:meth:`GpuExchange.complete`). Nothing on the CPU waits for the GPU, so the
+program runs ahead of its kernels as it would over NCCL, instead of draining the GPU at every
+collective.
+
+A region (and its event) is reused only after every member's fold that read it has finished
+on the GPU: a member tells the coordinator it has read (``xread``) once its fold's done event
+has completed (:class:`Retirer`), and the owner frees the region when the coordinator says
+every member has (``xfree``). Where the trace needs the data on the host (a sandbox rank's
+digest, a kept contribution), the same staging also copies it into the rank's page-locked host
+arena, asynchronously; the coordinator reads it after every member has read, by which time
+the copy — ordered before the event every fold waited for — is done.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import threading
+from collections import deque
+
+import torch
+
+from nccl_ext import wire
+from nccl_ext.exchange import _aligned, _Segment
+
+DEVICE_TAG = "cuda"
+"""First field of a location staged on the GPU (a host location starts with its generation)."""
+
+EVENTS = 512
+"""Interprocess events per rank: one per staged region still in use."""
+
+
+def handle_path(directory: str, rank: int) -> str:
+    """Where ``rank`` publishes its device buffer's and events' IPC handles."""
+    return os.path.join(directory, f"r{rank}-cuda")
+
+
+def is_device_location(location) -> bool:
+    """Whether a location (without or with its rank in front) lies on a GPU."""
+    return location is not None and len(location) > 1 and DEVICE_TAG in (location[0], location[1])
+
+
+def described(descs) -> list[torch.Tensor]:
+    """Meta tensors of a device location's pieces: their shapes and dtypes, no data (what the
+    coordinator records of a contribution the trace does not keep)."""
+    return [torch.empty(shape, dtype=wire.dtype_from_name(dt), device="meta") for _off, dt, shape in descs]
+
+
+class DeviceArena:
+    """One rank's staging buffer on its GPU, shared with its peers (:func:`handle_path`)."""
+
+    def __init__(self, directory: str, rank: int, device: torch.device, nbytes: int, events: int = EVENTS):
+        import torch.multiprocessing  # noqa: F401 - registers torch's reducers of CUDA tensors
+        from multiprocessing.reduction import ForkingPickler
+
+        from nccl_ext.device_path.pool import allocate_outside
+
+        self.device = device
+        self.buf = allocate_outside(device, nbytes)
+        with torch.cuda.device(device):
+            self.events = [torch.cuda.Event(interprocess=True) for _ in range(events)]
+            handles = [e.ipc_handle() for e in self.events]
+        self._free_events = deque(range(events))
+        self._seg = _Segment(0, "", self.buf.numel(), None, free=[(0, self.buf.numel())])
+        self._lock = threading.Lock()
+        self.bytes_staged = 0
+        self.full = 0
+        """Stagings that did not fit (those went through the host arena)."""
+        path = handle_path(directory, rank)
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(bytes(ForkingPickler.dumps((self.buf, handles))))
+        os.replace(tmp, path)  # a peer opens it only once a location names this rank
+
+    def put(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream, also=None):
+        """Copy ``tensors`` (on this GPU) into one region on ``stream``, call ``also()`` (further
+        copies the event must follow) and record an event after them; returns ``(descs, event
+        index, token)``, or None when the buffer or the events are all in use."""
+        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+        total = max(256, sum(sizes))
+        with self._lock:
+            if not self._free_events:
+                self.full += 1
+                return None
+            start = self._seg.take(total)
+            if start is None:
+                self.full += 1
+                return None
+            ev = self._free_events.popleft()
+        descs, at = [], start
+        with torch.cuda.stream(stream):
+            for t, n in zip(tensors, sizes):
+                if n:
+                    nbytes = t.numel() * t.element_size()
+                    self.buf[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=True)
+                descs.append((at, wire.dtype_name(t.dtype), list(t.shape)))
+                at += n
+            if also is not None:
+                also()
+            self.events[ev].record(stream)
+        self.bytes_staged += total
+        return descs, ev, (start, total, ev)
+
+    def free(self, token: tuple) -> None:
+        start, total, ev = token
+        with self._lock:
+            self._seg.give(start, total)
+            self._free_events.append(ev)
+
+
+class DevicePeers:
+    """The peers' device buffers and events, each opened once (by CUDA IPC)."""
+
+    def __init__(self, directory: str, device: torch.device):
+        self.directory = directory
+        self.device = device
+        self._opened: dict[int, tuple[torch.Tensor, list]] = {}
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._lock = threading.Lock()
+
+    def _peer(self, rank: int) -> tuple[torch.Tensor, list]:
+        with self._lock:
+            got = self._opened.get(rank)
+            if got is None:
+                with open(handle_path(self.directory, rank), "rb") as f:
+                    buf, handles = pickle.loads(f.read())
+                got = self._opened[rank] = (buf, handles)
+        return got
+
+    def views(self, rank: int, descs) -> list[torch.Tensor]:
+        buf, _ = self._peer(rank)
+        out = []
+        for off, dt, shape in descs:
+            dtype = wire.dtype_from_name(dt)
+            n = wire.numel(shape) * torch.empty(0, dtype=dtype).element_size()
+            out.append(buf[off:off + n].view(dtype).view(shape))
+        return out
+
+    def event(self, rank: int, index: int) -> torch.cuda.Event:
+        key = (rank, index)
+        ev = self._events.get(key)
+        if ev is None:
+            _, handles = self._peer(rank)
+            ev = self._events[key] = torch.cuda.Event.from_ipc_handle(self.device, handles[index])
+        return ev
+
+
+class Retirer:
+    """Calls ``then(op_id)`` once each queued event has completed, in order, on a thread of its
+    own (an event's wait releases the GIL and, being a blocking-sync event, the CPU)."""
+
+    def __init__(self, then, name: str):
+        self._then = then
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.error: BaseException | None = None
+
+    def put(self, event: torch.cuda.Event, op_id: int) -> None:
+        self._q.put((event, op_id))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            event, op_id = item
+            try:
+                event.synchronize()
+                self._then(op_id)
+            except BaseException as e:  # noqa: BLE001 - reported by close(); the coordinator's deadlines name the op
+                self.error = self.error or e
+
+    def close(self, timeout_s: float) -> None:
+        """Retire everything queued, then end the thread (at most ``timeout_s``)."""
+        self._q.put(None)
+        self._thread.join(timeout_s)
+
+
+def done_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event recorded on ``stream`` now, whose wait yields the CPU."""
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(stream)
+    return ev
+
+
+class GpuExchange:
+    """A captured rank's side of the exchange on its GPU: stages its contributions and sends
+    (:meth:`stage`), computes its results from its peers' regions on the fold's stream
+    (:meth:`complete`), and reports each op read once that fold has run (``read(op_id)``)."""
+
+    def __init__(self, directory: str, rank: int, fold, nbytes: int, read, scope: frozenset[int] | None):
+        self.fold = fold
+        """The rank's :class:`~nccl_ext.exchange_device.DeviceFold` (its stream and scratch)."""
+        self.device = fold.device
+        self.arena = DeviceArena(directory, rank, self.device, nbytes)
+        self.peers = DevicePeers(directory, self.device)
+        self.retirer = Retirer(read, name=f"prism-gpu-exchange-{rank}")
+        self.scope = scope
+        self.ops = 0
+        """Ops whose contribution or send was staged on the GPU."""
+
+    def fits(self, tensors) -> bool:
+        """Whether ``tensors`` can be staged here (all on this GPU)."""
+        return bool(tensors) and all(t.device == self.device for t in tensors)
+
+    def needs_host(self, ranks) -> bool:
+        """Whether the trace reads this op's data on the host: every op's in a full trace, else
+        those of a group (or a send between ranks) with a sandbox rank (its digests, the kept
+        contributions it consumes)."""
+        return self.scope is None or not self.scope.isdisjoint(ranks)
+
+    def stage(self, tensors: list[torch.Tensor], host) -> tuple[tuple, tuple] | None:
+        """Stage ``tensors`` on the program's current stream: a region of the device buffer, and
+        with ``host`` (a host :class:`~nccl_ext.exchange.Arena`) a page-locked host copy, both
+        before the region's event. Returns ``(location, token)`` or None (the buffer is full: the
+        caller stages on the host as before)."""
+        stream = torch.cuda.current_stream(self.device)
+        copied = []
+
+        def also() -> None:
+            if host is not None:
+                copied.append(host.put(tensors, non_blocking=True))
+
+        got = self.arena.put(tensors, stream, also)
+        if got is None:
+            return None
+        descs, ev, token = got
+        hloc = htoken = None
+        if copied:
+            gen, hdescs, htoken = copied[0]
+            hloc = (gen, hdescs)
+        self.ops += 1
+        return (DEVICE_TAG, descs, ev, hloc), (token, htoken)
+
+    def free(self, token: tuple, host) -> None:
+        dtoken, htoken = token
+        self.arena.free(dtoken)
+        if htoken is not None and host is not None:
+            host.free(htoken)
+
+    def issued(self) -> torch.cuda.Event:
+        """An event on the program's current stream after what it issued so far (the fold reads
+        the rank's own tensors after it and writes its results after it)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def views(self, location, host_views) -> list[torch.Tensor] | None:
+        """A member's pieces from its location (rank first): on a GPU — once the fold's stream
+        waits for its event — or in a host arena (``host_views``)."""
+        if location is None:
+            return None
+        if not is_device_location(location):
+            return host_views(location)
+        rank, _tag, descs, ev, _host = location
+        self.fold.stream.wait_event(self.peers.event(rank, ev))
+        return self.peers.views(rank, descs)
+
+    def complete(self, p, op_id: int, issue: torch.cuda.Event, program: torch.cuda.Stream, results) -> None:
+        """Complete ``p`` with ``results()`` (the pieces' views and the fold, issued on the
+        fold's stream after ``issue``): the program's tensors are written on that stream, the
+        program's stream waits for it, and op ``op_id`` is reported read once it has run."""
+        stream = self.fold.stream
+        retired = []
+
+        def retire() -> None:
+            if not retired:
+                ev = done_event(stream)
+                retired.append(ev)
+                program.wait_event(ev)
+                if p is not None:
+                    p.device_done = ev
+                self.retirer.put(ev, op_id)
+
+        try:
+            with torch.cuda.stream(stream):
+                stream.wait_event(issue)
+                out = results()
+                if p is None:
+                    retire()
+                    return
+                # written and retired by the process group on this stream, whichever thread it is on
+                p.apply_stream = stream
+                p.after_apply = retire
+                p.complete(out)
+        except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
+            with torch.cuda.stream(stream):
+                retire()  # a failed op's regions are released all the same
+            if p is not None:
+                p.fail(RuntimeError(f"{p.what}: computing the result on the GPU failed: {e}"))
+
+    def close(self, timeout_s: float) -> None:
+        self.retirer.close(timeout_s)
