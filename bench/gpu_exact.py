@@ -128,6 +128,11 @@ def step_timeline(trace: Path, since_unit: int, show_unit: int, show_ranks: tupl
                                  "stalled_spans": round(len(stalled) / n, 1), "stalled_ms": round(1e3 * sum(stalled) / n, 1),
                                  "blocked_ms": round(1e3 * blocked / n, 1),
                                  "rest_ms": round(1e3 * (span - program - blocked) / n, 1), "events": len(steady) // n}
+        starts = {u: min(e["t_start"] for e in steady if e["unit"] == u) for u in units}
+        waits = [(json.loads(e["extra"]).get("blocked_s") or 0.0, e) for e in steady if e["kind"] == "wait" and e["extra"]]
+        out["per_step"][rank]["top_waits"] = [
+            (round(1e3 * b, 1), desc.get(e["group"], "-"), e["seq"], e["unit"], round(1e3 * (e["t_start"] - starts[e["unit"]]), 1))
+            for b, e in sorted(waits, key=lambda x: -x[0])[:8]]
         if rank in show_ranks:
             shown = [e for e in es if e["unit"] == show_unit][:rows]
             if shown:

@@ -6,6 +6,7 @@ the host copy the trace reads holds the same bytes; a member is told an op was r
 after its fold ran; a full buffer says so and a freed region is reused."""
 
 import os
+import pickle
 import tempfile
 
 import pytest
@@ -72,7 +73,8 @@ def _member(rank, directory, inbox, outbox):
         inbox.get()  # every member has read: the region may go
         gpu.free(token, host)
     gpu.close(30.0)
-    outbox.put((rank, "done", results, hosts, sorted(reads), gpu.ops, gpu.arena.full))
+    # plain bytes: a tensor put on a queue is passed by a file descriptor, gone once this process ends
+    outbox.put(pickle.dumps((rank, "done", results, hosts, sorted(reads), gpu.ops, gpu.arena.full)))
 
 
 def test_members_fold_each_others_gpu_pieces_bit_exactly():
@@ -97,7 +99,7 @@ def test_members_fold_each_others_gpu_pieces_bit_exactly():
                     q.put("go")
             done = {}
             for _ in range(N):
-                r, _tag, results, hosts, reads, staged, full = outbox.get(timeout=120)
+                r, _tag, results, hosts, reads, staged, full = pickle.loads(outbox.get(timeout=120))
                 done[r] = (results, hosts, reads, staged, full)
         finally:
             for p in procs:
