@@ -18,7 +18,7 @@ from nccl_ext.divergence import piece_stats
 from nccl_ext.exchange import detached
 
 
-SUMMARY_THREADS = 2
+SUMMARY_THREADS = 4
 """Worker threads taking digests, statistics and copies (:meth:`TraceNotes._summarize`, :meth:`TraceNotes._record`)."""
 
 

@@ -14,12 +14,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from prism_launch.trace.spill import content_address, storable
 
 PENDING_BYTES = 256 << 20
 """Tensor bytes handed over but not yet taken by the writer, at most (one larger tensor may pass
 alone)."""
+
+ADDRESS_THREADS = 4
+"""Threads taking the content addresses of the tensors handed over (a sha256 over every byte,
+the writer's costliest pass: in parallel, ahead of the writer, which stores them in order)."""
+
+
+def _addressed(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
+    t = storable(tensor)
+    return t, content_address(t)
 
 
 class BackgroundSink:
@@ -36,6 +48,7 @@ class BackgroundSink:
         self._discard = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._addressing: ThreadPoolExecutor | None = None
         self.busy_s = 0.0
         """The worker's seconds in the writer."""
         self.waited_s = 0.0
@@ -46,6 +59,7 @@ class BackgroundSink:
         with self._cond:
             self._raise_error()
             if self._thread is None:
+                self._addressing = ThreadPoolExecutor(ADDRESS_THREADS, thread_name_prefix="prism-trace-address")
                 self._thread = threading.Thread(target=self._run, name="prism-trace-writer", daemon=True)
                 self._thread.start()
             t0 = time.perf_counter()
@@ -53,7 +67,7 @@ class BackgroundSink:
                 self._cond.wait(0.5)
             self.waited_s += time.perf_counter() - t0
             self._raise_error()
-            self._queue.append((rank, key, tensor))
+            self._queue.append((rank, key, tensor, self._addressing.submit(_addressed, tensor)))
             self._pending += nbytes
             self._cond.notify_all()
 
@@ -68,10 +82,10 @@ class BackgroundSink:
                     self._cond.wait()
                 if not self._queue or self._discard:
                     return
-                rank, key, tensor = self._queue.popleft()  # its bytes stay pending until written
+                rank, key, tensor, addressed = self._queue.popleft()  # its bytes stay pending until written
             t0 = time.perf_counter()
             try:
-                self.writer.record_tensor(rank, key, tensor)
+                self.writer.record_tensor(rank, key, *addressed.result())
             except BaseException as e:  # noqa: BLE001 - raised on the coordinator's thread
                 with self._cond:
                     self._error = e
@@ -96,5 +110,7 @@ class BackgroundSink:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self._addressing is not None:
+            self._addressing.shutdown(wait=True, cancel_futures=True)
         if not discard:
             self._raise_error()

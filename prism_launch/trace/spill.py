@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -31,7 +32,7 @@ from .layout import TENSOR_INDEX_NAME, TraceLayout, tensor_blob_name
 from .space import free_bytes, is_no_space, needed_bytes
 from .tensors import DTYPE_NAMES
 
-__all__ = ["TensorSpill", "INDEX_SCHEMA", "content_address"]
+__all__ = ["TensorSpill", "INDEX_SCHEMA", "content_address", "storable"]
 
 SPILL_BYTES = 64 << 20
 """Default bytes of distinct tensors held before they are written out."""
@@ -47,6 +48,14 @@ INDEX_SCHEMA = pa.schema([
 
 def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def storable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a spill file stores it: a view is copied (to keep neither its base alive nor
+    storage shared within a spill file)."""
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def content_address(t: torch.Tensor) -> str:
@@ -87,18 +96,19 @@ class TensorSpill:
     def has(self, rank: int, key: str) -> bool:
         return key in self._keys.get(rank, ())
 
-    def put(self, rank: int, key: str, tensor: torch.Tensor) -> None:
+    def put(self, rank: int, key: str, tensor: torch.Tensor, addr: str | None = None) -> None:
         """Record ``tensor`` (on the CPU, not changed afterwards: it is written later without a
-        copy, unless it is a view) as ``key`` of ``rank``; a key already recorded raises ``ValueError``."""
+        copy, unless it is a view) as ``key`` of ``rank``; a key already recorded raises ``ValueError``.
+        ``addr``: its :func:`content_address`, where the caller took it already (of a tensor
+        :func:`storable` returned)."""
         keys = self._keys.setdefault(rank, {})
         if key in keys:
             raise ValueError(f"rank {rank} already has a tensor with key {key!r} in this trace")
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor {key!r} of rank {rank} must be a CPU tensor")
-        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-            # a view: keep neither its base alive nor storage shared within a spill file
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
-        addr = content_address(tensor)
+        if addr is None:
+            tensor = storable(tensor)
+            addr = content_address(tensor)
         keys[key] = addr
         nbytes = tensor.numel() * tensor.element_size()
         self.logical_bytes += nbytes
@@ -130,17 +140,22 @@ class TensorSpill:
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
+        # the file's hash on a thread of its own, beside the writes (both release the interpreter)
+        hashing = threading.Thread(target=lambda: [h.update(p) for p in parts], name="prism-spill-sum", daemon=True)
+        hashing.start()
         try:
             with open(path, "wb") as f:
                 for part in parts:
                     f.write(part)
-                    h.update(part)
         except OSError as e:
+            hashing.join()
             if is_no_space(e):
                 size = sum(len(memoryview(p).cast("B")) for p in parts)
                 raise TraceSpaceError(self.space_path, needed_bytes(size + self.pending_bytes),
                                       free_bytes(self.space_path), during=True) from None
             raise
+        finally:
+            hashing.join()
         self.sums[rel] = h.hexdigest()
 
     def close(self) -> list[str]:

@@ -116,12 +116,13 @@ class TraceWriter:
             for key, t in staged.items():
                 spill.put(rank, key, t)
 
-    def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
-        """Store one tensor of ``rank`` without copying it: it must be a contiguous CPU tensor
-        the caller never changes (the capture coordinator's received and computed tensors)."""
+    def record_tensor(self, rank: int, key: str, tensor: torch.Tensor, addr: str | None = None) -> None:
+        """Store one tensor of ``rank`` without copying it: it must be a CPU tensor the caller
+        never changes (the capture coordinator's received and computed tensors); ``addr``: its
+        content address, taken by the caller (of a tensor :func:`~.spill.storable` returned)."""
         with self._lock:
             self._require_open()
-            self._spill_locked().put(int(rank), key, tensor)
+            self._spill_locked().put(int(rank), key, tensor, addr)
 
     def tensor_stats(self) -> dict[str, int]:
         """Bytes put (``logical_bytes``), bytes of the distinct tensors (``stored_bytes``), the

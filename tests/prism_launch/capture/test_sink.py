@@ -19,7 +19,7 @@ class SlowWriter:
         self.gate = threading.Event()
         self.gate.set()
 
-    def record_tensor(self, rank, key, tensor):
+    def record_tensor(self, rank, key, tensor, addr=None):
         self.gate.wait()
         time.sleep(self.delay)
         if self.fail_at is not None and len(self.got) == self.fail_at:
@@ -39,6 +39,24 @@ def test_every_tensor_arrives_in_order_into_a_real_trace(tmp_path):
         w.commit(fingerprint={"f": "1"}, versions={}, world_size=4, topology={}, groups=[], ranks_captured=[3])
     r = TraceReader(tmp_path / "t")
     assert all(torch.equal(r.tensor(3, k), t) for k, t in want.items())
+
+
+def test_addresses_taken_ahead_of_the_writer_still_store_equal_tensors_once(tmp_path):
+    with TraceWriter(tmp_path / "t") as w:
+        sink = BackgroundSink(w)
+        base = torch.arange(4000.0)
+        for i in range(20):  # equal contents under distinct keys, and views of a larger tensor
+            sink.record_tensor(i % 3, f"same{i}", torch.ones(1000))
+            sink.record_tensor(0, f"view{i}", base[i * 100:i * 100 + 1000])
+        sink.close()
+        stats = w.tensor_stats()
+        assert stats["stored_bytes"] == 4000 * (1 + 20) and stats["logical_bytes"] == 4000 * 40
+        w.add_events([{"rank": 0, "idx": 0, "unit": 0, "kind": "marker", "op": "step", "group": -1, "seq": -1,
+                       "peer": -1, "t_start": 0.0, "t_end": 0.0}])
+        w.commit(fingerprint={"f": "1"}, versions={}, world_size=4, topology={}, groups=[], ranks_captured=[0, 1, 2])
+    r = TraceReader(tmp_path / "t")
+    assert all(torch.equal(r.tensor(0, f"view{i}"), base[i * 100:i * 100 + 1000]) for i in range(20))
+    assert torch.equal(r.tensor(2, "same2"), torch.ones(1000))
 
 
 def test_waiting_bytes_are_bounded_and_the_coordinator_waits_for_room():
