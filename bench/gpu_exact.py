@@ -171,7 +171,7 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         stats = json.loads((trace / "capture.json").read_text())
         res["captured_ranks"] = len(json.loads((trace / "manifest.json").read_text())["ranks_captured"])
         res["capture_stats"] = {k: stats.get(k) for k in ("wall_s", "slots", "max_running", "resumes", "parking_off_after_s",
-                                                          "launcher_peak_rss_bytes", "coordinator_busy_s", "writer_busy_s",
+                                                          "launcher_peak_rss_bytes", "coordinator_busy_s", "coordinator_lags", "writer_busy_s",
                                                           "coordinator_waited_for_writer_s", "rank_busy_s")}
         res["blocked_s"], res["blocked_by_op"] = blocked_seconds(trace)
         res["steady_from"] = min(3, steps - 1)

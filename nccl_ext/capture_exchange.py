@@ -91,7 +91,9 @@ class RankExchange:
 
             t0 = time.perf_counter()
             gpu.complete(p, op_id, issue[0], issue[1], results)
-            self.busy_s["exchange_compute"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.busy_s["exchange_compute"] += dt
+            self.busy_s["x_complete_max"] = max(self.busy_s.get("x_complete_max", 0.0), dt)
             return
         on_device = self._fold_on(device)
 
@@ -131,7 +133,9 @@ class RankExchange:
 
             t0 = time.perf_counter()
             gpu.complete(p, op_id, issue[0], issue[1], results)
-            self.busy_s["exchange_compute"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.busy_s["exchange_compute"] += dt
+            self.busy_s["x_complete_max"] = max(self.busy_s.get("x_complete_max", 0.0), dt)
             return
         on_device = self._fold_on(device)
 

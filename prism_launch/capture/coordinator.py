@@ -24,7 +24,7 @@ from nccl_ext.exchange import PeerViews
 from nccl_ext.exchange_ipc import is_device_location
 from nccl_ext.ops import Collective, ReduceKind, compute, contributors
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduction
-from prism_launch.capture.ops_state import Arrival, OpGroup, PendingCollective, Reads, describe
+from prism_launch.capture.ops_state import Arrival, Lags, OpGroup, PendingCollective, Reads, describe
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.notes import TraceNotes
 from prism_launch.capture.staged import StagedResults, recordable
@@ -112,6 +112,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         """Seconds by activity: the coordinator's thread (what a capture waits on when every op
         passes through it), and its worker threads' ``digest`` and ``copy``."""
         self.rank_busy_s: dict[int, dict] = {}
+        self.lags = Lags()
+        self._pump_end = None
         """Each rank's own seconds by activity (``CaptureTransport.busy_s``, sent at its close)."""
         self._accepting = True
         self._acceptor = threading.Thread(target=self._accept_loop, name="prism-coordinator-accept", daemon=True)
@@ -162,6 +164,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
             self._new_conns.clear()
         ready = wait(self._conns, timeout=timeout_s) if self._conns else time.sleep(timeout_s)
         t_pump = time.perf_counter()
+        if self._pump_end is not None and ready:  # a message may have waited unread since the last pump
+            self.lags.note("pump_gap", t_pump - self._pump_end)
         for conn in ready or ():
             try:
                 while conn.poll(0):
@@ -177,7 +181,9 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         self.scheduler.schedule()
         self.drain()
         self._check_deadlines()
-        self.busy_s["pump"] += time.perf_counter() - t_pump
+        self._pump_end = time.perf_counter()
+        self.busy_s["pump"] += self._pump_end - t_pump
+        self.lags.note("pump", self._pump_end - t_pump)
 
     def _handle(self, conn: Connection, header: tuple, tensors: list[torch.Tensor]) -> None:
         kind = header[0]
@@ -298,6 +304,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
     # -- collectives --------------------------------------------------------------------
     def _on_collective(self, conn, header, tensors, location: tuple | None = None, staged: bool = False) -> None:
         _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
+        self.lags.note("arrival", time.monotonic() - t)
         rank = self._rank_of[conn]
         group = self._group(key)
         kind = Collective(kind)
@@ -370,6 +377,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
 
     def _complete(self, pc: PendingCollective) -> None:
         del self._collectives[(pc.group.key, pc.seq)]
+        self.lags.note("spread", time.monotonic() - pc.first_t)
         if pc.locations is not None:
             self._complete_exchanged(pc)
             return

@@ -66,3 +66,27 @@ class Reads:
 
 def describe(ranks: tuple[int, ...]) -> str:
     return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+class Lags:
+    """Where a capture's coordinator answers late, by what (``note(what, seconds)``): ``pump_gap``
+    (from one pump's end to the next's start, with a message waiting), ``pump`` (one pump),
+    ``arrival`` (an op at the coordinator after its rank issued it), ``spread`` (a collective's
+    last member after its first): the longest, and how many (and how long in all) took 10 ms or more."""
+
+    SLOW_S = 0.01
+
+    def __init__(self) -> None:
+        self._max: dict[str, float] = {}
+        self._slow: dict[str, list] = {}
+
+    def note(self, what: str, seconds: float) -> None:
+        self._max[what] = max(self._max.get(what, 0.0), seconds)
+        if seconds >= self.SLOW_S:
+            cell = self._slow.setdefault(what, [0, 0.0])
+            cell[0] += 1
+            cell[1] += seconds
+
+    def to_dict(self) -> dict:
+        return {what: {"max_s": round(m, 4), "over_10ms": self._slow.get(what, [0, 0.0])[0],
+                       "over_10ms_s": round(self._slow.get(what, [0, 0.0])[1], 3)} for what, m in self._max.items()}

@@ -249,7 +249,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
              "admission": admit.to_dict() if admit is not None else None,
              "launcher_peak_rss_bytes": _peak_rss(), "tensor_bytes": coord.bytes_recorded,
              "tensor_bytes_stored": tensors["stored_bytes"], "tensor_bytes_peak_pending": tensors["peak_pending_bytes"],
-             "coordinator_busy_s": {k: round(v, 3) for k, v in coord.busy_s.items()},
+             "coordinator_busy_s": {k: round(v, 3) for k, v in coord.busy_s.items()}, "coordinator_lags": coord.lags.to_dict(),
              "rank_busy_s": {str(r): v for r, v in sorted(coord.rank_busy_s.items())},
              "writer_busy_s": round(sink.busy_s, 3), "coordinator_waited_for_writer_s": round(sink.waited_s, 3)}
     program = ctx.program
