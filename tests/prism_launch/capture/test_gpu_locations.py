@@ -1,0 +1,107 @@
+"""The coordinator's side of contributions and sends staged on a GPU (:mod:`nccl_ext.exchange_ipc`):
+it answers with the locations as they are, records shapes from the location where the trace
+reads no data, takes the trace's notes (the sandbox rank's digest, a kept contribution) from the
+host copy only once every member has read — the host copies are complete then — frees the
+regions after those notes, and refuses, naming the setting, a GPU-only location whose data the
+trace needs."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from nccl_ext.exchange import Arena, claim_directory, release_directory
+from nccl_ext.exchange_ipc import DEVICE_TAG
+from nccl_ext.ops import Collective, ReduceKind
+from prism_launch.capture.coordinator import Coordinator
+
+
+class FakeConn:
+    def __init__(self):
+        self.sent = []
+
+    def send_bytes(self, b):
+        self.sent.append(b)
+
+    def headers(self):
+        out = []
+        for b in self.sent:
+            try:
+                out.append(pickle.loads(b)[0])
+            except Exception:  # noqa: BLE001 - raw tensor bytes
+                pass
+        return out
+
+
+@pytest.fixture
+def coord(tmp_path):
+    xdir = claim_directory(tmp_path)
+    c = Coordinator(str(tmp_path / "c.sock"), b"k" * 16, 4, 30.0, payload="exact", scope=(1,), exchange=xdir)
+    conns = [FakeConn() for _ in range(4)]
+    for r, conn in enumerate(conns):
+        c._handle(conn, ("hello", r, 1000 + r), [])
+    for conn in conns[:2]:
+        c._handle(conn, ("group", "tp", (0, 1), 0, "TENSOR_MODEL_PARALLEL_GROUP"), [])
+    for conn in conns[2:]:
+        c._handle(conn, ("group", "tp2", (2, 3), 0, "TENSOR_MODEL_PARALLEL_GROUP"), [])
+    yield c, conns, xdir
+    c._close_notes()
+    release_directory(xdir)
+
+
+def _xcoll(op_id, key, seq, loc):
+    return ("xcoll", op_id, key, seq, "all_reduce", str(Collective.ALL_REDUCE), str(ReduceKind.SUM), None, True,
+            0, 0.0, 0.0, 0.0, loc)
+
+
+def _row(c, rank, key):
+    gid = c._groups[key].id
+    return next(r for r in c.events if r["rank"] == rank and r["group"] == gid and r["kind"] == "collective")
+
+
+def test_notes_of_gpu_staged_data_wait_for_every_read_then_the_regions_go(coord):
+    c, conns, xdir = coord
+    data = [torch.arange(8.0), torch.arange(8.0) * 3]
+    arenas = [Arena(xdir, r) for r in range(2)]
+    for r in range(2):
+        gen, descs, _ = arenas[r].put([data[r]])
+        loc = (DEVICE_TAG, [(0, "float32", [8])], r, (gen, descs))
+        c._handle(conns[r], _xcoll(7, "tp", 0, loc), [])
+    c.drain()
+    for r in range(2):
+        xok = [h for h in conns[r].headers() if h[0] == "xok"]
+        assert len(xok) == 1 and xok[0][2][0][1] == DEVICE_TAG and xok[0][2][1][0] == 1  # (rank, tag, ...)
+    assert _row(c, 1, "tp")["extra"] is None  # the sandbox rank's digest waits for the reads
+    assert not c.sink.tensors
+    c._handle(conns[0], ("xread", 7), [])
+    c.drain(wait=True)
+    assert _row(c, 1, "tp")["extra"] is None and not any(h[0] == "xfree" for h in conns[0].headers())
+    c._handle(conns[1], ("xread", 7), [])
+    c.drain(wait=True)
+    c.drain(wait=True)
+    extra = json.loads(_row(c, 1, "tp")["extra"])
+    assert extra["digests"] and extra["shapes"] == [[8]]
+    kept = c.sink.tensors[0]  # rank 0's contribution, which the sandbox rank 1 folds
+    assert torch.equal(next(iter(kept.values())), data[0])
+    assert all(any(h == ("xfree", 7) for h in conns[r].headers()) for r in range(2))
+    for a in arenas:
+        a.close()
+
+
+def test_a_group_without_sandbox_ranks_needs_no_host_copy_and_records_shapes(coord):
+    c, conns, _xdir = coord
+    for r in (2, 3):
+        c._handle(conns[r], _xcoll(1, "tp2", 0, (DEVICE_TAG, [(0, "bfloat16", [3, 5])], 0, None)), [])
+    for r in (2, 3):
+        c._handle(conns[r], ("xread", 1), [])
+    c.drain(wait=True)
+    row = _row(c, 2, "tp2")
+    assert row["shape"] == [3, 5] and row["dtype"] == "bfloat16" and row["nbytes"] == 30
+    assert json.loads(row["extra"])["shapes"] == [[3, 5]] and not c.sink.tensors
+
+
+def test_a_gpu_only_location_of_data_the_trace_reads_is_refused_by_name(coord):
+    c, conns, _xdir = coord
+    with pytest.raises(RuntimeError, match="gpu_exchange_mib=0"):
+        c._handle(conns[1], _xcoll(2, "tp", 0, (DEVICE_TAG, [(0, "float32", [8])], 0, None)), [])
