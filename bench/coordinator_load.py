@@ -66,7 +66,9 @@ def main() -> int:
                   f"reply {busy['reply']:.2f}s, pump {busy.get('pump', 0):.2f}s; ranks' send "
                   f"{sum(v.get('send', 0) for v in ranks.values()):.2f}s, stage "
                   f"{sum(v.get('stage', 0) for v in ranks.values()):.2f}s, staged collectives "
-                  f"{sum(v.get('staged_ops', 0) for v in ranks.values())}", flush=True)
+                  f"{sum(v.get('staged_ops', 0) for v in ranks.values())}; longest pump "
+                  f"{(s.get('coordinator_lags') or {}).get('pump', {}).get('max_s', 0):.3f}s, pumps over 10 ms "
+                  f"{(s.get('coordinator_lags') or {}).get('pump', {}).get('over_10ms', 0)}", flush=True)
     finally:
         if a.keep is None:
             shutil.rmtree(work, ignore_errors=True)

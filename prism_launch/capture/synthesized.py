@@ -6,9 +6,8 @@ from __future__ import annotations
 import time
 
 from nccl_ext import wire
-from nccl_ext.divergence import piece_stats
-from nccl_ext.exchange import detached
 from nccl_ext.ops import Collective
+from prism_launch.capture.notes import _copies
 from prism_launch.capture.ops_state import Arrival, PendingCollective
 
 
@@ -25,35 +24,43 @@ class SynthesizedOps:
         extra = {"kind": kind, "reduce": reduce, "root": root, "n": len(shapes), "shapes": shapes,
                  "dtypes": dtypes, "digests": [], "mirrored" if mirrored else "synthesized": True}
         kept = header[14] if len(header) > 14 else None
-        if kept is not None:
-            self._kept_mirrored(conn, rank, group, seq, kept, extra)
-        row = self._row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None, extra)
+        row = self._row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None,
+                        None if kept is not None else extra)
         row["dtype"], row["shape"], row["nbytes"] = (dtypes[0] if dtypes else ""), (shapes[0] if shapes else []), nbytes
+        if kept is not None:
+            self._kept_mirrored(conn, rank, group, seq, kept, row, extra)
         self.ops_completed += 1
 
-    def _kept_mirrored(self, conn, rank: int, group, seq: int, kept: tuple, extra: dict) -> None:
+    def _kept_mirrored(self, conn, rank: int, group, seq: int, kept: tuple, row: dict, extra: dict) -> None:
         """A sandbox rank's mirrored collective: the digest and statistics of its contribution and
         its result (stored, as the coordinator stores a folded result) read where the rank staged
-        them; then the rank may reuse the regions."""
+        them, on the notes' worker threads (a data-parallel gradient reduction's are tens of MB:
+        the coordinator goes on answering meanwhile); then the rank may reuse the regions."""
         op_id, contribution, result = kept
         mine = self._views.views((rank, *contribution)) if contribution is not None else []
-        extra["digests"] = self._digests(rank, mine)
-        extra["stats"] = [piece_stats(x) for x in mine]
+        self._summarize(rank, row, extra, mine, stats=True)
         if result is None:
             out = []
         elif result[0] == "c":
             out = [mine[i] for i in result[1]]
         else:
             out = self._views.views((rank, result[1], result[2]))
-        t0 = time.perf_counter()
-        copies: dict[int, object] = {}  # an all-gather's result is n times the same piece: one copy
-        for i, x in enumerate(out):
-            if id(x) not in copies:
-                copies[id(x)] = detached(x)
-            self.sink.record_tensor(rank, f"r/{group.id}/{seq}/{i}", copies[id(x)])
-        self.busy_s["record"] += time.perf_counter() - t0
+        distinct: dict[int, int] = {}  # an all-gather's result is n times the same piece: one copy
+        for x in out:
+            distinct.setdefault(id(x), len(distinct))
+        pieces = list({id(x): x for x in out}.values())
+
+        def store(copies: tuple[list, float]) -> None:
+            self.busy_s["copy"] += copies[1]
+            t0 = time.perf_counter()
+            for i, x in enumerate(out):
+                self.sink.record_tensor(rank, f"r/{group.id}/{seq}/{i}", copies[0][distinct[id(x)]])
+            self.busy_s["record"] += time.perf_counter() - t0
+
+        if pieces:
+            self._submit(_copies, store, pieces)
         self._count(sum(x.numel() * x.element_size() for x in out))
-        wire.send(conn, ("xfree", op_id))
+        self.after_notes(lambda: wire.send(conn, ("xfree", op_id)))
 
     def _on_p2p_meta(self, conn, header) -> None:
         kind, key, peer, tag, seq, unit, t, wall, cpu, shape, dtype, nbytes = header
