@@ -162,24 +162,28 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         with self._conn_lock:
             self._conns.extend(self._new_conns)
             self._new_conns.clear()
+        if self._pump_end is not None:  # messages wait unread meanwhile (the agent's own work)
+            self.lags.note("between_pumps", time.perf_counter() - self._pump_end)
         ready = wait(self._conns, timeout=timeout_s) if self._conns else time.sleep(timeout_s)
         t_pump = time.perf_counter()
-        if self._pump_end is not None and ready:  # a message may have waited unread since the last pump
-            self.lags.note("pump_gap", t_pump - self._pump_end)
         for conn in ready or ():
             try:
                 while conn.poll(0):
                     t = time.perf_counter()
                     header, tensors = wire.recv(conn)
-                    self.busy_s["receive"] += time.perf_counter() - t
+                    t1 = time.perf_counter()
+                    self.busy_s["receive"] += t1 - t
                     self._handle(conn, header, tensors)
+                    self.lags.note(f"handle_{header[0]}", time.perf_counter() - t1)
             except (EOFError, OSError):
                 self._conns.remove(conn)
                 rank = self._rank_of.get(conn)
                 if rank is not None:
                     self.scheduler.gone(rank)
         self.scheduler.schedule()
+        t = time.perf_counter()
         self.drain()
+        self.lags.note("drain", time.perf_counter() - t)
         self._check_deadlines()
         self._pump_end = time.perf_counter()
         self.busy_s["pump"] += self._pump_end - t_pump

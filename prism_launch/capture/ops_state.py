@@ -69,10 +69,11 @@ def describe(ranks: tuple[int, ...]) -> str:
 
 
 class Lags:
-    """Where a capture's coordinator answers late, by what (``note(what, seconds)``): ``pump_gap``
-    (from one pump's end to the next's start, with a message waiting), ``pump`` (one pump),
-    ``arrival`` (an op at the coordinator after its rank issued it), ``spread`` (a collective's
-    last member after its first): the longest, and how many (and how long in all) took 10 ms or more."""
+    """Where a capture's coordinator answers late, by what (``note(what, seconds)``):
+    ``between_pumps`` (the launcher's own work between two pumps, when no message is read),
+    ``pump`` (one pump), ``handle_<message>`` and ``drain`` (parts of a pump), ``arrival`` (an
+    op at the coordinator after its rank issued it), ``spread`` (a collective's last member
+    after its first): the longest, and how many (and how long in all) took 10 ms or more."""
 
     SLOW_S = 0.01
 
