@@ -80,8 +80,6 @@ class RankExchange:
         would), tell the coordinator this rank has read them, complete the op."""
         kind, reduce, root, me, own, device, issue = self._xops.pop(op_id)
         if issue is not None:
-            with self._pending_lock:
-                p = self._pending.pop(op_id, None)
             gpu = self._gpu
 
             def results() -> list:
@@ -89,11 +87,7 @@ class RankExchange:
                          for g, loc in enumerate(locations)]
                 return gpu_results(gpu.fold, kind, views, me, reduce, root)
 
-            t0 = time.perf_counter()
-            gpu.complete(p, op_id, issue[0], issue[1], results)
-            dt = time.perf_counter() - t0
-            self.busy_s["exchange_compute"] += dt
-            self.busy_s["x_complete_max"] = max(self.busy_s.get("x_complete_max", 0.0), dt)
+            self._complete_on_gpu(op_id, issue, results)
             return
         on_device = self._fold_on(device)
 
@@ -114,6 +108,17 @@ class RankExchange:
 
         self._read_staged(op_id, read, "reading the peers' contributions", on_device)
 
+    def _complete_on_gpu(self, op_id: int, issue: tuple, results) -> None:
+        """Complete op ``op_id`` through the GPU exchange (``issue``: the event and program stream
+        of its issue; ``results()``: its views and fold, on the fold's stream)."""
+        with self._pending_lock:
+            p = self._pending.pop(op_id, None)
+        t0 = time.perf_counter()
+        self._gpu.complete(p, op_id, issue[0], issue[1], results)
+        dt = time.perf_counter() - t0
+        self.busy_s["exchange_compute"] += dt
+        self.busy_s["x_complete_max"] = max(self.busy_s.get("x_complete_max", 0.0), dt)
+
     def _fold_on(self, device: torch.device | None) -> DeviceFold | None:
         """The device fold for results on ``device`` (None: on the host)."""
         f = self._device_fold
@@ -124,18 +129,9 @@ class RankExchange:
         device = self._recv_on.pop(op_id, None)
         issue = self._recv_issue.pop(op_id, None)
         if issue is not None:
-            with self._pending_lock:
-                p = self._pending.pop(op_id, None)
             gpu = self._gpu
-
-            def results() -> list:
-                return gpu_results(gpu.fold, Collective.BROADCAST, [gpu.views(location, self._peers.views)], 0, None, 0)
-
-            t0 = time.perf_counter()
-            gpu.complete(p, op_id, issue[0], issue[1], results)
-            dt = time.perf_counter() - t0
-            self.busy_s["exchange_compute"] += dt
-            self.busy_s["x_complete_max"] = max(self.busy_s.get("x_complete_max", 0.0), dt)
+            self._complete_on_gpu(op_id, issue, lambda: gpu_results(
+                gpu.fold, Collective.BROADCAST, [gpu.views(location, self._peers.views)], 0, None, 0))
             return
         on_device = self._fold_on(device)
 
