@@ -27,7 +27,7 @@ from nccl_ext import mirrored, synth, wire
 from nccl_ext.capture_exchange import RankExchange
 from nccl_ext.exchange import PIN_COUNTS, Arena, PeerViews
 from nccl_ext.exchange_device import DeviceFold
-from nccl_ext.exchange_ipc import GpuExchange
+from nccl_ext.exchange_ipc import GpuExchange, start_gpu_exchange
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective
 from nccl_ext.pending import CommDeadlineError, Pending
@@ -179,8 +179,8 @@ class CaptureTransport(RankExchange):
             if self._exchange is not None:
                 self._device_fold = DeviceFold(call.tensors[0].device)
                 if self._gpu_bytes > 0:
-                    self._gpu = GpuExchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
-                                            lambda op_id: self._send(("xread", op_id)), self._scope)
+                    self._gpu = start_gpu_exchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
+                                                   lambda op_id: self._send(("xread", op_id)), self._scope)
         keep = self._mirrored.get(group.key)
         if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
             return self._mirrored_op(group, seq, call, what, keep)

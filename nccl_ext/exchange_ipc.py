@@ -63,13 +63,18 @@ class DeviceArena:
         import torch.multiprocessing  # noqa: F401 - registers torch's reducers of CUDA tensors
         from multiprocessing.reduction import ForkingPickler
 
-        from nccl_ext.device_path.pool import allocate_outside
+        from nccl_ext.device_path.pool import allocate_outside, release_outside
 
         self.device = device
         self.buf = allocate_outside(device, nbytes)
-        with torch.cuda.device(device):
-            self.events = [torch.cuda.Event(interprocess=True) for _ in range(events)]
-            handles = [e.ipc_handle() for e in self.events]
+        try:
+            with torch.cuda.device(device):
+                self.events = [torch.cuda.Event(interprocess=True) for _ in range(events)]
+                handles = [e.ipc_handle() for e in self.events]
+            shared = bytes(ForkingPickler.dumps((self.buf, handles)))
+        except BaseException:
+            release_outside(self.buf)
+            raise
         self._free_events = deque(range(events))
         self._seg = _Segment(0, "", self.buf.numel(), None, free=[(0, self.buf.numel())])
         self._lock = threading.Lock()
@@ -79,7 +84,7 @@ class DeviceArena:
         path = handle_path(directory, rank)
         tmp = f"{path}.tmp"
         with open(tmp, "wb") as f:
-            f.write(bytes(ForkingPickler.dumps((self.buf, handles))))
+            f.write(shared)
         os.replace(tmp, path)  # a peer opens it only once a location names this rank
 
     def put(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream, also=None):
@@ -298,7 +303,23 @@ class GpuExchange:
             with torch.cuda.stream(stream):
                 retire()  # a failed op's regions are released all the same
             if p is not None:
-                p.fail(RuntimeError(f"{p.what}: computing the result on the GPU failed: {e}"))
+                p.fail(RuntimeError(f"{p.what}: computing the result on the GPU failed: {e} "
+                                    "(capture.gpu_exchange_mib=0 exchanges through host memory instead)"))
 
     def close(self, timeout_s: float) -> None:
         self.retirer.close(timeout_s)
+
+
+def start_gpu_exchange(directory: str, rank: int, fold, nbytes: int, read,
+                       scope: frozenset[int] | None) -> GpuExchange | None:
+    """This rank's :class:`GpuExchange`, or None — said once on stderr — where its buffer cannot
+    be shared (no CUDA IPC on this device or allocator): its contributions then go through the
+    host arena, as with ``capture.gpu_exchange_mib=0``."""
+    try:
+        return GpuExchange(directory, rank, fold, nbytes, read, scope)
+    except Exception as e:  # noqa: BLE001 - any failure to share leaves the host path, which always works
+        import sys
+
+        print(f"prism-launch: rank {rank}: the GPU exchange is unavailable ({type(e).__name__}: {e}); exchanged "
+              "tensors go through host memory (capture.gpu_exchange_mib=0 says so up front)", file=sys.stderr, flush=True)
+        return None

@@ -51,6 +51,13 @@ def allocate_outside(device: torch.device, nbytes: int) -> torch.Tensor:
     return buf
 
 
+def release_outside(buf: torch.Tensor) -> None:
+    """Undo :func:`allocate_outside` for ``buf`` (dropped by its caller): its size is no longer
+    left out of the program's memory figures."""
+    key = str(buf.device)
+    _POOL_BYTES[key] = max(0, _POOL_BYTES.get(key, 0) - buf.numel() * buf.element_size())
+
+
 def allocate(device: torch.device, capacity: int, memory_limit_bytes: int = 0) -> torch.Tensor:
     """A pool of ``capacity`` bytes on ``device``, outside what the program is charged for; a
     memory cap of the target GPU (``memory_limit_bytes``, 0: none) is widened by it first so the

@@ -1,0 +1,27 @@
+"""Where a rank's buffer cannot be shared by CUDA IPC, the GPU exchange is not started: the rank
+says so once on stderr, naming the setting, its exchanged tensors go through host memory, and
+the memory figures do not leave out a buffer it dropped."""
+
+import torch
+
+from nccl_ext.device_path.pool import pool_bytes
+from nccl_ext.exchange_device import DeviceFold
+from nccl_ext.exchange_ipc import start_gpu_exchange
+
+
+def test_a_device_without_cuda_ipc_leaves_the_host_path(tmp_path, capsys, monkeypatch):
+    import nccl_ext.device_path.pool as pool
+
+    def on_host(device, nbytes):  # the accounting of allocate_outside, for a buffer this machine can hold
+        buf = torch.empty(pool.charged_size(nbytes), dtype=torch.uint8)
+        pool._POOL_BYTES["cpu"] = pool._POOL_BYTES.get("cpu", 0) + buf.numel()
+        return buf
+
+    monkeypatch.setattr(pool, "allocate_outside", on_host)
+    before = pool_bytes("cpu")
+    got = start_gpu_exchange(str(tmp_path), 3, DeviceFold(torch.device("cpu"), 1 << 16), 4 << 20, lambda op: None, None)
+    assert got is None
+    err = capsys.readouterr().err
+    assert "rank 3: the GPU exchange is unavailable" in err and "capture.gpu_exchange_mib=0" in err
+    assert pool_bytes("cpu") == before  # the dropped buffer is not left out of the figures
+    assert not list(tmp_path.iterdir())  # no handle published for peers to open
