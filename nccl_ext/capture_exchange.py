@@ -11,7 +11,7 @@ import torch
 
 from nccl_ext.exchange import Arena, PeerViews, detached
 from nccl_ext.exchange_device import DeviceFold, gpu_results
-from nccl_ext.exchange_ipc import GpuExchange
+from nccl_ext.exchange_ipc import GpuExchange, is_device_location
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute
 from nccl_ext.pending import Pending
@@ -92,6 +92,7 @@ class RankExchange:
         on_device = self._fold_on(device)
 
         def read() -> list:
+            _host_only(locations)
             views = [self._peers.views(loc) for loc in locations]
             if on_device is not None:
                 if own is not None:
@@ -136,6 +137,7 @@ class RankExchange:
         on_device = self._fold_on(device)
 
         def read() -> list:
+            _host_only([location])
             views = self._open_exchange()[1].views(location)
             if on_device is not None:
                 with torch.cuda.stream(on_device.stream):
@@ -198,3 +200,11 @@ class RankExchange:
 def _results_are_views() -> None:
     """:attr:`Pending.after_apply` of a result read where the coordinator staged it: nothing to
     wait for, but a future's consumer gets copies (the region is freed after the op)."""
+
+
+def _host_only(locations) -> None:
+    """A rank without the GPU exchange reads host locations only."""
+    for loc in locations:
+        if is_device_location(loc):
+            raise RuntimeError(f"rank {loc[0]} staged its data on its GPU, which this rank cannot read (its GPU "
+                               "exchange did not start); capture with capture.gpu_exchange_mib=0")

@@ -25,3 +25,14 @@ def test_a_device_without_cuda_ipc_leaves_the_host_path(tmp_path, capsys, monkey
     assert "rank 3: the GPU exchange is unavailable" in err and "capture.gpu_exchange_mib=0" in err
     assert pool_bytes("cpu") == before  # the dropped buffer is not left out of the figures
     assert not list(tmp_path.iterdir())  # no handle published for peers to open
+
+
+def test_a_rank_without_the_gpu_exchange_refuses_a_peers_gpu_location_by_name():
+    import pytest
+
+    from nccl_ext.capture_exchange import _host_only
+    from nccl_ext.exchange_ipc import DEVICE_TAG
+
+    _host_only([None, (4, 0, [(0, "float32", [2])])])  # host locations: read as before
+    with pytest.raises(RuntimeError, match=r"rank 5 staged its data on its GPU.*capture.gpu_exchange_mib=0"):
+        _host_only([(4, 0, []), (5, DEVICE_TAG, [(0, "float32", [2])], 1, None)])
