@@ -38,11 +38,12 @@ OWNER_FILE = ".owner"
 _owned: dict[str, int] = {}
 
 
-def claim_directory(base: str | os.PathLike) -> str:
-    """A new exchange directory under ``base``, held by this process (:data:`OWNER_FILE`), after
-    removing those whose launcher died without removing them (:func:`sweep_stale`)."""
-    sweep_stale(base)
-    d = tempfile.mkdtemp(prefix="prism-exchange-", dir=base)
+def claim_directory(base: str | os.PathLike, prefix: str = "prism-exchange-") -> str:
+    """A new directory ``<prefix>*`` under ``base`` (an exchange's; the coordinator's socket's),
+    held by this process (:data:`OWNER_FILE`), after removing those whose launcher died without
+    removing them (:func:`sweep_stale`)."""
+    sweep_stale(base, prefix)
+    d = tempfile.mkdtemp(prefix=prefix, dir=base)
     fd = os.open(os.path.join(d, OWNER_FILE), os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -60,12 +61,13 @@ def release_directory(d: str) -> None:
         os.close(fd)
 
 
-def sweep_stale(base: str | os.PathLike) -> list[str]:
-    """Remove the exchange directories under ``base`` whose owner lock nobody holds: their launcher
-    was killed (``SIGKILL`` runs no cleanup) and its ranks died with it (the lock is held by every
-    process that inherited it). Arenas are memory under ``/dev/shm``; each run would leak them."""
+def sweep_stale(base: str | os.PathLike, prefix: str = "prism-exchange-") -> list[str]:
+    """Remove the directories ``<prefix>*`` under ``base`` whose owner lock nobody holds: their
+    launcher was killed (``SIGKILL`` runs no cleanup) and its ranks died with it (the lock is held
+    by every process that inherited it). Arenas are memory under ``/dev/shm``; each run would
+    leak them."""
     gone = []
-    for d in glob.glob(os.path.join(os.fspath(base), "prism-exchange-*")):
+    for d in glob.glob(os.path.join(os.fspath(base), f"{prefix}*")):
         try:
             fd = os.open(os.path.join(d, OWNER_FILE), os.O_RDWR)
         except OSError:  # not ours to judge: being created, or from before the owner file

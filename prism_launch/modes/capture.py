@@ -87,6 +87,11 @@ EXCHANGE_BYTES_PER_RANK = 64 << 20
 when a contribution does not fit)."""
 
 
+COORDINATOR_DIR_PREFIX = "prism-coord-"
+"""The coordinator's socket directory under the temporary directory: one a killed launcher left
+is removed by the next capture (:func:`~nccl_ext.exchange.claim_directory`)."""
+
+
 def exchange_dir(fallback: Path, ranks: int) -> str | None:
     """A new directory for the shared-memory exchange: under ``/dev/shm`` (memory, not disk) when
     it has room for ``ranks`` arenas, else under ``fallback``'s file system when that has; None
@@ -186,7 +191,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
 
     ws = ctx.topo.world_size
     sink = BackgroundSink(writer)
-    sock_dir = Path(tempfile.mkdtemp(prefix="prism-coord-"))
+    sock_dir = Path(claim_directory(tempfile.gettempdir(), prefix=COORDINATOR_DIR_PREFIX))
     authkey = os.urandom(16)
     exchange = exchange_dir(sock_dir, len(ranks)) if payload != "none" and ctx.cfg.capture.exchange else None
     scope = tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None
@@ -197,6 +202,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     except BaseException:
         if exchange is not None:  # nothing else will remove it
             release_directory(exchange)
+        release_directory(str(sock_dir))
         raise
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
@@ -235,9 +241,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         coord.close()
         if exchange is not None:
             release_directory(exchange)
-        for p in sock_dir.iterdir():
-            p.unlink(missing_ok=True)
-        sock_dir.rmdir()
+        release_directory(str(sock_dir))
     wall = time.monotonic() - t0
     steps = {r: parse_rank_log(RankLogs(log_dir).stdout(r), ctx.cfg.report) for r in ranks}
     sched = coord.scheduler

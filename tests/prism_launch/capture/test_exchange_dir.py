@@ -49,3 +49,24 @@ def test_a_killed_launchers_exchange_is_removed_by_the_next_capture(tmp_path):
     finally:
         exchange.release_directory(mine)
     assert not os.path.exists(mine)
+
+
+def test_a_killed_launchers_coordinator_directory_is_removed_by_the_next_capture(tmp_path):
+    import subprocess
+    import sys
+
+    from nccl_ext import exchange
+    from prism_launch.modes.capture import COORDINATOR_DIR_PREFIX
+
+    code = ("import os, signal, sys; from nccl_ext import exchange; "
+            f"d = exchange.claim_directory(sys.argv[1], prefix={COORDINATOR_DIR_PREFIX!r}); "
+            "open(os.path.join(d, 'coord.sock'), 'wb').close(); print(d, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[3])
+    dead = r.stdout.strip()
+    assert r.returncode == -9 and os.path.isdir(dead) and os.path.basename(dead).startswith(COORDINATOR_DIR_PREFIX)
+    mine = exchange.claim_directory(tmp_path, prefix=COORDINATOR_DIR_PREFIX)
+    try:
+        assert not os.path.exists(dead) and os.path.isdir(mine)
+    finally:
+        exchange.release_directory(mine)
