@@ -100,14 +100,14 @@ class CaptureTransport(RankExchange):
         self._gpu: GpuExchange | None = None
         """Contributions and sends staged on this rank's GPU (:mod:`nccl_ext.exchange_ipc`), or None."""
         self._recv_on: dict[int, torch.device] = {}
+        """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
         self._recv_issue: dict[int, tuple] = {}
         """op id -> (event, program stream) of a pending recv whose result the GPU exchange writes."""
-        """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
         self.mirrored_ops = 0
         self.staged_ops = 0
+        """Collectives computed by the coordinator whose contribution and result went through shared memory."""
         self.exchanged_ops = 0
         """Collectives among captured ranks only, computed by their members (:meth:`_exchanged`)."""
-        """Collectives computed by the coordinator whose contribution and result went through shared memory."""
         self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0,
                        "x_until_complete": 0.0, "x_to_reader": 0.0}
         """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
