@@ -184,7 +184,7 @@ class Retirer:
                 event.synchronize()
                 self._then(op_id)
             except BaseException as e:  # noqa: BLE001 - reported by close(); the coordinator's deadlines name the op
-                self.error = self.error or e
+                self.error = self.error or RuntimeError(f"op {op_id}: {type(e).__name__}: {e}")
 
     def close(self, timeout_s: float) -> None:
         """Retire everything queued, then end the thread (at most ``timeout_s``)."""
@@ -307,7 +307,14 @@ class GpuExchange:
                                     "(capture.gpu_exchange_mib=0 exchanges through host memory instead)"))
 
     def close(self, timeout_s: float) -> None:
+        """Report every op read whose fold is done (at most ``timeout_s``); a failure to wait for
+        one is said on stderr (its regions stay: the capture's end names what is unfinished)."""
         self.retirer.close(timeout_s)
+        if self.retirer.error is not None:
+            import sys
+
+            print(f"prism-launch: the GPU exchange could not wait for a fold ({self.retirer.error})",
+                  file=sys.stderr, flush=True)
 
 
 def start_gpu_exchange(directory: str, rank: int, fold, nbytes: int, read,

@@ -36,3 +36,23 @@ def test_a_rank_without_the_gpu_exchange_refuses_a_peers_gpu_location_by_name():
     _host_only([None, (4, 0, [(0, "float32", [2])])])  # host locations: read as before
     with pytest.raises(RuntimeError, match=r"rank 5 staged its data on its GPU.*capture.gpu_exchange_mib=0"):
         _host_only([(4, 0, []), (5, DEVICE_TAG, [(0, "float32", [2])], 1, None)])
+
+
+def test_the_retire_thread_reports_each_op_read_in_order_and_keeps_its_first_failure():
+    from nccl_ext.exchange_ipc import Retirer
+
+    class Done:
+        def synchronize(self):
+            pass
+
+    class Broken:
+        def synchronize(self):
+            raise RuntimeError("device lost")
+
+    read = []
+    r = Retirer(read.append, name="test-retire")
+    for op, ev in enumerate([Done(), Broken(), Done()]):
+        r.put(ev, op)
+    r.close(5.0)
+    assert read == [0, 2]  # the op whose fold could not be waited for is not reported read
+    assert "op 1" in str(r.error) and "device lost" in str(r.error)
