@@ -36,6 +36,8 @@ def test_staged_collectives_give_the_socket_paths_results(captures):
     busy = json.loads((staged / "trace" / "capture.json").read_text())["rank_busy_s"]
     assert sorted(map(int, busy)) == [6, 7, 14, 15]
     assert all(b["staged_ops"] > 0 for b in busy.values()), busy
+    lags = json.loads((staged / "trace" / "capture.json").read_text())["coordinator_lags"]
+    assert lags["handle_scoll"]["longest"].startswith("scoll "), lags  # which op held the coordinator longest
     busy = json.loads((socket / "trace" / "capture.json").read_text())["rank_busy_s"]
     assert all(b["staged_ops"] == 0 for b in busy.values()), busy
     for rank in (6, 7, 14, 15):

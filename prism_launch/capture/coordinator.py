@@ -24,7 +24,7 @@ from nccl_ext.exchange import PeerViews
 from nccl_ext.exchange_ipc import is_device_location
 from nccl_ext.ops import Collective, ReduceKind, compute, contributors
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduction
-from prism_launch.capture.ops_state import Arrival, Lags, OpGroup, PendingCollective, Reads, describe
+from prism_launch.capture.ops_state import Arrival, Lags, OpGroup, PendingCollective, Reads, describe, op_label
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.notes import TraceNotes
 from prism_launch.capture.staged import StagedResults, recordable
@@ -174,7 +174,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
                     t1 = time.perf_counter()
                     self.busy_s["receive"] += t1 - t
                     self._handle(conn, header, tensors)
-                    self.lags.note(f"handle_{header[0]}", time.perf_counter() - t1)
+                    self.lags.note(f"handle_{header[0]}", time.perf_counter() - t1, op_label(header))
             except (EOFError, OSError):
                 self._conns.remove(conn)
                 rank = self._rank_of.get(conn)

@@ -73,16 +73,21 @@ class Lags:
     ``between_pumps`` (the launcher's own work between two pumps, when no message is read),
     ``pump`` (one pump), ``handle_<message>`` and ``drain`` (parts of a pump), ``arrival`` (an
     op at the coordinator after its rank issued it), ``spread`` (a collective's last member
-    after its first): the longest, and how many (and how long in all) took 10 ms or more."""
+    after its first): the longest (with what it was, where the caller names it), and how many
+    (and how long in all) took 10 ms or more."""
 
     SLOW_S = 0.01
 
     def __init__(self) -> None:
         self._max: dict[str, float] = {}
         self._slow: dict[str, list] = {}
+        self._worst: dict[str, str] = {}
 
-    def note(self, what: str, seconds: float) -> None:
-        self._max[what] = max(self._max.get(what, 0.0), seconds)
+    def note(self, what: str, seconds: float, detail: str | None = None) -> None:
+        if seconds > self._max.get(what, -1.0):
+            self._max[what] = seconds
+            if detail is not None:
+                self._worst[what] = detail
         if seconds >= self.SLOW_S:
             cell = self._slow.setdefault(what, [0, 0.0])
             cell[0] += 1
@@ -90,4 +95,15 @@ class Lags:
 
     def to_dict(self) -> dict:
         return {what: {"max_s": round(m, 4), "over_10ms": self._slow.get(what, [0, 0.0])[0],
-                       "over_10ms_s": round(self._slow.get(what, [0, 0.0])[1], 3)} for what, m in self._max.items()}
+                       "over_10ms_s": round(self._slow.get(what, [0, 0.0])[1], 3),
+                       **({"longest": self._worst[what]} if what in self._worst else {})}
+                for what, m in self._max.items()}
+
+
+def op_label(header: tuple) -> str:
+    """What a rank's message to the coordinator was, for :class:`Lags`: its kind, and for an op
+    (``coll``, ``xcoll``, ``scoll``...: ``(kind, op_id, group key, seq, api, ...)``) its call,
+    group and sequence number."""
+    if len(header) > 4 and isinstance(header[2], str) and isinstance(header[3], int):
+        return f"{header[0]} {header[4]} seq {header[3]} on group {header[2]}"
+    return str(header[0])
