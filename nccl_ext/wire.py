@@ -105,17 +105,37 @@ def tensor_from_bytes(desc: TensorDesc, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(desc.shape)
 
 
+#: From this many tensors on, and up to this many bytes in all, a message's tensors travel as
+#: one packed message (a folded 1,024-member all-gather's result is 1,024 small pieces: one send
+#: each held the coordinator ~70 us a piece).
+PACK_MIN = 8
+PACK_MAX_BYTES = 4 << 20
+
+
 def send(conn: Connection, header: Any, tensors: list[torch.Tensor] = ()) -> None:
     """Send ``header`` plus ``tensors``; the caller holds the connection's send lock."""
     descs = [TensorDesc(dtype_name(t.dtype), tuple(t.shape)) for t in tensors]
-    conn.send_bytes(pickle.dumps((header, descs), protocol=pickle.HIGHEST_PROTOCOL))
+    packed = len(tensors) >= PACK_MIN and sum(t.numel() * t.element_size() for t in tensors) <= PACK_MAX_BYTES
+    conn.send_bytes(pickle.dumps((header, descs, packed), protocol=pickle.HIGHEST_PROTOCOL))
+    if packed:
+        conn.send_bytes(b"".join(tensor_bytes(t) for t in tensors))
+        return
     for t in tensors:
         conn.send_bytes(tensor_bytes(t))
 
 
 def recv(conn: Connection) -> tuple[Any, list[torch.Tensor]]:
-    header, descs = pickle.loads(conn.recv_bytes())
-    return header, [_recv_tensor(conn, d) for d in descs]
+    header, descs, packed = pickle.loads(conn.recv_bytes())
+    if not packed:
+        return header, [_recv_tensor(conn, d) for d in descs]
+    data, out, at = memoryview(conn.recv_bytes()), [], 0
+    for d in descs:
+        n = numel(d.shape) * torch.empty(0, dtype=dtype_from_name(d.dtype)).element_size()
+        out.append(tensor_from_bytes(d, data[at:at + n]))
+        at += n
+    if at != len(data):
+        raise ValueError(f"prism wire: {len(descs)} packed tensors need {at} bytes, got {len(data)}")
+    return header, out
 
 
 def _recv_tensor(conn: Connection, desc: TensorDesc) -> torch.Tensor:
