@@ -29,13 +29,24 @@ def own_copies(value):
     return value
 
 
+HOST_CAT_BYTES = 4 << 20
+"""Host pieces of a result up to this size in all are joined on the host and copied to the
+device once."""
+
+
 def copy_pieces(dst: torch.Tensor, pieces, what: str) -> None:
-    """Write ``pieces`` back to back into ``dst`` without a temporary concatenation."""
+    """Write ``pieces`` back to back into ``dst`` without a temporary concatenation on its device."""
     total = sum(p.numel() for p in pieces)
     if dst.numel() != total:
         raise RuntimeError(f"{what}: result has {total} elements, output tensor has {dst.numel()}")
     flat = dst.view(-1) if dst.is_contiguous() else None
     with torch.no_grad():
+        if flat is not None and dst.device.type != "cpu" and len(pieces) > 1 \
+                and total * dst.element_size() <= HOST_CAT_BYTES and all(p.device.type == "cpu" for p in pieces):
+            # many small host pieces (a folded all-gather's result: one per member) reach the
+            # device in one copy, not one each
+            flat.copy_(torch.cat([p.reshape(-1) for p in pieces]))
+            return
         if flat is None:
             dst.copy_(torch.cat([p.reshape(-1) for p in pieces]).reshape(dst.shape))
             return

@@ -113,29 +113,44 @@ PACK_MAX_BYTES = 4 << 20
 
 
 def send(conn: Connection, header: Any, tensors: list[torch.Tensor] = ()) -> None:
-    """Send ``header`` plus ``tensors``; the caller holds the connection's send lock."""
-    descs = [TensorDesc(dtype_name(t.dtype), tuple(t.shape)) for t in tensors]
-    packed = len(tensors) >= PACK_MIN and sum(t.numel() * t.element_size() for t in tensors) <= PACK_MAX_BYTES
-    conn.send_bytes(pickle.dumps((header, descs, packed), protocol=pickle.HIGHEST_PROTOCOL))
-    if packed:
-        conn.send_bytes(b"".join(tensor_bytes(t) for t in tensors))
-        return
+    """Send ``header`` plus ``tensors``; the caller holds the connection's send lock.
+
+    A tensor given more than once (a folded all-gather's result repeats each stand-in's piece
+    for every member it stands in for) travels once: the receiver gets the one tensor at each of
+    its places, as the sender had it."""
+    slots: dict[int, int] = {}
+    distinct: list[torch.Tensor] = []
+    order = []
     for t in tensors:
+        i = slots.get(id(t))
+        if i is None:
+            i = slots[id(t)] = len(distinct)
+            distinct.append(t)
+        order.append(i)
+    descs = [TensorDesc(dtype_name(t.dtype), tuple(t.shape)) for t in distinct]
+    packed = len(distinct) >= PACK_MIN and sum(t.numel() * t.element_size() for t in distinct) <= PACK_MAX_BYTES
+    repeats = order if len(distinct) < len(order) else None
+    conn.send_bytes(pickle.dumps((header, descs, packed, repeats), protocol=pickle.HIGHEST_PROTOCOL))
+    if packed:
+        conn.send_bytes(b"".join(tensor_bytes(t) for t in distinct))
+        return
+    for t in distinct:
         conn.send_bytes(tensor_bytes(t))
 
 
 def recv(conn: Connection) -> tuple[Any, list[torch.Tensor]]:
-    header, descs, packed = pickle.loads(conn.recv_bytes())
+    header, descs, packed, repeats = pickle.loads(conn.recv_bytes())
     if not packed:
-        return header, [_recv_tensor(conn, d) for d in descs]
-    data, out, at = memoryview(conn.recv_bytes()), [], 0
-    for d in descs:
-        n = numel(d.shape) * torch.empty(0, dtype=dtype_from_name(d.dtype)).element_size()
-        out.append(tensor_from_bytes(d, data[at:at + n]))
-        at += n
-    if at != len(data):
-        raise ValueError(f"prism wire: {len(descs)} packed tensors need {at} bytes, got {len(data)}")
-    return header, out
+        out = [_recv_tensor(conn, d) for d in descs]
+    else:
+        data, out, at = memoryview(conn.recv_bytes()), [], 0
+        for d in descs:
+            n = numel(d.shape) * torch.empty(0, dtype=dtype_from_name(d.dtype)).element_size()
+            out.append(tensor_from_bytes(d, data[at:at + n]))
+            at += n
+        if at != len(data):
+            raise ValueError(f"prism wire: {len(descs)} packed tensors need {at} bytes, got {len(data)}")
+    return header, out if repeats is None else [out[i] for i in repeats]
 
 
 def _recv_tensor(conn: Connection, desc: TensorDesc) -> torch.Tensor:

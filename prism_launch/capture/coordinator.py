@@ -54,10 +54,13 @@ class MemorySink:
     def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
         self.tensors.setdefault(rank, {})[key] = tensor
 
+    def record_tensors(self, rank: int, keys: list[str], tensors: list[torch.Tensor]) -> None:
+        self.tensors.setdefault(rank, {}).update(zip(keys, tensors, strict=True))
+
 
 class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
-    (anything with ``record_tensor(rank, key, tensor)``; default a :class:`MemorySink`)."""
+    (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`MemorySink`)."""
 
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
                  slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,
@@ -415,8 +418,9 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
                     (self.scope is None or arrival.rank in self.scope):
                 # replay cannot recompute a folded result without O(replicas) work: keep it
                 t0 = time.perf_counter()
-                for i, t in enumerate(recordable(pc.kind, results[grank], bool(staged))):
-                    self.sink.record_tensor(arrival.rank, f"r/{group.id}/{pc.seq}/{i}", t)
+                pieces = recordable(pc.kind, results[grank], bool(staged))
+                self.sink.record_tensors(arrival.rank, [f"r/{group.id}/{pc.seq}/{i}" for i in range(len(pieces))],
+                                         pieces)
                 self.busy_s["record"] += time.perf_counter() - t0
                 self._count(sum(t.numel() * t.element_size() for t in results[grank]))
             arrival.row["t_end"] = now

@@ -69,8 +69,7 @@ class TraceNotes:
         region) through a copy made on a worker thread, before the region is freed."""
         if not staged:
             t0 = time.perf_counter()
-            for key, t in zip(keys, tensors):
-                self.sink.record_tensor(rank, key, t)
+            self.sink.record_tensors(rank, keys, list(tensors))
             self.busy_s["record"] += time.perf_counter() - t0
             self._count(sum(t.numel() * t.element_size() for t in tensors))
             return

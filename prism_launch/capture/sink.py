@@ -28,20 +28,57 @@ ADDRESS_THREADS = 4
 """Threads taking the content addresses of the tensors handed over (a sha256 over every byte,
 the writer's costliest pass: in parallel, ahead of the writer, which stores them in order)."""
 
+ALONE_BYTES = 1 << 20
+"""A tensor of at least this size is addressed on its own (in parallel with its neighbours)."""
 
-def _addressed(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
-    t = storable(tensor)
-    return t, content_address(t)
+
+def _addressed(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, str]]:
+    """Each tensor as stored and its content address; a tensor given more than once (the pieces of
+    a folded all-gather's result: every stand-in's contribution again) is addressed once."""
+    done: dict[int, tuple[torch.Tensor, str]] = {}
+    out = []
+    for tensor in tensors:
+        entry = done.get(id(tensor))
+        if entry is None:
+            t = storable(tensor)
+            entry = done[id(tensor)] = (t, content_address(t))
+        out.append(entry)
+    return out
+
+
+def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, split for the address threads: each large one alone (hashed in
+    parallel with the others), runs of small ones together."""
+    out: list[list[torch.Tensor]] = []
+    run: list[torch.Tensor] = []
+    for t in tensors:
+        if t.numel() * t.element_size() >= ALONE_BYTES:
+            if run:
+                out.append(run)
+                run = []
+            out.append([t])
+        else:
+            run.append(t)
+    if run:
+        out.append(run)
+    return out
+
+
+def _distinct_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
 class BackgroundSink:
-    """Hands ``record_tensor(rank, key, tensor)`` to ``writer`` on a worker thread, started on the
-    first record (after the rank processes were forked: no thread exists at fork)."""
+    """Hands ``record_tensor(rank, key, tensor)`` and ``record_tensors(rank, keys, tensors)`` to
+    ``writer`` on a worker thread, started on the first record (after the rank processes were
+    forked: no thread exists at fork). One batch is one hand-over, whatever its length: the
+    coordinator's thread does not pay per piece (each hand-over lets the other threads take the
+    interpreter, and a 1,024-piece result would wait for them 1,024 times)."""
 
     def __init__(self, writer, pending_bytes: int = PENDING_BYTES):
         self.writer = writer
         self.pending_bytes_max = int(pending_bytes)
-        self._queue: deque[tuple[int, str, torch.Tensor]] = deque()
+        self._queue: deque[tuple] = deque()
         self._cond = threading.Condition()
         self._pending = 0
         self._closing = False
@@ -55,7 +92,15 @@ class BackgroundSink:
         """Seconds the coordinator waited for room (the writer's pace bounded the capture's)."""
 
     def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+        self.record_tensors(rank, [key], [tensor])
+
+    def record_tensors(self, rank: int, keys: list[str], tensors: list[torch.Tensor]) -> None:
+        """Store ``tensors[i]`` as ``keys[i]`` of ``rank``, in order, as one hand-over."""
+        if len(keys) != len(tensors):
+            raise ValueError(f"record_tensors: {len(keys)} keys for {len(tensors)} tensors")
+        if not keys:
+            return
+        nbytes = _distinct_bytes(tensors)
         with self._cond:
             self._raise_error()
             if self._thread is None:
@@ -67,7 +112,8 @@ class BackgroundSink:
                 self._cond.wait(0.5)
             self.waited_s += time.perf_counter() - t0
             self._raise_error()
-            self._queue.append((rank, key, tensor, self._addressing.submit(_addressed, tensor)))
+            futures = [self._addressing.submit(_addressed, chunk) for chunk in _chunks(list(tensors))]
+            self._queue.append((rank, list(keys), nbytes, futures))
             self._pending += nbytes
             self._cond.notify_all()
 
@@ -82,10 +128,12 @@ class BackgroundSink:
                     self._cond.wait()
                 if not self._queue or self._discard:
                     return
-                rank, key, tensor, addressed = self._queue.popleft()  # its bytes stay pending until written
+                rank, keys, nbytes, futures = self._queue.popleft()  # its bytes stay pending until written
             t0 = time.perf_counter()
             try:
-                self.writer.record_tensor(rank, key, *addressed.result())
+                addressed = [entry for f in futures for entry in f.result()]
+                for key, (tensor, addr) in zip(keys, addressed, strict=True):
+                    self.writer.record_tensor(rank, key, tensor, addr)
             except BaseException as e:  # noqa: BLE001 - raised on the coordinator's thread
                 with self._cond:
                     self._error = e
@@ -95,7 +143,7 @@ class BackgroundSink:
                 return
             self.busy_s += time.perf_counter() - t0
             with self._cond:
-                self._pending = max(0, self._pending - tensor.numel() * tensor.element_size())
+                self._pending = max(0, self._pending - nbytes)
                 self._cond.notify_all()
 
     def close(self, discard: bool = False) -> None:

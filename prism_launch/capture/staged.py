@@ -98,4 +98,7 @@ class StagedResults:
 def recordable(kind: Collective, tensors: list, staged: bool) -> list:
     """What the trace may keep of a folded result: pieces of staged contributions are copied
     (their regions are freed after the op)."""
-    return tensors if not staged or kind in FRESH else [detached(t) for t in tensors]
+    if not staged or kind in FRESH:
+        return tensors
+    copies: dict = {}  # an all-gather's pieces repeat (stand-ins): one copy each
+    return [copies[id(t)] if id(t) in copies else copies.setdefault(id(t), detached(t)) for t in tensors]

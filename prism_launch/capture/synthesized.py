@@ -53,8 +53,8 @@ class SynthesizedOps:
         def store(copies: tuple[list, float]) -> None:
             self.busy_s["copy"] += copies[1]
             t0 = time.perf_counter()
-            for i, x in enumerate(out):
-                self.sink.record_tensor(rank, f"r/{group.id}/{seq}/{i}", copies[0][distinct[id(x)]])
+            self.sink.record_tensors(rank, [f"r/{group.id}/{seq}/{i}" for i in range(len(out))],
+                                     [copies[0][distinct[id(x)]] for x in out])
             self.busy_s["record"] += time.perf_counter() - t0
 
         if pieces:
@@ -106,8 +106,8 @@ class SynthesizedOps:
         for g, arrival in list(pc.arrivals.items()):
             result = [] if g == root else payload
             if g != root:
-                for i, x in enumerate(result):
-                    self.sink.record_tensor(arrival.rank, f"r/{group.id}/{seq}/{i}", x)
+                self.sink.record_tensors(arrival.rank, [f"r/{group.id}/{seq}/{i}" for i in range(len(result))],
+                                         list(result))
             arrival.row["t_end"] = now
             wire.send(arrival.conn, ("ok", arrival.op_id), result)
             self.scheduler.answered(arrival.rank, arrival.op_id)

@@ -37,3 +37,18 @@ def _through(a, b, header, tensors):
     t.join(timeout=30)
     assert not t.is_alive()
     return out
+
+
+def test_a_tensor_given_more_than_once_travels_once_and_arrives_at_each_place():
+    a, b = Pipe()
+    stand_ins = [torch.full((12,), float(i)) for i in range(4)]
+    pieces = [stand_ins[i % 4] for i in range(1024)]  # a folded all-gather's result
+    sent = []
+    real_send_bytes = a.send_bytes
+    a.send_bytes = lambda data: (sent.append(len(data)), real_send_bytes(data))
+    _, got = _through(a, b, ("ok", 1), pieces)
+    assert len(got) == 1024 and all(torch.equal(x, y) for x, y in zip(got, pieces))
+    assert len({id(x) for x in got}) == 4 and got[0] is got[4]  # aliased as the sender's were
+    assert sent[1:] == [12 * 4] * 4  # after the header, the four distinct pieces' bytes only
+    _, got = _through(a, b, ("ok", 2), [stand_ins[0], stand_ins[0]])  # unpacked: sent once too
+    assert len(got) == 2 and got[0] is got[1] and torch.equal(got[1], stand_ins[0])

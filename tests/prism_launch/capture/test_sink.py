@@ -95,3 +95,24 @@ def test_a_failed_capture_drops_what_waits():
     t0 = time.monotonic()
     sink.close(discard=True)
     assert time.monotonic() - t0 < 1.0 and len(w.got) < 40
+
+
+def test_a_batch_is_one_hand_over_its_repeated_pieces_addressed_once_and_kept_in_order(tmp_path):
+    with TraceWriter(tmp_path / "t") as w:
+        sink = BackgroundSink(w)
+        stand_ins = [torch.full((12,), float(i)) for i in range(4)]
+        big = torch.arange(float(1 << 19))  # 2 MiB: addressed on its own, between the runs of small pieces
+        pieces = [stand_ins[i % 4] for i in range(512)] + [big] + [stand_ins[i % 4] for i in range(512)]
+        keys = [f"r/1/50/{i}" for i in range(len(pieces))]
+        sink.record_tensors(1023, keys, pieces)
+        with pytest.raises(ValueError, match="2 keys for 1 tensors"):
+            sink.record_tensors(1023, ["a", "b"], [big])
+        sink.close()
+        stats = w.tensor_stats()
+        assert stats["logical_bytes"] == 1024 * 48 + big.numel() * 4
+        assert stats["stored_bytes"] == 4 * 48 + big.numel() * 4
+        w.add_events([{"rank": 1023, "idx": 0, "unit": 0, "kind": "marker", "op": "step", "group": -1, "seq": -1,
+                       "peer": -1, "t_start": 0.0, "t_end": 0.0}])
+        w.commit(fingerprint={"f": "1"}, versions={}, world_size=1024, topology={}, groups=[], ranks_captured=[1023])
+    r = TraceReader(tmp_path / "t")
+    assert all(torch.equal(r.tensor(1023, k), t) for k, t in zip(keys, pieces))
