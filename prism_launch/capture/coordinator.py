@@ -226,7 +226,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
             rank = self._rank_of[conn]
             location = None if loc is None else (rank, *loc)
             tensors = [] if location is None else self._located(location, self._group(header[2]).consumed,
-                                                                f"{header[4]} (seq {header[3]}) on group {header[2]}")
+                                                                f"{header[4]} (seq {header[3]}) on group {header[2]}",
+                                                                lazy=True)
             self._on_collective(conn, header[:-1], tensors, location)
         elif kind == "scoll":  # computed here from the contribution where the rank staged it
             rank = self._rank_of[conn]

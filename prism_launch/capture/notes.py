@@ -16,6 +16,7 @@ import torch
 from nccl_ext import wire
 from nccl_ext.divergence import piece_stats
 from nccl_ext.exchange import detached
+from prism_launch.capture.piece_refs import materialized
 
 
 SUMMARY_THREADS = 4
@@ -24,13 +25,14 @@ SUMMARY_THREADS = 4
 
 def _summary(tensors: list[torch.Tensor], stats: bool) -> tuple[list[str], list | None, float]:
     t0 = time.perf_counter()
+    tensors = materialized(tensors)
     digests = [wire.digest(t) for t in tensors]
     return digests, [piece_stats(t) for t in tensors] if stats else None, time.perf_counter() - t0
 
 
 def _copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
     t0 = time.perf_counter()
-    return [detached(t) for t in tensors], time.perf_counter() - t0
+    return [detached(t) for t in materialized(tensors)], time.perf_counter() - t0
 
 
 class TraceNotes:

@@ -18,6 +18,7 @@ from nccl_ext import wire
 from nccl_ext.exchange import Arena, detached
 from nccl_ext.exchange_ipc import described, is_device_location
 from nccl_ext.ops import Collective
+from prism_launch.capture.piece_refs import refs
 
 COORDINATOR_ARENA = -1
 """The arena id (in place of a rank) of the coordinator's staged results."""
@@ -68,20 +69,22 @@ class StagedResults:
             self._result_arena.free(reads.token)
         return True
 
-    def _located(self, location, reads_data: bool, what: str) -> list:
+    def _located(self, location, reads_data: bool, what: str, lazy: bool = False) -> list:
         """A member's contribution or send (``location``: rank first) where it lies: views of its
         host arena's region, or — staged on its GPU alone — meta tensors of its pieces (shapes
         and dtypes). ``reads_data``: the trace reads its data (an error where only the GPU has
-        it). The data of a GPU-staged piece is read once every member has read it."""
+        it). The data of a GPU-staged piece is read once every member has read it. ``lazy``:
+        :class:`~prism_launch.capture.piece_refs.PieceRef` s instead, for notes that view them
+        on their worker threads."""
         if not is_device_location(location):
-            return self._views.views(location)
+            return refs(self._views, *location) if lazy else self._views.views(location)
         rank, _tag, descs, _ev, host = location
         if host is not None:
-            return self._views.views((rank, *host))
+            return refs(self._views, rank, *host) if lazy else self._views.views((rank, *host))
         if reads_data:
             raise RuntimeError(f"capture: {what}: rank {rank} staged it on its GPU without the host copy the "
                                "trace reads (a sandbox rank's data); capture with capture.gpu_exchange_mib=0")
-        return described(descs)
+        return refs(None, rank, 0, descs) if lazy else described(descs)
 
     def _free_contributions(self, owners: list) -> None:
         """Free members' staged contributions once the notes taken of them are done."""

@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 _KILL_REAP_TIMEOUT_S = 5.0  # how long to wait for SIGKILLed ranks to be reapable
 _EXIT_STATUS_LOST = 255  # reported when someone else reaped a rank (e.g. SIGCHLD=SIG_IGN)
+POLL_S = 0.02
+"""How often :meth:`RankProcesses.wait` checks the ranks' exits (with an ``on_tick``, it ticks between)."""
 
 
 class RanksTimeoutError(TimeoutError):
@@ -301,10 +303,14 @@ class RankProcesses:
         if the run is not over within ``timeout_s`` seconds.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        next_poll = 0.0
         while True:
-            result = self.poll()
-            if result is not None:
-                return result
+            now = time.monotonic()
+            if now >= next_poll:  # with a busy on_tick (the capture's pump), exits are checked every POLL_S
+                result = self.poll()
+                if result is not None:
+                    return result
+                next_poll = now + POLL_S
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 running = [r for r, st in self._ranks.items() if st.exitcode is None]
