@@ -27,6 +27,7 @@ from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduc
 from prism_launch.capture.ops_state import Arrival, Lags, OpGroup, PendingCollective, Reads, describe, op_label
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.notes import TraceNotes
+from prism_launch.capture.sink import MemorySink
 from prism_launch.capture.staged import StagedResults, recordable
 from prism_launch.capture.synthesized import SynthesizedOps
 
@@ -44,23 +45,9 @@ class PayloadBudgetError(CaptureError):
     with ``none``)."""
 
 
-class MemorySink:
-    """Keeps recorded tensors in memory (``tensors[rank][key]``): for tests and tools that want
-    them at hand; a capture gives the coordinator the trace writer instead."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
-
-    def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
-        self.tensors.setdefault(rank, {})[key] = tensor
-
-    def record_tensors(self, rank: int, keys: list[str], tensors: list[torch.Tensor]) -> None:
-        self.tensors.setdefault(rank, {}).update(zip(keys, tensors, strict=True))
-
-
 class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
-    (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`MemorySink`)."""
+    (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`~prism_launch.capture.sink.MemorySink`)."""
 
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
                  slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,

@@ -162,3 +162,17 @@ class BackgroundSink:
             self._addressing.shutdown(wait=True, cancel_futures=True)
         if not discard:
             self._raise_error()
+
+
+class MemorySink:
+    """Keeps recorded tensors in memory (``tensors[rank][key]``): for tests and tools that want
+    them at hand; a capture gives the coordinator the trace writer instead."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+
+    def record_tensor(self, rank: int, key: str, tensor: torch.Tensor) -> None:
+        self.tensors.setdefault(rank, {})[key] = tensor
+
+    def record_tensors(self, rank: int, keys: list[str], tensors: list[torch.Tensor]) -> None:
+        self.tensors.setdefault(rank, {}).update(zip(keys, tensors, strict=True))

@@ -1,0 +1,147 @@
+"""Waits on the GPU for a captured rank's collectives and receives computed by the GPU exchange
+(:mod:`nccl_ext.exchange_ipc`): as over NCCL, the program's ``wait()`` returns at once and its
+stream waits for the op's flag (:mod:`nccl_ext.device_flags`), so a rank does not stop issuing
+kernels at every tensor-parallel all-reduce until its peer has arrived.
+
+Once the coordinator has said every captured rank keeps its slot (no parking: ``free``), a wait
+on such an op that is not complete yet is deferred. Every such op's flag is written: by its
+fold's stream after its results are in the program's tensors, or at once when it fails — the
+program then hears of the failure at its next op. The ops' folds are queued on the fold stream in
+the order the program issued them: a later op's fold waits for the program's stream to pass the
+earlier op's flag, which that earlier op's fold writes (one stream, as NCCL's).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+from nccl_ext.device_flags import DeviceFlags, DeviceFlagsUnavailable, self_test
+from nccl_ext.pending import Pending
+
+MAX_DEFERRED = 1024
+"""Ops whose waits are deferred at once, at most (past it the program waits on the host)."""
+
+
+class DeferredWaits:
+    """Mixed into :class:`~nccl_ext.capture_transport.CaptureTransport` (its ``_unparked``,
+    ``_closed``, ``rank``)."""
+
+    def _init_deferred(self, enabled: bool) -> None:
+        self._defer_enabled = enabled
+        self._flags: DeviceFlags | None = None
+        self._order_lock = threading.Lock()
+        self._order: list[int] = []
+        """GPU ops (their ids, in issue order) whose folds are not queued yet."""
+        self._ready: dict[int, object] = {}
+        """op id -> the queuing of its fold, waiting for the ops issued before it."""
+        self._draining = False
+        self._deferred: set[int] = set()
+        self._deferred_error: BaseException | None = None
+        self.deferred_waits = 0
+        """Waits that returned at once, the program's stream waiting for the op on the GPU."""
+
+    def _start_flags(self, device: torch.device) -> None:
+        """The flags of this rank's GPU (before its first GPU op), or none — said once — where
+        the driver cannot wait on them (every wait then blocks the host, as before)."""
+        if not self._defer_enabled or self._flags is not None:
+            return
+        try:
+            self._flags = self_test(device)
+        except (DeviceFlagsUnavailable, RuntimeError) as e:
+            self._defer_enabled = False
+            print(f"prism-launch: rank {self.rank}: waits on the GPU are unavailable ({e}); each collective's "
+                  "wait blocks the rank until its peers have arrived", file=sys.stderr, flush=True)
+
+    def _gpu_op(self, op_id: int, p: Pending, device: torch.device) -> None:
+        """Op ``op_id`` (issued now) will be completed by the GPU exchange: its fold is queued in
+        issue order, its flag always written, and a wait on it may be deferred."""
+        with self._order_lock:
+            self._order.append(op_id)
+        p.add_done_callback(lambda done: self._gpu_op_done(op_id, done))
+        if self._flags is not None:
+            p.defer = lambda: self._defer(op_id, p, device)
+
+    def _in_order(self, op_id: int, queue_fold) -> None:
+        """Queue op ``op_id``'s fold (``queue_fold()``) once every GPU op issued before it has
+        queued its own (reader thread)."""
+        with self._order_lock:
+            self._ready[op_id] = queue_fold
+        self._run_ready()
+
+    def _run_ready(self) -> None:
+        """Queue the folds that are next in order, on one thread at a time (whichever thread
+        finds the loop idle runs it; the others leave their work to it)."""
+        with self._order_lock:
+            if self._draining:
+                return
+            self._draining = True
+        try:
+            while True:
+                with self._order_lock:
+                    if not self._order or self._order[0] not in self._ready:
+                        self._draining = False
+                        return
+                    op_id = self._order.pop(0)
+                    fn = self._ready.pop(op_id)
+                fn()
+        except BaseException:
+            with self._order_lock:
+                self._draining = False
+            raise
+
+    def _gpu_op_done(self, op_id: int, p: Pending) -> None:
+        """A GPU op completed (its fold queued) or failed: out of the order; a failed one's flag
+        is written now (nothing on the GPU waits for it forever) and, if the program went on
+        past its wait, the program's next op raises its error."""
+        with self._order_lock:
+            # an op whose fold was queued has left the order already (and the loop that queued it
+            # goes on once its results and flag are queued too); one completed some other way
+            # leaves it here
+            unqueued = op_id in self._order
+            if unqueued:
+                self._order.remove(op_id)
+            deferred = op_id in self._deferred
+            self._deferred.discard(op_id)
+        if p.error is not None and self._flags is not None:
+            try:
+                self._flags.release(op_id)
+            except Exception as e:  # noqa: BLE001 - the op's own error is the one to report
+                print(f"prism-launch: rank {self.rank}: could not release the GPU's wait for {p.what}: {e}",
+                      file=sys.stderr, flush=True)
+            if deferred and self._deferred_error is None:
+                self._deferred_error = p.error
+        if unqueued:
+            self._run_ready()
+
+    def _defer(self, op_id: int, p: Pending, device: torch.device) -> bool:
+        """Make the program's current stream wait for op ``op_id`` on the GPU instead of blocking
+        (False: wait on the host — parking may still stop this rank, or too many are deferred)."""
+        if not self._unparked or self._closed.is_set() or p.is_done:
+            return False
+        with self._order_lock:
+            if len(self._deferred) >= MAX_DEFERRED:
+                return False
+            self._deferred.add(op_id)
+        self._flags.wait(torch.cuda.current_stream(device), op_id)
+        self.deferred_waits += 1
+        return True
+
+    def deferred_failed(self, p: Pending, error: BaseException) -> None:
+        """Writing a deferred op's results failed after its wait returned: the next op raises it."""
+        if self._deferred_error is None:
+            self._deferred_error = RuntimeError(f"{p.what}: {error}")
+
+    def _check_deferred(self) -> None:
+        """Raise the failure of an op whose wait the program passed on the GPU."""
+        e = self._deferred_error
+        if e is not None:
+            raise RuntimeError(f"rank {self.rank}: an earlier op failed after the program went on past its wait "
+                               f"(its stream waited on the GPU, as over NCCL): {e}") from e
+
+    def _flag_writer(self, op_id: int):
+        """What writes op ``op_id``'s flag on the fold's stream once its results are written."""
+        flags = self._flags
+        return None if flags is None else (lambda stream: flags.signal(stream, op_id))
