@@ -56,7 +56,7 @@ class RankExchange:
             self.busy_s["stage"] += time.perf_counter() - t0
         issue = (gpu.issued(), torch.cuda.current_stream(device)) if gpu is not None else None
         if issue is not None:
-            self._gpu_op(op_id, p, device)
+            self._gpu_op(op_id, p)
         self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device, issue)
         self._x_sent[op_id] = time.monotonic()
         self.exchanged_ops += 1

@@ -321,7 +321,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
             self._recv_on[op_id] = like.device
             if self._gpu is not None and like.device == self._gpu.device:
                 self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
-                self._gpu_op(op_id, p, like.device)
+                self._gpu_op(op_id, p)
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 

@@ -55,14 +55,14 @@ class DeferredWaits:
             print(f"prism-launch: rank {self.rank}: waits on the GPU are unavailable ({e}); each collective's "
                   "wait blocks the rank until its peers have arrived", file=sys.stderr, flush=True)
 
-    def _gpu_op(self, op_id: int, p: Pending, device: torch.device) -> None:
+    def _gpu_op(self, op_id: int, p: Pending) -> None:
         """Op ``op_id`` (issued now) will be completed by the GPU exchange: its fold is queued in
         issue order, its flag always written, and a wait on it may be deferred."""
         with self._order_lock:
             self._order.append(op_id)
         p.add_done_callback(lambda done: self._gpu_op_done(op_id, done))
         if self._flags is not None:
-            p.defer = lambda: self._defer(op_id, p, device)
+            p.defer = lambda: self._defer(op_id, p)
 
     def _in_order(self, op_id: int, queue_fold) -> None:
         """Queue op ``op_id``'s fold (``queue_fold()``) once every GPU op issued before it has
@@ -116,7 +116,7 @@ class DeferredWaits:
         if unqueued:
             self._run_ready()
 
-    def _defer(self, op_id: int, p: Pending, device: torch.device) -> bool:
+    def _defer(self, op_id: int, p: Pending) -> bool:
         """Make the program's current stream wait for op ``op_id`` on the GPU instead of blocking
         (False: wait on the host — parking may still stop this rank, or too many are deferred)."""
         if not self._unparked or self._closed.is_set() or p.is_done:
@@ -125,7 +125,7 @@ class DeferredWaits:
             if len(self._deferred) >= MAX_DEFERRED:
                 return False
             self._deferred.add(op_id)
-        self._flags.wait(torch.cuda.current_stream(device), op_id)
+        self._flags.wait_here(op_id)
         self.deferred_waits += 1
         return True
 

@@ -81,6 +81,10 @@ class DeviceFlags:
         _check(self._lib.cuStreamWaitValue32_v2(stream.cuda_stream, self._addr(op_id), (op_id + 1) & 0xFFFFFFFF,
                                                 _WAIT_GEQ), "cuStreamWaitValue32")
 
+    def wait_here(self, op_id: int) -> None:
+        """The calling thread's current stream (on this device) waits for op ``op_id``'s flag."""
+        self.wait(torch.cuda.current_stream(self.device), op_id)
+
     def signal(self, stream: torch.cuda.Stream, op_id: int) -> None:
         """Write op ``op_id``'s flag on ``stream`` (after what is queued there)."""
         _check(self._lib.cuStreamWriteValue32_v2(stream.cuda_stream, self._addr(op_id), (op_id + 1) & 0xFFFFFFFF,
