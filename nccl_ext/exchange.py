@@ -276,7 +276,9 @@ class PeerViews:
         self._pinned: dict[tuple[int, int], int | None] = {}
         self._lock = threading.Lock()
 
-    def view(self, rank: int, gen: int, offset: int, dtype: str, shape) -> torch.Tensor:
+    def hold(self, rank: int, gen: int) -> mmap.mmap:
+        """Map ``rank``'s arena generation ``gen`` (once): its views stay readable after the
+        rank has removed the file (at its exit)."""
         key = (rank, gen)
         with self._lock:
             mm = self._maps.get(key)
@@ -284,7 +286,10 @@ class PeerViews:
                 mm = self._maps[key] = _map(arena_path(self.directory, rank, gen))
                 if self.pin:
                     self._pinned[key] = pin(mm)
-        return _view(mm, offset, wire.dtype_from_name(dtype), shape)
+        return mm
+
+    def view(self, rank: int, gen: int, offset: int, dtype: str, shape) -> torch.Tensor:
+        return _view(self.hold(rank, gen), offset, wire.dtype_from_name(dtype), shape)
 
     def views(self, location) -> list[torch.Tensor] | None:
         """A member's contribution from its ``(rank, gen, descs)`` location (None: contributes nothing)."""

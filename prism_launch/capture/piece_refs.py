@@ -37,7 +37,10 @@ class PieceRef:
 
 
 def refs(views, rank: int, gen: int, descs) -> list[PieceRef]:
-    """The pieces of a location's ``descs`` (``[(offset, dtype, shape)]``)."""
+    """The pieces of a location's ``descs`` (``[(offset, dtype, shape)]``); the arena's generation
+    is mapped now, while the rank that owns it runs (it removes the file at its exit)."""
+    if views is not None and descs:
+        views.hold(rank, gen)
     return [PieceRef(views, rank, gen, off, dt, shape) for off, dt, shape in descs]
 
 
