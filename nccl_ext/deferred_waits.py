@@ -33,12 +33,15 @@ class DeferredWaits:
         self._defer_enabled = enabled
         self._flags: DeviceFlags | None = None
         self._order_lock = threading.Lock()
-        self._order: list[int] = []
-        """GPU ops (their ids, in issue order) whose folds are not queued yet."""
-        self._ready: dict[int, object] = {}
-        """op id -> the queuing of its fold, waiting for the ops issued before it."""
-        self._draining = False
+        self._open: set[int] = set()
+        """GPU ops whose folds are not queued yet (nor failed, nor answered through the host)."""
         self._deferred: set[int] = set()
+        """Open ops whose waits were deferred: the program's stream waits for their flags."""
+        self._after: dict[int, frozenset[int]] = {}
+        """op id -> the ops deferred when it was issued (its fold waits for their flags)."""
+        self._ready: dict[int, object] = {}
+        """op id -> the queuing of its fold, waiting for the folds of the ops in ``_after``."""
+        self._draining = False
         self._deferred_error: BaseException | None = None
         self.deferred_waits = 0
         """Waits that returned at once, the program's stream waiting for the op on the GPU."""
@@ -56,24 +59,35 @@ class DeferredWaits:
                   "wait blocks the rank until its peers have arrived", file=sys.stderr, flush=True)
 
     def _gpu_op(self, op_id: int, p: Pending) -> None:
-        """Op ``op_id`` (issued now) will be completed by the GPU exchange: its fold is queued in
-        issue order, its flag always written, and a wait on it may be deferred."""
+        """Op ``op_id`` (its issue event recorded) will be completed by the GPU exchange: its fold
+        is queued after those of the ops deferred so far, and a wait on it may be deferred."""
+        if self._flags is None:
+            return
         with self._order_lock:
-            self._order.append(op_id)
+            self._open.add(op_id)
+            if self._deferred:
+                self._after[op_id] = frozenset(self._deferred)
         p.add_done_callback(lambda done: self._gpu_op_done(op_id, done))
-        if self._flags is not None:
-            p.defer = lambda: self._defer(op_id, p)
+        p.defer = lambda: self._defer(op_id, p)
 
     def _in_order(self, op_id: int, queue_fold) -> None:
-        """Queue op ``op_id``'s fold (``queue_fold()``) once every GPU op issued before it has
-        queued its own (reader thread)."""
+        """Queue op ``op_id``'s fold (``queue_fold()``, which writes its flag after its results)
+        once the ops deferred before it was issued have queued theirs (reader thread)."""
         with self._order_lock:
             self._ready[op_id] = queue_fold
         self._run_ready()
 
+    def _next_ready(self):
+        for op_id in sorted(self._ready):
+            if self._after.get(op_id, frozenset()).isdisjoint(self._deferred):
+                return op_id
+        return None
+
     def _run_ready(self) -> None:
-        """Queue the folds that are next in order, on one thread at a time (whichever thread
-        finds the loop idle runs it; the others leave their work to it)."""
+        """Queue the folds whose deferred predecessors are queued, one thread at a time, in
+        sequence (whichever thread finds the loop idle runs it; the others leave their work to
+        it): an op leaves ``_deferred`` just before its fold and flag are queued, and nothing
+        after it is queued before they are."""
         with self._order_lock:
             if self._draining:
                 return
@@ -81,11 +95,14 @@ class DeferredWaits:
         try:
             while True:
                 with self._order_lock:
-                    if not self._order or self._order[0] not in self._ready:
+                    op_id = self._next_ready()
+                    if op_id is None:
                         self._draining = False
                         return
-                    op_id = self._order.pop(0)
                     fn = self._ready.pop(op_id)
+                    self._after.pop(op_id, None)
+                    self._open.discard(op_id)
+                    self._deferred.discard(op_id)
                 fn()
         except BaseException:
             with self._order_lock:
@@ -93,36 +110,42 @@ class DeferredWaits:
             raise
 
     def _gpu_op_done(self, op_id: int, p: Pending) -> None:
-        """A GPU op completed (its fold queued) or failed: out of the order; a failed one's flag
-        is written now (nothing on the GPU waits for it forever) and, if the program went on
-        past its wait, the program's next op raises its error."""
+        """A GPU op completed or failed. Answered through the host (not by its fold): its flag is
+        written after its results' copy. Failed: its flag is written now (nothing on the GPU
+        waits for it forever) and, if the program went on past its wait, its next op raises the
+        error."""
         with self._order_lock:
-            # an op whose fold was queued has left the order already (and the loop that queued it
-            # goes on once its results and flag are queued too); one completed some other way
-            # leaves it here
-            unqueued = op_id in self._order
-            if unqueued:
-                self._order.remove(op_id)
+            was_open = op_id in self._open
             deferred = op_id in self._deferred
+            self._open.discard(op_id)
             self._deferred.discard(op_id)
-        if p.error is not None and self._flags is not None:
+            self._after.pop(op_id, None)
+            self._ready.pop(op_id, None)
+        flags = self._flags
+        if p.error is None:
+            if was_open:  # the copy into the program's tensors runs after this, on the current stream
+                before = p.after_apply
+                p.after_apply = lambda: (before() if before is not None else None,
+                                         flags.signal_here(op_id))
+        else:
             try:
-                self._flags.release(op_id)
+                flags.release(op_id)
             except Exception as e:  # noqa: BLE001 - the op's own error is the one to report
                 print(f"prism-launch: rank {self.rank}: could not release the GPU's wait for {p.what}: {e}",
                       file=sys.stderr, flush=True)
             if deferred and self._deferred_error is None:
                 self._deferred_error = p.error
-        if unqueued:
+        if was_open:
             self._run_ready()
 
     def _defer(self, op_id: int, p: Pending) -> bool:
         """Make the program's current stream wait for op ``op_id`` on the GPU instead of blocking
-        (False: wait on the host — parking may still stop this rank, or too many are deferred)."""
+        (False: wait on the host — parking may still stop this rank, too many are deferred, or
+        the op's fold is queued already)."""
         if not self._unparked or self._closed.is_set() or p.is_done:
             return False
         with self._order_lock:
-            if len(self._deferred) >= MAX_DEFERRED:
+            if op_id not in self._open or len(self._deferred) >= MAX_DEFERRED:
                 return False
             self._deferred.add(op_id)
         self._flags.wait_here(op_id)

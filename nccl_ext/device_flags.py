@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import torch
 
 SLOTS = 4096
 """Flags per rank (ops deferred at once stay far below: :data:`~nccl_ext.deferred_waits.MAX_DEFERRED`)."""
+
+SELF_TEST_S = 5.0
+"""How long :func:`self_test` gives a waiting stream to go on once its flag is written."""
 
 _WAIT_GEQ = 0x0
 """``CU_STREAM_WAIT_VALUE_GEQ``."""
@@ -85,6 +89,10 @@ class DeviceFlags:
         """The calling thread's current stream (on this device) waits for op ``op_id``'s flag."""
         self.wait(torch.cuda.current_stream(self.device), op_id)
 
+    def signal_here(self, op_id: int) -> None:
+        """Write op ``op_id``'s flag on the calling thread's current stream (on this device)."""
+        self.signal(torch.cuda.current_stream(self.device), op_id)
+
     def signal(self, stream: torch.cuda.Stream, op_id: int) -> None:
         """Write op ``op_id``'s flag on ``stream`` (after what is queued there)."""
         _check(self._lib.cuStreamWriteValue32_v2(stream.cuda_stream, self._addr(op_id), (op_id + 1) & 0xFFFFFFFF,
@@ -116,6 +124,10 @@ def self_test(device: torch.device) -> DeviceFlags:
     if done.query():
         raise DeviceFlagsUnavailable("a stream waiting on an unwritten flag went on")
     flags.signal(writer, 0)
-    done.synchronize()
+    deadline = time.monotonic() + SELF_TEST_S
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise DeviceFlagsUnavailable(f"a stream waiting on a written flag did not go on within {SELF_TEST_S:g} s")
+        time.sleep(0.001)
     flags.reset()
     return flags

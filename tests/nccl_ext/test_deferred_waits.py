@@ -1,7 +1,8 @@
-"""Deferred waits (nccl_ext/deferred_waits.py): the GPU exchange's folds are queued in the order
-the program issued the ops, whatever order their peers complete them in; an op completed some
-other way, or failed, leaves the order; a failed op's flag is written at once, and a failure
-after the program went on past its wait is raised by its next op."""
+"""Deferred waits (nccl_ext/deferred_waits.py): an op issued after a deferred wait has its fold
+queued only after that deferred op's fold (which writes the flag the program's stream waits
+for), whatever order the answers come in; ops issued while nothing is deferred are queued as
+their answers come; a failed op's flag is written at once and, if its wait was deferred, its
+error is raised by the next op; an op answered through the host writes its flag after the copy."""
 
 import threading
 
@@ -12,23 +13,24 @@ from nccl_ext.pending import Pending
 
 
 class Flags:
-    """The driver's flags, as seen by the logic above them: which ops were waited for, released."""
+    """The driver's flags as the logic above them sees them: which ops were waited for on the
+    GPU, released at once, or signalled after a copy."""
 
     def __init__(self):
-        self.waited, self.released = [], []
+        self.waited, self.released, self.signalled = [], [], []
 
     def wait_here(self, op_id):
         self.waited.append(op_id)
 
-    def signal(self, stream, op_id):
-        pass
+    def signal_here(self, op_id):
+        self.signalled.append(op_id)
 
     def release(self, op_id):
         self.released.append(op_id)
 
 
 class Rank(DeferredWaits):
-    def __init__(self, flags=None):
+    def __init__(self, flags):
         self.rank = 7
         self._unparked = True
         self._closed = threading.Event()
@@ -36,62 +38,83 @@ class Rank(DeferredWaits):
         self._flags = flags
 
 
-def _ops(rank, n):
-    ps = [Pending(f"op {i}", 30.0, i) for i in range(n)]
-    for i, p in enumerate(ps):
-        rank._gpu_op(i, p)
-    return ps
+def _issue(rank, op_id):
+    p = Pending(f"op {op_id}", 30.0, op_id)
+    rank._gpu_op(op_id, p)
+    return p
 
 
-def test_folds_are_queued_in_issue_order_whatever_order_completions_arrive():
-    rank, queued = Rank(), []
-    ps = _ops(rank, 4)
-    for i in (2, 3, 1):
-        rank._in_order(i, lambda i=i: (queued.append(i), ps[i].complete([])))
-    assert queued == []  # op 0 has not been completed: nothing after it is queued
-    rank._in_order(0, lambda: (queued.append(0), ps[0].complete([])))
-    assert queued == [0, 1, 2, 3] and rank._order == [] and rank._ready == {}
+def _answer(rank, p, queued):
+    rank._in_order(p.op_id, lambda: (queued.append(p.op_id), p.complete([])))
 
 
-def test_an_op_completed_another_way_or_failed_leaves_the_order():
-    flags = Flags()
-    rank, queued = Rank(flags), []
-    ps = _ops(rank, 3)
-    rank._in_order(2, lambda: queued.append(2))
-    ps[0].complete(["from the coordinator"])  # a receive answered through the host, not the GPU
-    assert queued == []
-    ps[1].fail(RuntimeError("deadline"))  # never deferred: its flag is written, nothing is raised later
-    assert queued == [2] and flags.released == [1]
-    rank._check_deferred()
-
-
-def test_a_deferred_ops_failure_is_raised_by_the_next_op_and_its_flag_released():
-    flags = Flags()
+def test_ops_issued_after_a_deferred_wait_are_queued_after_its_fold():
+    flags, queued = Flags(), []
     rank = Rank(flags)
-    (p,) = _ops(rank, 1)
-    assert p.defer() and flags.waited == [0] and rank.deferred_waits == 1
-    p.fail(RuntimeError("the peer's process ended"))
-    assert flags.released == [0]
+    p0 = _issue(rank, 0)
+    assert p0.defer() and flags.waited == [0] and rank.deferred_waits == 1
+    p1, p2 = _issue(rank, 1), _issue(rank, 2)
+    _answer(rank, p2, queued)
+    _answer(rank, p1, queued)
+    assert queued == []  # both wait for op 0's fold and flag
+    _answer(rank, p0, queued)
+    assert queued == [0, 1, 2] and not rank._ready and not rank._open
+
+
+def test_ops_issued_before_a_deferral_or_with_none_are_queued_as_answered():
+    flags, queued = Flags(), []
+    rank = Rank(flags)
+    p0, p1 = _issue(rank, 0), _issue(rank, 1)
+    assert p0.defer()
+    _answer(rank, p1, queued)  # issued before op 0's wait was deferred: its fold does not wait for it
+    assert queued == [1]
+    _answer(rank, p0, queued)
+    assert queued == [1, 0]
+
+
+def test_a_deferred_ops_failure_releases_its_flag_and_what_waited_and_is_raised_next():
+    flags, queued = Flags(), []
+    rank = Rank(flags)
+    p0 = _issue(rank, 0)
+    assert p0.defer()
+    p1 = _issue(rank, 1)
+    _answer(rank, p1, queued)
+    assert queued == []
+    p0.fail(RuntimeError("the peer's process ended"))
+    assert flags.released == [0] and queued == [1]
     with pytest.raises(RuntimeError, match="went on past its wait.*the peer's process ended"):
         rank._check_deferred()
 
 
-def test_no_deferral_while_parking_can_stop_the_rank_past_the_cap_or_once_done():
+def test_a_failure_without_a_deferred_wait_only_releases_the_flag():
+    flags = Flags()
+    rank = Rank(flags)
+    p = _issue(rank, 0)
+    p.fail(RuntimeError("deadline"))
+    assert flags.released == [0]
+    rank._check_deferred()
+
+
+def test_an_op_answered_through_the_host_writes_its_flag_after_the_copy():
+    flags = Flags()
+    rank = Rank(flags)
+    p = _issue(rank, 0)
+    assert p.defer()
+    p.complete(["a host tensor"])  # a receive whose send went through the coordinator
+    assert flags.signalled == [] and p.after_apply is not None
+    p.after_apply()  # the process group calls it after copying into the program's tensors
+    assert flags.signalled == [0]
+
+
+def test_no_deferral_while_parking_can_stop_the_rank_past_the_cap_once_answered_or_without_flags():
     flags = Flags()
     rank = Rank(flags)
     rank._unparked = False
-    ps = _ops(rank, 2)
-    assert not ps[0].defer()
+    assert not _issue(rank, 0).defer()
     rank._unparked = True
-    ps[1].complete([])
-    assert not ps[1].defer() and flags.waited == []
+    done = _issue(rank, 1)
+    rank._in_order(1, lambda: done.complete([]))
+    assert not done.defer() and flags.waited == []
     rank._deferred = set(range(100, 100 + MAX_DEFERRED))
-    more = Pending("op 9", 30.0, 9)
-    rank._gpu_op(9, more)
-    assert not more.defer()
-
-
-def test_without_flags_ops_are_ordered_but_never_deferred():
-    rank = Rank(None)
-    (p,) = _ops(rank, 1)
-    assert p.defer is None
+    assert not _issue(rank, 2).defer()
+    assert _issue(Rank(None), 3).defer is None
