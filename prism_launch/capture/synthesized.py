@@ -60,7 +60,9 @@ class SynthesizedOps:
         if pieces:
             self._submit(_copies, store, pieces)
         self._count(sum(x.numel() * x.element_size() for x in out))
-        self.after_notes(lambda: wire.send(conn, ("xfree", op_id)))
+        # the rank may have finished and closed its connection meanwhile (a mirrored op does not
+        # wait for the coordinator): its region needs no freeing then
+        self._free_contributions([(conn, op_id)])
 
     def _on_p2p_meta(self, conn, header) -> None:
         kind, key, peer, tag, seq, unit, t, wall, cpu, shape, dtype, nbytes = header
