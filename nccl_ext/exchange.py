@@ -123,7 +123,7 @@ class _Segment:
 
 
 def _view(mm: mmap.mmap, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    n = wire.numel(shape) * torch.empty(0, dtype=dtype).element_size()
+    n = wire.numel(shape) * dtype.itemsize
     if n == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     return torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=offset).view(dtype).reshape(tuple(shape))

@@ -79,7 +79,7 @@ def untracked_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     n = 1
     for d in shape:
         n *= int(d)
-    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+    nbytes = n * dtype.itemsize
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     return torch.frombuffer(bytearray(nbytes), dtype=dtype).reshape(tuple(shape))
@@ -145,7 +145,7 @@ def recv(conn: Connection) -> tuple[Any, list[torch.Tensor]]:
     else:
         data, out, at = memoryview(conn.recv_bytes()), [], 0
         for d in descs:
-            n = numel(d.shape) * torch.empty(0, dtype=dtype_from_name(d.dtype)).element_size()
+            n = numel(d.shape) * dtype_from_name(d.dtype).itemsize
             out.append(tensor_from_bytes(d, data[at:at + n]))
             at += n
         if at != len(data):
@@ -157,7 +157,7 @@ def _recv_tensor(conn: Connection, desc: TensorDesc) -> torch.Tensor:
     """The next message's bytes read straight into the tensor's own buffer (its size is known
     from ``desc``): one copy fewer than reading them into ``bytes`` first."""
     dtype = dtype_from_name(desc.dtype)
-    nbytes = numel(desc.shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel(desc.shape) * dtype.itemsize
     if nbytes == 0:
         conn.recv_bytes()
         return torch.empty(desc.shape, dtype=dtype)
