@@ -55,6 +55,8 @@ class RankExchange:
             location = self._stage(op_id, list(call.tensors), gpu, group.ranks)
             self.busy_s["stage"] += time.perf_counter() - t0
         issue = (gpu.issued(), torch.cuda.current_stream(device)) if gpu is not None else None
+        if issue is not None:
+            self._gpu_op(op_id, p)
         self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device, issue)
         self._x_sent[op_id] = time.monotonic()
         self.exchanged_ops += 1
@@ -87,7 +89,7 @@ class RankExchange:
                          for g, loc in enumerate(locations)]
                 return gpu_results(gpu.fold, kind, views, me, reduce, root)
 
-            self._complete_on_gpu(op_id, issue, results)
+            self._in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results))
             return
         on_device = self._fold_on(device)
 
@@ -115,7 +117,7 @@ class RankExchange:
         with self._pending_lock:
             p = self._pending.pop(op_id, None)
         t0 = time.perf_counter()
-        self._gpu.complete(p, op_id, issue[0], issue[1], results)
+        self._gpu.complete(p, op_id, issue[0], issue[1], results, self._flag_writer(op_id))
         dt = time.perf_counter() - t0
         self.busy_s["exchange_compute"] += dt
         self.busy_s["x_complete_max"] = max(self.busy_s.get("x_complete_max", 0.0), dt)
@@ -131,8 +133,8 @@ class RankExchange:
         issue = self._recv_issue.pop(op_id, None)
         if issue is not None:
             gpu = self._gpu
-            self._complete_on_gpu(op_id, issue, lambda: gpu_results(
-                gpu.fold, Collective.BROADCAST, [gpu.views(location, self._peers.views)], 0, None, 0))
+            self._in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, lambda: gpu_results(
+                gpu.fold, Collective.BROADCAST, [gpu.views(location, self._peers.views)], 0, None, 0)))
             return
         on_device = self._fold_on(device)
 

@@ -17,6 +17,7 @@ many logical ranks exist.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from multiprocessing.connection import Client
@@ -25,6 +26,7 @@ import torch
 
 from nccl_ext import mirrored, synth, wire
 from nccl_ext.capture_exchange import RankExchange
+from nccl_ext.deferred_waits import DeferredWaits
 from nccl_ext.exchange import PIN_COUNTS, Arena, PeerViews
 from nccl_ext.exchange_device import DeviceFold
 from nccl_ext.exchange_ipc import GpuExchange, start_gpu_exchange
@@ -51,11 +53,13 @@ MIRROR_SCRATCH_BYTES = 16 << 20
 """Slice buffer of a mirrored in-place reduction (:mod:`nccl_ext.mirrored`)."""
 
 
-class CaptureTransport(RankExchange):
+class CaptureTransport(RankExchange, DeferredWaits):
     def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
                  captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0,
-                 exchange: str | None = None, gpu_exchange_bytes: int = 0, scope: frozenset[int] | None = None):
+                 exchange: str | None = None, gpu_exchange_bytes: int = 0, scope: frozenset[int] | None = None,
+                 gpu_waits: bool = False):
         self.rank = rank
+        self._init_deferred(gpu_waits)
         self.synthesize = payload == "none"
         """``payload=none``: results are synthesized here (:mod:`nccl_ext.synth`); the coordinator
         gets metadata, and the payloads of broadcasts up to ``carry_bytes``."""
@@ -170,6 +174,7 @@ class CaptureTransport(RankExchange):
         self._send(("group", group.key, group.ranks, group.occurrence, group.desc))
 
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
+        self._check_deferred()
         what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
         if self.synthesize and not synth.carried(call, self.carry_bytes):
             return self._synthesized(group, seq, call, what)
@@ -181,6 +186,8 @@ class CaptureTransport(RankExchange):
                 if self._gpu_bytes > 0:
                     self._gpu = start_gpu_exchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
                                                    lambda op_id: self._send(("xread", op_id)), self._scope)
+                    if self._gpu is not None:
+                        self._start_flags(self._gpu.device, self._gpu.fold.stream)
         keep = self._mirrored.get(group.key)
         if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
             return self._mirrored_op(group, seq, call, what, keep)
@@ -277,6 +284,7 @@ class CaptureTransport(RankExchange):
         return Pending.done(what, synth.results(call, group.size, group.group_rank(self.rank)))
 
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
+        self._check_deferred()
         t, wall, cpu = self._span()
         if self.synthesize:
             self._send(("psend", group.key, dst, tag, seq, self.unit, t, wall, cpu, list(tensor.shape),
@@ -299,6 +307,7 @@ class CaptureTransport(RankExchange):
         return Pending.done("send")
 
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
+        self._check_deferred()
         what = f"rank {self.rank}: recv from rank {src} tag {tag} on group {group.key} seq {seq}"
         if self.synthesize:
             t, wall, cpu = self._span()
@@ -312,6 +321,7 @@ class CaptureTransport(RankExchange):
             self._recv_on[op_id] = like.device
             if self._gpu is not None and like.device == self._gpu.device:
                 self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
+                self._gpu_op(op_id, p, deferrable=False)
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 
@@ -344,9 +354,13 @@ class CaptureTransport(RankExchange):
         self._closed.set()
         if self._gpu is not None:  # the reads of ops whose folds are still running on the GPU
             self._gpu.close(self.timeout_s)
+        if self._deferred_error is not None:  # no op came after it to raise it
+            print(f"prism-launch: rank {self.rank}: an op failed after the program went on past its wait: "
+                  f"{self._deferred_error}", file=sys.stderr, flush=True)
         try:
             folds = self._device_fold
             self._send(("stats", self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
+                                             "deferred_waits": self.deferred_waits,
                                              "staged_ops": self.staged_ops,
                                              "device_folds": folds.device_ops if folds else 0,
                                              "host_folds": folds.host_ops if folds else 0,

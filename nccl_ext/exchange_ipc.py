@@ -272,10 +272,13 @@ class GpuExchange:
         self.fold.stream.wait_event(self.peers.event(rank, ev))
         return self.peers.views(rank, descs)
 
-    def complete(self, p, op_id: int, issue: torch.cuda.Event, program: torch.cuda.Stream, results) -> None:
+    def complete(self, p, op_id: int, issue: torch.cuda.Event, program: torch.cuda.Stream, results,
+                 flag=None) -> None:
         """Complete ``p`` with ``results()`` (the pieces' views and the fold, issued on the
         fold's stream after ``issue``): the program's tensors are written on that stream, the
-        program's stream waits for it, and op ``op_id`` is reported read once it has run."""
+        program's stream waits for it, and op ``op_id`` is reported read once it has run.
+        ``flag(stream)``: writes the op's flag after the results instead, which the program's
+        stream waits for where the program passed its wait (:mod:`nccl_ext.deferred_waits`)."""
         stream = self.fold.stream
         retired = []
 
@@ -283,7 +286,10 @@ class GpuExchange:
             if not retired:
                 ev = done_event(stream)
                 retired.append(ev)
-                program.wait_event(ev)
+                if flag is not None:
+                    flag(stream)
+                else:
+                    program.wait_event(ev)
                 if p is not None:
                     p.device_done = ev
                 self.retirer.put(ev, op_id)

@@ -38,7 +38,7 @@ class Pending:
     """One outstanding op: completed by a transport, observed by the process group."""
 
     __slots__ = ("what", "deadline", "timeout_s", "op_id", "waiting_for", "after_apply", "apply_stream",
-                 "device_done", "_event", "_value",
+                 "device_done", "defer", "_event", "_value",
                  "_error", "_callbacks", "_lock")
 
     def __init__(self, what: str, timeout_s: float, op_id: int = -1):
@@ -61,6 +61,9 @@ class Pending:
         self.device_done = None
         """A CUDA event after which the results are in the caller's tensors, where nothing on the
         CPU waited for them: the stream that waits for the op waits for this event on the GPU."""
+        self.defer = None
+        """Set by a transport that can make the caller's stream wait for the op on the GPU:
+        ``defer()`` does so and says whether it did (the wait then returns at once)."""
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None

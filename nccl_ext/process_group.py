@@ -476,6 +476,8 @@ class PrismWork(dist.Work):
         self._transport = transport
         self._applied = threading.Event()
         self._error: BaseException | None = None
+        self._deferred = False
+        """The caller's wait returned with its stream waiting for the op on the GPU."""
         self._value = None
         self._fut: torch.futures.Future | None = None
         self._lock = threading.Lock()
@@ -503,6 +505,8 @@ class PrismWork(dist.Work):
                 del value
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self._error = e
+                if self._deferred:  # the caller went on past its wait: its next op raises this
+                    self._transport.deferred_failed(p, e)
             self._applied.set()
             with self._lock:
                 fut = self._fut
@@ -527,6 +531,15 @@ class PrismWork(dist.Work):
         ``timedelta`` or seconds; None or zero — torch's ``kNoTimeout`` — the op's own deadline,
         ``comm.timeout_s``), then raise :class:`CommDeadlineError` naming rank, group, op and
         sequence number. A caller's timeout leaves the op outstanding, as torch's does."""
+        defer = self._pending.defer
+        if not self._applied.is_set() and defer is not None and timeout_seconds(timeout) is None and defer():
+            # the caller's stream waits for the op on the GPU (as NCCL's wait); a failure from
+            # here on is raised by the transport's next op
+            self._deferred = True
+            self._transport.waited(self._ref, None, None)
+            if self._error is not None:
+                raise self._error
+            return True
         if not self._applied.is_set():
             limit = timeout_seconds(timeout)
             t0 = time.monotonic()

@@ -48,6 +48,8 @@ class CapturePlan:
     """Python's thread switch interval in the rank while it captures (0: Python's default)."""
     gpu_exchange_bytes: int = 0
     """Each rank's device buffer of the exchange on CUDA (:mod:`nccl_ext.exchange_ipc`; 0: off)."""
+    gpu_waits: bool = False
+    """Waits on the exchange's GPU ops are deferred to the GPU (:mod:`nccl_ext.deferred_waits`)."""
     scope: tuple[int, ...] | None = None
     """The ranks the trace is scoped to (``exact``: the sandbox ranks; None: every rank): the
     data of their ops is what the coordinator reads on the host."""

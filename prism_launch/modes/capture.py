@@ -208,7 +208,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange,
         switch_interval_us=ctx.cfg.capture.switch_interval_us,
-        gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, scope=scope))
+        gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, gpu_waits=ctx.cfg.capture.gpu_waits,
+        scope=scope))
     from prism_launch.capture.monitor import CaptureMonitor
 
     monitor = CaptureMonitor(coord, ctx.trace.root, ranks=len(ranks), setting=ctx.cfg.launch.progress,

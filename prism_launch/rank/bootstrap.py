@@ -89,6 +89,12 @@ def activate(plan: RankPlan) -> None:
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))
     compat = [importlib.import_module(name) for name in plan.compat]
+    cp = plan.capture
+    if (plan.device == "cuda" and plan.mode == "capture" and cp is not None and not cp.discover_file
+            and cp.gpu_waits and cp.gpu_exchange_bytes > 0):
+        from nccl_ext import device_flags
+
+        device_flags.widen_connections()  # before the CUDA context: waits on the GPU need a queue of their own
     if plan.device == "cuda" and plan.mode != "real":
         from prism_launch.launch import devices
 

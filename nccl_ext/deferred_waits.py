@@ -1,0 +1,183 @@
+"""Waits on the GPU for a captured rank's collectives and receives computed by the GPU exchange
+(:mod:`nccl_ext.exchange_ipc`): as over NCCL, the program's ``wait()`` returns at once and its
+stream waits for the op's flag (:mod:`nccl_ext.device_flags`), so a rank does not stop issuing
+kernels at every tensor-parallel all-reduce until its peer has arrived.
+
+Once the coordinator has said every captured rank keeps its slot (no parking: ``free``), a wait
+on such an op that is not complete yet is deferred. Every such op's flag is written: by its
+fold's stream after its results are in the program's tensors, or at once when it fails — the
+program then hears of the failure at its next op. The ops' folds are queued on the fold stream in
+the order the program issued them: a later op's fold waits for the program's stream to pass the
+earlier op's flag, which that earlier op's fold writes (one stream, as NCCL's).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+from nccl_ext.device_flags import DeviceFlags, DeviceFlagsUnavailable, restore_connections, self_test
+from nccl_ext.pending import Pending
+
+MAX_DEFERRED = 1024
+"""Ops whose waits are deferred at once, at most (past it the program waits on the host)."""
+
+
+class DeferredWaits:
+    """Mixed into :class:`~nccl_ext.capture_transport.CaptureTransport` (its ``_unparked``,
+    ``_closed``, ``rank``)."""
+
+    def _init_deferred(self, enabled: bool) -> None:
+        self._defer_enabled = enabled
+        self._flags: DeviceFlags | None = None
+        self._fold_stream: torch.cuda.Stream | None = None
+        self._order_lock = threading.Lock()
+        self._open: set[int] = set()
+        """GPU ops whose folds are not queued yet (nor failed, nor answered through the host)."""
+        self._deferred: set[int] = set()
+        """Open ops whose waits were deferred: the program's stream waits for their flags."""
+        self._after: dict[int, frozenset[int]] = {}
+        """op id -> the ops deferred when it was issued (its fold waits for their flags)."""
+        self._ready: dict[int, object] = {}
+        """op id -> the queuing of its fold, waiting for the folds of the ops in ``_after``."""
+        self._draining = False
+        self._deferred_error: BaseException | None = None
+        self.deferred_waits = 0
+        """Waits that returned at once, the program's stream waiting for the op on the GPU."""
+
+    def _start_flags(self, device: torch.device, writer: torch.cuda.Stream) -> None:
+        """The flags of this rank's GPU (before its first GPU op; ``writer``: the fold's stream),
+        or none — said once — where the driver cannot wait on them (every wait then blocks the
+        host, as before)."""
+        restore_connections()  # the context exists: child processes see the user's value again
+        if not self._defer_enabled or self._flags is not None:
+            return
+        self._fold_stream = writer
+        try:
+            self._flags = self_test(device, writer)
+        except (DeviceFlagsUnavailable, RuntimeError) as e:
+            self._defer_enabled = False
+            print(f"prism-launch: rank {self.rank}: waits on the GPU are unavailable ({e}); each collective's "
+                  "wait blocks the rank until its peers have arrived", file=sys.stderr, flush=True)
+
+    def _gpu_op(self, op_id: int, p: Pending, deferrable: bool = True) -> None:
+        """Op ``op_id`` (its issue event recorded) will be completed by the GPU exchange: its fold
+        is queued after those of the ops deferred so far, and a wait on it may be deferred —
+        not where it may be answered through the host instead (a receive whose sender may not
+        stage on its GPU: the copy into the program's tensors would queue behind the wait)."""
+        if self._flags is None:
+            return
+        with self._order_lock:
+            self._open.add(op_id)
+            if self._deferred:
+                self._after[op_id] = frozenset(self._deferred)
+        p.add_done_callback(lambda done: self._gpu_op_done(op_id, done))
+        if deferrable:
+            p.defer = lambda: self._defer(op_id, p)
+
+    def _in_order(self, op_id: int, queue_fold) -> None:
+        """Queue op ``op_id``'s fold (``queue_fold()``, which writes its flag after its results)
+        once the ops deferred before it was issued have queued theirs (reader thread)."""
+        with self._order_lock:
+            self._ready[op_id] = queue_fold
+        self._run_ready()
+
+    def _next_ready(self):
+        for op_id in sorted(self._ready):
+            if self._after.get(op_id, frozenset()).isdisjoint(self._deferred):
+                return op_id
+        return None
+
+    def _run_ready(self) -> None:
+        """Queue the folds whose deferred predecessors are queued, one thread at a time, in
+        sequence (whichever thread finds the loop idle runs it; the others leave their work to
+        it): an op leaves ``_deferred`` just before its fold and flag are queued, and nothing
+        after it is queued before they are."""
+        with self._order_lock:
+            if self._draining:
+                return
+            self._draining = True
+        try:
+            while True:
+                with self._order_lock:
+                    op_id = self._next_ready()
+                    if op_id is None:
+                        self._draining = False
+                        return
+                    fn = self._ready.pop(op_id)
+                    self._after.pop(op_id, None)
+                    self._open.discard(op_id)
+                    self._deferred.discard(op_id)
+                fn()
+        except BaseException:
+            with self._order_lock:
+                self._draining = False
+            raise
+
+    def _gpu_op_done(self, op_id: int, p: Pending) -> None:
+        """A GPU op completed or failed. Answered through the host (not by its fold): its flag is
+        written after its results' copy. Failed: its flag is written now (nothing on the GPU
+        waits for it forever) and, if the program went on past its wait, its next op raises the
+        error."""
+        with self._order_lock:
+            was_open = op_id in self._open
+            deferred = op_id in self._deferred
+            self._open.discard(op_id)
+            self._deferred.discard(op_id)
+            self._after.pop(op_id, None)
+            self._ready.pop(op_id, None)
+        flags = self._flags
+        if p.error is None:
+            if was_open:  # the copy into the program's tensors runs after this, on the current stream
+                before = p.after_apply
+                p.after_apply = lambda: (before() if before is not None else None,
+                                         flags.signal_here(op_id))
+        else:
+            try:
+                flags.release(op_id)
+            except Exception as e:  # noqa: BLE001 - the op's own error is the one to report
+                print(f"prism-launch: rank {self.rank}: could not release the GPU's wait for {p.what}: {e}",
+                      file=sys.stderr, flush=True)
+            if deferred and self._deferred_error is None:
+                self._deferred_error = p.error
+        if was_open:
+            self._run_ready()
+
+    def _defer(self, op_id: int, p: Pending) -> bool:
+        """Make the program's current stream wait for op ``op_id`` on the GPU instead of blocking
+        (False: wait on the host — parking may still stop this rank, too many are deferred, or
+        the op's fold is queued already)."""
+        if not self._unparked or self._closed.is_set() or p.is_done:
+            return False
+        with self._order_lock:
+            if op_id not in self._open or len(self._deferred) >= MAX_DEFERRED:
+                return False
+        program = self._flags.waiting_stream(self._fold_stream)
+        if program is None:  # this stream's wait would hold the fold's queue
+            return False
+        with self._order_lock:
+            if op_id not in self._open:
+                return False
+            self._deferred.add(op_id)
+        self._flags.wait(program, op_id)
+        self.deferred_waits += 1
+        return True
+
+    def deferred_failed(self, p: Pending, error: BaseException) -> None:
+        """Writing a deferred op's results failed after its wait returned: the next op raises it."""
+        if self._deferred_error is None:
+            self._deferred_error = RuntimeError(f"{p.what}: {error}")
+
+    def _check_deferred(self) -> None:
+        """Raise the failure of an op whose wait the program passed on the GPU."""
+        e = self._deferred_error
+        if e is not None:
+            raise RuntimeError(f"rank {self.rank}: an earlier op failed after the program went on past its wait "
+                               f"(its stream waited on the GPU, as over NCCL): {e}") from e
+
+    def _flag_writer(self, op_id: int):
+        """What writes op ``op_id``'s flag on the fold's stream once its results are written."""
+        flags = self._flags
+        return None if flags is None else (lambda stream: flags.signal(stream, op_id))
