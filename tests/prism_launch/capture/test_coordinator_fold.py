@@ -77,3 +77,22 @@ def test_weighted_fold_of_float_data_stays_within_the_summation_bound():
             err = (got - exact).abs()
             assert bool((err <= bound).all()), (dtype, reduce, float((err / bound.clamp_min(1e-300)).max()))
             assert float(err.max()) > 0 or dtype is torch.float32  # bf16 does round: the bound is what holds
+
+
+def test_a_large_weighted_sum_on_several_threads_has_the_bits_of_one_pass():
+    """Gradient-sized sums run in slices on a thread pool: every element sees the same
+    operations in the same order (each scaled term rounded in its dtype, then added)."""
+    from prism_launch.capture.folded_reduction import PARALLEL_MIN, weighted_sum
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = (torch.randn(PARALLEL_MIN + 12345, generator=g).to(dtype) for _ in range(2))
+        for reduce in (ReduceKind.SUM, ReduceKind.AVG):
+            want = a.clone()
+            want.add_(b)
+            want.add_(a * 255)
+            want.add_(b * 255)
+            if reduce is ReduceKind.AVG:
+                want.div_(512)
+            got = weighted_sum([(a, 1), (b, 1), (a, 255), (b, 255)], reduce, 512)
+            assert got.dtype == dtype and torch.equal(got, want)
