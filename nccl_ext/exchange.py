@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nccl_ext import wire
+from nccl_ext import sliced, wire
 
 _ALIGN = 256
 _MIN_BYTES = 4 << 20
@@ -230,7 +230,11 @@ class Arena:
         descs, at = [], start
         for t, n in zip(tensors, sizes):
             if n:
-                _view(seg.mm, at, t.dtype, t.shape).copy_(t.detach(), non_blocking=non_blocking)
+                dst = _view(seg.mm, at, t.dtype, t.shape)
+                if t.device.type == "cpu":
+                    sliced.copy(dst, t.detach())  # a gradient bucket on several threads
+                else:
+                    dst.copy_(t.detach(), non_blocking=non_blocking)
             descs.append((at, wire.dtype_name(t.dtype), list(t.shape)))
             at += n
         self.bytes_staged += total

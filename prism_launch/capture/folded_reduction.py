@@ -1,41 +1,20 @@
 """Reductions over large folded groups (a data-parallel gradient reduction over thousands of
 replicas, most of them not captured): each stand-in's contribution added once, scaled by how many
-members it stands in for.
-
-A gradient bucket is tens of millions of elements and the coordinator computes it on the host
-while the captured ranks wait, so a large sum runs in slices on a few threads (torch's
-elementwise kernels release the interpreter; no OpenMP in a process that forks ranks): each
-element sees the same operations in the same order as in one pass — the bits do not depend on
-the slicing."""
+members it stands in for; a large sum in slices on a few threads (:mod:`nccl_ext.sliced`)."""
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
+from nccl_ext import sliced
 from nccl_ext.mirrored import EXACT_FOLD_MAX, weighted
 from nccl_ext.ops import Collective, ReduceKind
 from nccl_ext.wire import untracked_empty
 
-__all__ = ["EXACT_FOLD_MAX", "PARALLEL_MIN", "weighted_reduction", "weighted_sum"]
-
-PARALLEL_MIN = 1 << 20
-"""Elements from which a weighted sum runs in slices on several threads."""
-_SLICE = 1 << 18
-_pool: ThreadPoolExecutor | None = None
+__all__ = ["EXACT_FOLD_MAX", "weighted_reduction", "weighted_sum"]
 
 
-def _threads() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)),
-                                   thread_name_prefix="prism-fold")
-    return _pool
-
-
-def _sum_slice(out: torch.Tensor, terms: list[tuple[torch.Tensor, int]], s: int, e: int) -> None:
+def _sum_slice(out: torch.Tensor, terms: list[tuple[torch.Tensor, int]], s: int, e: int, avg: int | None) -> None:
     part = out[s:e]
     first, k = terms[0]
     part.copy_(first[s:e]) if k == 1 else torch.mul(first[s:e], k, out=part)
@@ -48,6 +27,8 @@ def _sum_slice(out: torch.Tensor, terms: list[tuple[torch.Tensor, int]], s: int,
                 scratch = torch.empty_like(part)
             torch.mul(t[s:e], k, out=scratch)
             part.add_(scratch)
+    if avg is not None:
+        part.div_(avg) if part.is_floating_point() or part.is_complex() else part.div_(avg, rounding_mode="floor")
 
 
 def weighted_sum(terms: list[tuple[torch.Tensor, int]], reduce: ReduceKind, n: int) -> torch.Tensor:
@@ -57,13 +38,11 @@ def weighted_sum(terms: list[tuple[torch.Tensor, int]], reduce: ReduceKind, n: i
     out = untracked_empty(first.shape, first.dtype) if first.device.type == "cpu" else torch.empty_like(first)
     flat = out.view(-1)
     flats = [(t.reshape(-1), k) for t, k in terms]
-    total = flat.numel()
-    if first.device.type == "cpu" and total >= PARALLEL_MIN:
-        list(_threads().map(lambda s: _sum_slice(flat, flats, s, min(total, s + _SLICE)), range(0, total, _SLICE)))
+    avg = n if reduce is ReduceKind.AVG else None
+    if first.device.type == "cpu":
+        sliced.run(flat.numel(), lambda s, e: _sum_slice(flat, flats, s, e, avg))
     else:
-        _sum_slice(flat, flats, 0, total)
-    if reduce is ReduceKind.AVG:
-        out.div_(n) if out.is_floating_point() or out.is_complex() else out.div_(n, rounding_mode="floor")
+        _sum_slice(flat, flats, 0, flat.numel(), avg)
     return out
 
 

@@ -82,7 +82,8 @@ def test_weighted_fold_of_float_data_stays_within_the_summation_bound():
 def test_a_large_weighted_sum_on_several_threads_has_the_bits_of_one_pass():
     """Gradient-sized sums run in slices on a thread pool: every element sees the same
     operations in the same order (each scaled term rounded in its dtype, then added)."""
-    from prism_launch.capture.folded_reduction import PARALLEL_MIN, weighted_sum
+    from nccl_ext.sliced import PARALLEL_MIN
+    from prism_launch.capture.folded_reduction import weighted_sum
 
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
