@@ -76,6 +76,10 @@ def prism(args: list, cwd: Path, timeout: float, *, stacks: Path | None = None) 
         logs = sorted(Path(cwd).glob("cap-logs/*/*/stdout.log"))
         for log in logs[-3:]:
             print(f"  --- {log}:\n{log.read_text()[-1500:]}", flush=True)
+        for log in sorted(Path(cwd).glob("cap-logs/*/*/stderr.log"))[-4:]:
+            text = log.read_text(errors="replace").strip()
+            if text:
+                print(f"  --- {log}:\n{text[-1200:]}", flush=True)
         raise SystemExit(1) from None
     wall = time.monotonic() - t0
     print(f"  [{wall:.0f}s] prism-launch ... {' '.join(str(a) for a in args if str(a).startswith('mode='))} "

@@ -103,7 +103,7 @@ class CaptureConfig:
     trace's next spill file (its memory for tensors, whatever the number of steps)."""
     carry_bytes: int = 64 * 1024
     """``payload=none``: broadcasts and scatters up to this size keep their real payload."""
-    gpu_waits: bool = True
+    gpu_waits: bool = False
     """On CUDA, with the GPU exchange: a wait on a collective or receive that the exchange computes
     returns at once, the program's stream waiting for the op on the GPU (CUDA stream memory
     operations), as over NCCL, once no captured rank is parked; false: the rank blocks until its
