@@ -74,6 +74,12 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
         missing = [i for i in range(size) if not store.check([_arrived_key(i)])]
         names = [f"sandbox rank {e.sandbox[i]}" if i < len(e.sandbox) else "the assistant" for i in missing]
         here = ", ".join(map(str, plan.local_ranks))
+        if not missing:
+            raise CommDeadlineError(
+                f"{who}: every member of the physical group (sandbox ranks {list(e.sandbox)[:16]}"
+                f"{' + the assistant' if size > len(e.sandbox) else ''}) arrived, but connecting them failed: "
+                f"{_first_line(exc)}. A member that exited while the group formed closes its connections: see "
+                "the other ranks' logs (and the assistant's); if none failed, run again") from exc
         raise CommDeadlineError(
             f"{who}: the physical group (sandbox ranks {list(e.sandbox)[:16]}"
             f"{' + the assistant' if size > len(e.sandbox) else ''}) did not form within {timeout_s:g} s: "

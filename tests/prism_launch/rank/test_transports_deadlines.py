@@ -45,3 +45,17 @@ def test_a_node_whose_store_host_never_comes_names_the_endpoint():
     assert msg.startswith(f"sandbox rank 5: could not reach the run's store at 127.0.0.1:{port} (node 0's "
                           "prism-launch hosts it")
     assert "within 1 s" in msg and "comm.timeout_s=" in msg
+
+
+def test_a_group_whose_members_all_arrived_but_did_not_connect_says_so():
+    """Every member marked itself arrived, yet the gloo mesh did not form (a member exited while
+    it formed): the error says so instead of naming no one as missing."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5),
+                          wait_for_workers=False)
+    store.set("prism/physical-arrived/1", "1")  # arrived, then gone before connecting
+    with pytest.raises(CommDeadlineError) as err:
+        physical_group(_plan(f"127.0.0.1:{store.port}"), 0, 2, 1.0)
+    msg = str(err.value)
+    assert msg.startswith("sandbox rank 0: every member of the physical group (sandbox ranks [0, 5]) arrived, "
+                          "but connecting them failed: ")
+    assert "never arrived" not in msg and "logs" in msg
