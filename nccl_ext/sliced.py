@@ -20,12 +20,16 @@ SLICE = 1 << 18
 """Elements per slice."""
 
 _pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
 
 
 def _threads() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
+    """This process's pool: a forked child (a rank forked by the launcher) makes its own — the
+    parent's workers do not exist in it, and work handed to their queue would wait forever."""
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid():
         _pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="prism-slices")
+        _pool_pid = os.getpid()
     return _pool
 
 
