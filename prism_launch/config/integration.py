@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
-from prism_launch.config.errors import ConfigError
 
 @dataclass(kw_only=True, slots=True)
 class CompatConfig:

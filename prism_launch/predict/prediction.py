@@ -4,9 +4,7 @@ timeline and plots of a prediction are the report's: :mod:`prism_launch.report.p
 
 from __future__ import annotations
 
-import json
 from collections import deque
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prism_launch.trace import TraceLayout
