@@ -18,16 +18,22 @@ import threading
 
 import torch
 
-from nccl_ext.device_flags import DeviceFlags, DeviceFlagsUnavailable, restore_connections, self_test
+from nccl_ext.device_flags import DeviceFlags, DeviceFlagsUnavailable, restore_context, self_test
 from nccl_ext.pending import Pending
 
 MAX_DEFERRED = 1024
 """Ops whose waits are deferred at once, at most (past it the program waits on the host)."""
 
+DEFER_FROM_STEP = 1
+"""No wait is deferred in the program's first step (``unit`` 0): that step loads and compiles
+its kernels (a JIT-compiled kernel's module load may synchronize the context, which a stream
+waiting for a flag would stop for good), grows the exchange's arenas and opens its peers' IPC
+handles."""
+
 
 class DeferredWaits:
     """Mixed into :class:`~nccl_ext.capture_transport.CaptureTransport` (its ``_unparked``,
-    ``_closed``, ``rank``)."""
+    ``_closed``, ``rank``, ``unit``)."""
 
     def _init_deferred(self, enabled: bool) -> None:
         self._defer_enabled = enabled
@@ -51,7 +57,7 @@ class DeferredWaits:
         """The flags of this rank's GPU (before its first GPU op; ``writer``: the fold's stream),
         or none — said once — where the driver cannot wait on them (every wait then blocks the
         host, as before)."""
-        restore_connections()  # the context exists: child processes see the user's value again
+        restore_context()  # the context exists: child processes see the user's value again
         if not self._defer_enabled or self._flags is not None:
             return
         self._fold_stream = writer
@@ -147,9 +153,9 @@ class DeferredWaits:
 
     def _defer(self, op_id: int, p: Pending) -> bool:
         """Make the program's current stream wait for op ``op_id`` on the GPU instead of blocking
-        (False: wait on the host — parking may still stop this rank, too many are deferred, or
-        the op's fold is queued already)."""
-        if not self._unparked or self._closed.is_set() or p.is_done:
+        (False: wait on the host — parking may still stop this rank, the program's first step,
+        too many are deferred, or the op's fold is queued already)."""
+        if not self._unparked or self.unit < DEFER_FROM_STEP or self._closed.is_set() or p.is_done:
             return False
         with self._order_lock:
             if op_id not in self._open or len(self._deferred) >= MAX_DEFERRED:

@@ -12,9 +12,15 @@ uses slot ``i % slots`` and waits until it holds at least ``i + 1``.
 A stream waiting on a flag holds the hardware work queue it is on: whatever is queued behind it
 there waits too. With ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's setting) every stream of a
 process shares one queue, and the fold that writes the flag would wait behind the wait itself.
-:func:`widen_connections` gives a captured rank's CUDA context more queues as the driver reads
+:func:`prepare_context` gives a captured rank's CUDA context more queues as the driver reads
 the variable at start-up (``os.environ`` keeps the user's value); :func:`self_test` checks the
 very pair of streams — the program's and the fold's — before any wait is deferred on them.
+
+Kernels loaded lazily (CUDA's default, ``CUDA_MODULE_LOADING=LAZY``) are loaded at their first
+launch, and loading synchronizes the context: a program that launches a kernel for the first time
+while its stream waits for a flag stops there for good — the flag's write is queued by this
+process, after the launch returns (measured on the H200: every such case hung, the self-test
+passed). :func:`prepare_context` makes the driver load every kernel with the context instead.
 """
 
 from __future__ import annotations
@@ -32,8 +38,14 @@ SELF_TEST_S = 2.0
 """How long :func:`self_test` gives a waiting stream to go on once its flag is written."""
 
 CONNECTIONS = 32
-"""Hardware work queues a captured rank's CUDA context gets (:func:`widen_connections`; the
+"""Hardware work queues a captured rank's CUDA context gets (:func:`prepare_context`; the
 driver's most)."""
+
+CONTEXT_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": str(CONNECTIONS), "CUDA_MODULE_LOADING": "EAGER"}
+"""What the driver reads for a captured rank's context when waits go to the GPU: more hardware
+queues than Megatron's one (a stream's wait holds its queue), and every kernel loaded when the
+context is made — a kernel loaded lazily, at its first launch, synchronizes the context, which
+never finishes while a stream waits for a flag that only this process writes later."""
 
 _VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 _WAIT_GEQ = 0x0
@@ -45,39 +57,41 @@ _HOSTALLOC = 0x1 | 0x2
 
 _lib = None
 _lib_lock = threading.Lock()
-_user_connections: bytes | None = None
-_widened = False
+_user_env: dict[str, bytes | None] = {}
+_prepared = False
 
 
 class DeviceFlagsUnavailable(RuntimeError):
     """The driver cannot wait on flags here (no ``libcuda``, no stream memory operations)."""
 
 
-def widen_connections() -> None:
-    """Before this process's CUDA context exists: the driver reads ``CUDA_DEVICE_MAX_CONNECTIONS``
-    as :data:`CONNECTIONS`; the program's ``os.environ`` keeps the user's value (Megatron checks
-    it), and :func:`restore_connections` puts the process environment back once the context is
-    made (for the program's child processes)."""
-    global _user_connections, _widened
+def prepare_context() -> None:
+    """Before this process's CUDA context exists: the driver reads :data:`CONTEXT_ENV` instead of
+    the user's values; the program's ``os.environ`` keeps the user's (Megatron checks
+    ``CUDA_DEVICE_MAX_CONNECTIONS``), and :func:`restore_context` puts the process environment
+    back once the context is made (for the program's child processes)."""
+    global _user_env, _prepared
     import os
 
     libc = ctypes.CDLL(None)
-    _user_connections = os.environb.get(_VAR.encode()) if hasattr(os, "environb") else None
-    libc.setenv(_VAR.encode(), str(CONNECTIONS).encode(), 1)
-    _widened = True
+    _user_env = {k: os.environb.get(k.encode()) for k in CONTEXT_ENV}
+    for k, v in CONTEXT_ENV.items():
+        libc.setenv(k.encode(), v.encode(), 1)
+    _prepared = True
 
 
-def restore_connections() -> None:
-    """The process environment's ``CUDA_DEVICE_MAX_CONNECTIONS`` as the user set it again."""
-    global _widened
-    if not _widened:
+def restore_context() -> None:
+    """The process environment's :data:`CONTEXT_ENV` variables as the user set them again."""
+    global _prepared
+    if not _prepared:
         return
     libc = ctypes.CDLL(None)
-    if _user_connections is None:
-        libc.unsetenv(_VAR.encode())
-    else:
-        libc.setenv(_VAR.encode(), _user_connections, 1)
-    _widened = False
+    for k, v in _user_env.items():
+        if v is None:
+            libc.unsetenv(k.encode())
+        else:
+            libc.setenv(k.encode(), v, 1)
+    _prepared = False
 
 
 def _driver():

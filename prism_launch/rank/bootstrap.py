@@ -94,7 +94,7 @@ def activate(plan: RankPlan) -> None:
             and cp.gpu_waits and cp.gpu_exchange_bytes > 0):
         from nccl_ext import device_flags
 
-        device_flags.widen_connections()  # before the CUDA context: waits on the GPU need a queue of their own
+        device_flags.prepare_context()  # before the CUDA context: waits on the GPU need a queue of their own
     if plan.device == "cuda" and plan.mode != "real":
         from prism_launch.launch import devices
 

@@ -36,6 +36,7 @@ class Flags:
 class Rank(DeferredWaits):
     def __init__(self, flags):
         self.rank = 7
+        self.unit = 1
         self._unparked = True
         self._closed = threading.Event()
         self._init_deferred(True)
@@ -110,12 +111,15 @@ def test_an_op_answered_through_the_host_writes_its_flag_after_the_copy():
     assert flags.signalled == [0]
 
 
-def test_no_deferral_while_parking_can_stop_the_rank_past_the_cap_once_answered_or_without_flags():
+def test_no_deferral_while_parking_can_stop_the_rank_in_the_first_step_past_the_cap_once_answered_or_without_flags():
     flags = Flags()
     rank = Rank(flags)
     rank._unparked = False
     assert not _issue(rank, 0).defer()
     rank._unparked = True
+    rank.unit = 0  # the first step loads its kernels
+    assert not _issue(rank, 4).defer()
+    rank.unit = 1
     done = _issue(rank, 1)
     rank._in_order(1, lambda: done.complete([]))
     assert not done.defer() and flags.waited == []
@@ -140,7 +144,7 @@ def test_a_receive_is_ordered_but_never_deferred():
     assert queued == [0, 1] and flags.waited == [0]
 
 
-def test_widened_connections_are_what_the_driver_reads_while_os_environ_keeps_the_users(monkeypatch):
+def test_the_context_the_driver_makes_has_wide_queues_and_eager_kernels_while_os_environ_keeps_the_users(monkeypatch):
     import ctypes
     import os
 
@@ -149,14 +153,20 @@ def test_widened_connections_are_what_the_driver_reads_while_os_environ_keeps_th
     libc = ctypes.CDLL(None)
     libc.getenv.restype = ctypes.c_char_p
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    device_flags.widen_connections()
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    device_flags.prepare_context()
     try:
         assert libc.getenv(b"CUDA_DEVICE_MAX_CONNECTIONS") == str(device_flags.CONNECTIONS).encode()
+        assert libc.getenv(b"CUDA_MODULE_LOADING") == b"EAGER"  # no lazy load's context sync under a wait
         assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # what Megatron's checks read
+        assert "CUDA_MODULE_LOADING" not in os.environ
     finally:
-        device_flags.restore_connections()
+        device_flags.restore_context()
     assert libc.getenv(b"CUDA_DEVICE_MAX_CONNECTIONS") == b"1"
+    assert libc.getenv(b"CUDA_MODULE_LOADING") is None
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    device_flags.widen_connections()
-    device_flags.restore_connections()
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    device_flags.prepare_context()
+    device_flags.restore_context()
     assert libc.getenv(b"CUDA_DEVICE_MAX_CONNECTIONS") is None
+    assert libc.getenv(b"CUDA_MODULE_LOADING") == b"LAZY"
