@@ -11,13 +11,23 @@ def same(dst: torch.Tensor, src: torch.Tensor) -> bool:
         and src.is_contiguous() and dst.is_contiguous()
 
 
+def raw(dst: torch.Tensor) -> torch.Tensor:
+    """``dst``'s memory under a tensor of its own: writing it leaves ``dst``'s version counter as
+    it is, as a real backend's kernels do. A result written after the program went on past its
+    wait (:mod:`nccl_ext.deferred_waits`) — into a tensor autograd saved meanwhile, such as
+    Megatron's attention mask broadcast within its tensor-parallel group — would otherwise fail
+    the backward pass ("modified by an inplace operation")."""
+    return torch.empty((0,), dtype=dst.dtype, device=dst.device).set_(
+        dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
+
+
 def no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.numel() != src.numel():
         raise RuntimeError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
     if same(dst, src):
         return
     with torch.no_grad():
-        dst.copy_(src.reshape(dst.shape))
+        raw(dst).copy_(src.reshape(dst.shape))
 
 
 def own_copies(value):
@@ -39,6 +49,7 @@ def copy_pieces(dst: torch.Tensor, pieces, what: str) -> None:
     total = sum(p.numel() for p in pieces)
     if dst.numel() != total:
         raise RuntimeError(f"{what}: result has {total} elements, output tensor has {dst.numel()}")
+    dst = raw(dst)
     flat = dst.view(-1) if dst.is_contiguous() else None
     with torch.no_grad():
         if flat is not None and dst.device.type != "cpu" and len(pieces) > 1 \
