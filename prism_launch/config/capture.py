@@ -103,11 +103,12 @@ class CaptureConfig:
     carry_bytes: int = 64 * 1024
     """``payload=none``: broadcasts and scatters up to this size keep their real payload."""
     gpu_waits: bool = False
-    """Experimental (upstream ``pretrain_gpt.py`` made no iteration with it on the H200 yet). On
+    """Experimental (not yet shown to complete upstream ``pretrain_gpt.py`` on the H200). On
     CUDA, with the GPU exchange: a wait on a collective that the exchange computes returns at
     once, the program's stream waiting for the op on the GPU (CUDA stream memory operations), as
-    over NCCL, once no captured rank is parked; false: the rank blocks until its peers have
-    arrived."""
+    over NCCL, once no captured rank is parked, from the program's second step on (the captured
+    ranks' contexts then load every kernel up front); false: the rank blocks until its peers
+    have arrived."""
     switch_interval_us: int = 200
     """Python's thread switch interval (``sys.setswitchinterval``) in the launcher and the captured
     ranks while they capture. Each op's completion hops between threads (a rank's program and the

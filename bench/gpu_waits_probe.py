@@ -1,0 +1,137 @@
+"""What a CUDA stream waiting on a flag (``capture.gpu_waits``, :mod:`nccl_ext.device_flags`)
+survives: each case runs in a process of its own under a deadline. The program's stream waits
+for a flag, then the case's call X runs, then the fold's stream writes the flag — on the same
+thread after X ("queuer": X must not wait for the device) or from another thread 1 s after X
+began ("main": X may wait for the device, but must not keep the other thread from queuing).
+
+    source .mlm/activate.sh && python bench/gpu_waits_probe.py [--lazy] [--cases none,first_mm,...]
+
+Prints one line per case and side: how long X took, or HUNG. ``--lazy`` keeps the driver's lazy
+kernel loading (the captured ranks' context loads every kernel up front). Exits non-zero where a
+case hung or failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("none", "first_kernel", "first_mm", "host_register", "host_unregister", "malloc", "empty_cache",
+         "pinned_alloc", "ipc_event", "event_record", "new_stream_mm")
+DEADLINE_S = 30.0
+
+
+def _call(case: str, x):
+    """The case's call X (and what it needs made before the wait)."""
+    import ctypes
+
+    import torch
+
+    cudart = torch.cuda.cudart()
+    keep: dict = {}
+    if case in ("host_register", "host_unregister"):
+        m = keep["m"] = mmap.mmap(-1, 64 << 20)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        if case == "host_unregister":
+            assert int(cudart.cudaHostRegister(ptr, 64 << 20, 1)) == 0
+            return lambda: cudart.cudaHostUnregister(ptr), keep
+        return lambda: cudart.cudaHostRegister(ptr, 64 << 20, 1), keep
+    if case == "malloc":
+        return lambda: keep.setdefault("a", torch.empty(1 << 30, dtype=torch.uint8, device="cuda")), keep
+    if case == "empty_cache":
+        torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # freed at once: a cached block to release
+        return torch.cuda.empty_cache, keep
+    if case == "pinned_alloc":
+        return lambda: keep.setdefault("p", torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)), keep
+    if case == "ipc_event":
+        return lambda: torch.cuda.Event(interprocess=True).ipc_handle(), keep
+    if case == "event_record":
+        ev = torch.cuda.Event(interprocess=True)
+        return lambda: ev.record(), keep
+    if case == "new_stream_mm":
+        s2 = torch.cuda.Stream()
+
+        def mm():
+            with torch.cuda.stream(s2):
+                keep["z"] = x @ x
+        return mm, keep
+    if case == "first_mm":
+        return lambda: keep.setdefault("z", x @ x), keep
+    if case == "first_kernel":
+        return lambda: keep.setdefault("z", torch.special.erfcx(x)), keep
+    return (lambda: None), keep
+
+
+def child(case: str, side: str, lazy: bool) -> None:
+    import torch
+
+    from nccl_ext import device_flags
+
+    if not lazy:
+        device_flags.prepare_context()
+    torch.cuda.set_device(0)
+    torch.zeros(1, device="cuda")
+    device_flags.restore_context()
+    fold = torch.cuda.Stream()
+    flags = device_flags.self_test(torch.device("cuda", 0), fold)
+    program = torch.cuda.current_stream()
+    x = torch.randn(1024, 1024, device="cuda")
+    if case != "first_mm":
+        x @ x  # cuBLAS's handle and kernels exist before the wait
+    call, _keep = _call(case, x)
+    torch.cuda.synchronize()
+    flags.wait(program, 5)
+    x.add_(1)  # queued behind the wait
+
+    def signal():
+        with torch.cuda.stream(fold):
+            flags.signal(fold, 5)
+
+    t0 = time.monotonic()
+    if side == "main":
+        threading.Timer(1.0, signal).start()
+    call()
+    took = time.monotonic() - t0
+    if side == "queuer":
+        signal()
+    torch.cuda.synchronize()
+    print(f"{took:.3f}", flush=True)
+    os._exit(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--lazy", action="store_true", help="keep the driver's lazy kernel loading")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.child[0], a.child[1], a.lazy)
+        return
+    bad = 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for case in a.cases.split(","):
+        for side in ("queuer", "main"):
+            cmd = [sys.executable, __file__, "--child", case, side, *(["--lazy"] if a.lazy else [])]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+                lines = r.stdout.strip().splitlines()
+                ok = r.returncode == 0 and bool(lines)
+                said = f"X took {lines[-1]} s" if ok else \
+                    f"failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1][:120]}"
+                bad += not ok
+            except subprocess.TimeoutExpired:
+                said, bad = f"HUNG (no end within {DEADLINE_S:g} s)", bad + 1
+            print(f"{case:16s} {side:7s} {said}", flush=True)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
