@@ -24,11 +24,12 @@ from nccl_ext.pending import Pending
 MAX_DEFERRED = 1024
 """Ops whose waits are deferred at once, at most (past it the program waits on the host)."""
 
-DEFER_FROM_STEP = 1
-"""No wait is deferred in the program's first step (``unit`` 0): that step loads and compiles
-its kernels (a JIT-compiled kernel's module load may synchronize the context, which a stream
-waiting for a flag would stop for good), grows the exchange's arenas and opens its peers' IPC
-handles."""
+DEFER_FROM_STEP = 2
+"""No wait is deferred in the program's first two steps (``unit`` 0 and 1): they load and
+compile its kernels (a JIT-compiled kernel's module load may synchronize the context, which a
+stream waiting for a flag would stop for good; ``torch.compile`` may compile again at the
+second call), make its cuBLAS handles, grow the exchange's arenas and open its peers' IPC
+handles. Upstream Megatron's second iteration is still several times its steady one."""
 
 
 class DeferredWaits:
@@ -153,7 +154,7 @@ class DeferredWaits:
 
     def _defer(self, op_id: int, p: Pending) -> bool:
         """Make the program's current stream wait for op ``op_id`` on the GPU instead of blocking
-        (False: wait on the host — parking may still stop this rank, the program's first step,
+        (False: wait on the host — parking may still stop this rank, the program's first steps,
         too many are deferred, or the op's fold is queued already)."""
         if not self._unparked or self.unit < DEFER_FROM_STEP or self._closed.is_set() or p.is_done:
             return False

@@ -106,7 +106,7 @@ class CaptureConfig:
     """Experimental (not yet shown to complete upstream ``pretrain_gpt.py`` on the H200). On
     CUDA, with the GPU exchange: a wait on a collective that the exchange computes returns at
     once, the program's stream waiting for the op on the GPU (CUDA stream memory operations), as
-    over NCCL, once no captured rank is parked, from the program's second step on (the captured
+    over NCCL, once no captured rank is parked, from the program's third step on (the captured
     ranks' contexts then load every kernel up front); false: the rank blocks until its peers
     have arrived."""
     switch_interval_us: int = 200

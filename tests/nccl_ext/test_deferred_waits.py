@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from nccl_ext.deferred_waits import MAX_DEFERRED, DeferredWaits
+from nccl_ext.deferred_waits import DEFER_FROM_STEP, MAX_DEFERRED, DeferredWaits
 from nccl_ext.pending import Pending
 
 
@@ -36,7 +36,7 @@ class Flags:
 class Rank(DeferredWaits):
     def __init__(self, flags):
         self.rank = 7
-        self.unit = 1
+        self.unit = DEFER_FROM_STEP
         self._unparked = True
         self._closed = threading.Event()
         self._init_deferred(True)
@@ -111,15 +111,15 @@ def test_an_op_answered_through_the_host_writes_its_flag_after_the_copy():
     assert flags.signalled == [0]
 
 
-def test_no_deferral_while_parking_can_stop_the_rank_in_the_first_step_past_the_cap_once_answered_or_without_flags():
+def test_no_deferral_while_parking_can_stop_the_rank_in_the_first_steps_past_the_cap_once_answered_or_without_flags():
     flags = Flags()
     rank = Rank(flags)
     rank._unparked = False
     assert not _issue(rank, 0).defer()
     rank._unparked = True
-    rank.unit = 0  # the first step loads its kernels
+    rank.unit = DEFER_FROM_STEP - 1  # the first steps load and compile its kernels
     assert not _issue(rank, 4).defer()
-    rank.unit = 1
+    rank.unit = DEFER_FROM_STEP
     done = _issue(rank, 1)
     rank._in_order(1, lambda: done.complete([]))
     assert not done.defer() and flags.waited == []
