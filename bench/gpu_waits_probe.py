@@ -14,6 +14,7 @@ case hung or failed.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import mmap
 import os
 import subprocess
@@ -24,7 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("none", "first_kernel", "first_mm", "host_register", "host_unregister", "malloc", "empty_cache",
-         "pinned_alloc", "ipc_event", "event_record", "new_stream_mm")
+         "pinned_alloc", "ipc_event", "event_record", "new_stream_mm", "item", "h2d_blocking", "d2h_nonblocking")
+WAITING = {"item", "h2d_blocking"}
+"""Calls that wait for the device (for the program's stream: on the "main" side only)."""
 DEADLINE_S = 30.0
 
 
@@ -62,6 +65,12 @@ def _call(case: str, x):
             with torch.cuda.stream(s2):
                 keep["z"] = x @ x
         return mm, keep
+    if case == "item":  # a host read of a value the program's stream computes after the wait
+        return lambda: keep.setdefault("v", x[0, 0].item()), keep
+    if case == "h2d_blocking":  # a tensor from a Python list: a copy the host waits for
+        return lambda: keep.setdefault("t", torch.tensor(list(range(1024)), device="cuda")), keep
+    if case == "d2h_nonblocking":  # a copy into the caching host allocator's pinned memory
+        return lambda: keep.setdefault("h", x.to("cpu", non_blocking=True)), keep
     if case == "first_mm":
         return lambda: keep.setdefault("z", x @ x), keep
     if case == "first_kernel":
@@ -110,26 +119,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--lazy", action="store_true", help="keep the driver's lazy kernel loading")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each in a process of its own")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(a.child[0], a.child[1], a.lazy)
         return
-    bad = 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    for case in a.cases.split(","):
-        for side in ("queuer", "main"):
-            cmd = [sys.executable, __file__, "--child", case, side, *(["--lazy"] if a.lazy else [])]
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
-                lines = r.stdout.strip().splitlines()
-                ok = r.returncode == 0 and bool(lines)
-                said = f"X took {lines[-1]} s" if ok else \
-                    f"failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1][:120]}"
-                bad += not ok
-            except subprocess.TimeoutExpired:
-                said, bad = f"HUNG (no end within {DEADLINE_S:g} s)", bad + 1
-            print(f"{case:16s} {side:7s} {said}", flush=True)
+
+    def one(case_side: tuple[str, str]) -> tuple[bool, str]:
+        case, side = case_side
+        cmd = [sys.executable, __file__, "--child", case, side, *(["--lazy"] if a.lazy else [])]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+        except subprocess.TimeoutExpired:
+            return False, f"{case:16s} {side:7s} HUNG (no end within {DEADLINE_S:g} s)"
+        lines = r.stdout.strip().splitlines()
+        ok = r.returncode == 0 and bool(lines)
+        said = f"X took {lines[-1]} s" if ok else \
+            f"failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1][:120]}"
+        return ok, f"{case:16s} {side:7s} {said}"
+
+    todo = [(case, side) for case in a.cases.split(",") for side in ("queuer", "main")
+            if not (side == "queuer" and case in WAITING)]  # there it waits for itself, by design
+    bad = 0
+    with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        for ok, line in pool.map(one, todo):
+            bad += not ok
+            print(line, flush=True)
     sys.exit(1 if bad else 0)
 
 

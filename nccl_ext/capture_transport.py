@@ -155,8 +155,9 @@ class CaptureTransport(RankExchange, DeferredWaits):
     # -- sending --------------------------------------------------------------------------
     def _send(self, header, tensors=()) -> None:
         t0 = time.perf_counter()
+        messages = wire.frames(header, list(tensors))  # outside the lock: a GPU tensor's copy may wait
         with self._send_lock:
-            wire.send(self._conn, header, list(tensors))
+            wire.send_frames(self._conn, messages)
         self.busy_s["send"] += time.perf_counter() - t0
 
     def _span(self, until: float | None = None) -> tuple[float, float, float]:

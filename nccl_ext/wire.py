@@ -113,7 +113,16 @@ PACK_MAX_BYTES = 4 << 20
 
 
 def send(conn: Connection, header: Any, tensors: list[torch.Tensor] = ()) -> None:
-    """Send ``header`` plus ``tensors``; the caller holds the connection's send lock.
+    """Send ``header`` plus ``tensors``; the caller holds the connection's send lock."""
+    send_frames(conn, frames(header, tensors))
+
+
+def frames(header: Any, tensors: list[torch.Tensor] = ()) -> list:
+    """The messages that carry ``header`` plus ``tensors``, every tensor's bytes in host memory
+    already: take them before the connection's send lock and send them with
+    :func:`send_frames`. A GPU tensor's copy waits for its stream, which may wait (on the GPU)
+    for an earlier op that only the reader of this connection completes: a message half sent
+    then would hold that reader for good.
 
     A tensor given more than once (a folded all-gather's result repeats each stand-in's piece
     for every member it stands in for) travels once: the receiver gets the one tensor at each of
@@ -130,12 +139,14 @@ def send(conn: Connection, header: Any, tensors: list[torch.Tensor] = ()) -> Non
     descs = [TensorDesc(dtype_name(t.dtype), tuple(t.shape)) for t in distinct]
     packed = len(distinct) >= PACK_MIN and sum(t.numel() * t.element_size() for t in distinct) <= PACK_MAX_BYTES
     repeats = order if len(distinct) < len(order) else None
-    conn.send_bytes(pickle.dumps((header, descs, packed, repeats), protocol=pickle.HIGHEST_PROTOCOL))
-    if packed:
-        conn.send_bytes(b"".join(tensor_bytes(t) for t in distinct))
-        return
-    for t in distinct:
-        conn.send_bytes(tensor_bytes(t))
+    data = [b"".join(tensor_bytes(t) for t in distinct)] if packed else [tensor_bytes(t) for t in distinct]
+    return [pickle.dumps((header, descs, packed, repeats), protocol=pickle.HIGHEST_PROTOCOL), *data]
+
+
+def send_frames(conn: Connection, messages: list) -> None:
+    """Send what :func:`frames` made; the caller holds the connection's send lock."""
+    for m in messages:
+        conn.send_bytes(m)
 
 
 def recv(conn: Connection) -> tuple[Any, list[torch.Tensor]]:
