@@ -31,6 +31,7 @@ and any call the wrapper does not recognise as plain, take torch's own path unch
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -243,11 +244,23 @@ def inspect_params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-def install_step_marker(on_step: Callable[[], None]) -> None:
-    """Mark scheduling-unit boundaries at every optimizer step (torch's global post hook)."""
+def install_step_marker(on_step: Callable[[], None]):
+    """Call ``on_step`` once per training iteration: after every step of the lead optimizer, the
+    first torch optimizer that steps (torch's global post hook), while it lives. A framework that
+    steps several torch optimizers an iteration steps the lead once an iteration too: Megatron's
+    chained optimizers (dense, then expert parameters), with the distributed optimizer's
+    parameter all-gathers between their steps. Returns the hook's handle."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    register_optimizer_step_post_hook(lambda *_: on_step())
+    lead: list[weakref.ref] = []
+
+    def hook(optimizer, *_) -> None:
+        if not lead or lead[0]() is None:  # the first to step, or the lead was dropped
+            lead[:] = [weakref.ref(optimizer)]
+        if lead[0]() is optimizer:
+            on_step()
+
+    return register_optimizer_step_post_hook(hook)
 
 
 def close() -> None:

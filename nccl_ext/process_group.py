@@ -109,15 +109,10 @@ class PrismWorld:
     registry: GroupRegistry = field(init=False)
     ops_issued: int = 0
     """Communication ops this rank has issued (all groups)."""
-    _ops_at_last_step: int = -1
 
     def step_boundary(self) -> bool:
-        """Mark a scheduling-unit boundary, once per iteration even when a chained optimizer
-        (e.g. megatron's dense + expert optimizers) steps several torch optimizers.
+        """Mark a scheduling-unit boundary (once per iteration: :func:`nccl_ext.install.install_step_marker`).
         Returns whether a boundary was marked."""
-        if self.ops_issued == self._ops_at_last_step:
-            return False
-        self._ops_at_last_step = self.ops_issued
         self.transport.marker("step")
         return True
 

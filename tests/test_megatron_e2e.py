@@ -12,7 +12,9 @@ RECIPE = EXAMPLES / "megatron_gpt.py"
 JOBS = {
     "dense": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "moe": (4, ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0.01"]),
+                "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0.01",
+                # chained dense and expert optimizers, parameter all-gathers between their steps
+                "--use-distributed-optimizer"]),
 }
 SANDBOXES = {"dense": [[5], [0, 3]], "moe": [[1], [0, 3]]}
 
@@ -45,6 +47,16 @@ def test_capture_agrees_with_real_run(capture, tmp_path):
             assert a["head"] == b["head"]
             for k in a.keys() - {"head"}:
                 assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (rank, k, a[k], b[k])
+
+
+def test_one_scheduling_unit_per_iteration(capture):
+    from prism_launch.trace import TraceReader
+
+    name, d = capture
+    nproc, _ = JOBS[name]
+    iterations = len({m["head"].split()[-1] for m in logged_metrics(rank_lines(d / "logs", 0))})  # "step N", "rank R iter N"
+    markers = [e["rank"] for e in TraceReader(d / "trace").events().to_pylist() if e["kind"] == "marker"]
+    assert iterations == 3 and sorted(markers) == sorted(list(range(nproc)) * iterations)
 
 
 def test_emulation_is_bit_identical(capture, tmp_path):
