@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import torch
 
 from nccl_ext.device_flags import DeviceFlags, DeviceFlagsUnavailable, restore_context, self_test
-from nccl_ext.pending import Pending
+from nccl_ext.pending import LIMIT_KEY, CommDeadlineError, Pending
 
 MAX_DEFERRED = 1024
 """Ops whose waits are deferred at once, at most (past it the program waits on the host)."""
@@ -30,6 +31,9 @@ compile its kernels (a JIT-compiled kernel's module load may synchronize the con
 stream waiting for a flag would stop for good; ``torch.compile`` may compile again at the
 second call), make its cuBLAS handles, grow the exchange's arenas and open its peers' IPC
 handles. Upstream Megatron's second iteration is still several times its steady one."""
+
+WATCH_S = 0.5
+"""How often the watchdog of deferred ops looks whether their flags were written."""
 
 
 class DeferredWaits:
@@ -53,6 +57,10 @@ class DeferredWaits:
         self._deferred_error: BaseException | None = None
         self.deferred_waits = 0
         """Waits that returned at once, the program's stream waiting for the op on the GPU."""
+        self._watched: dict[int, Pending] = {}
+        """Deferred ops whose flags the watchdog has not seen written yet."""
+        self._watchdog: threading.Thread | None = None
+        self._stall: BaseException | None = None
 
     def _start_flags(self, device: torch.device, writer: torch.cuda.Stream) -> None:
         """The flags of this rank's GPU (before its first GPU op; ``writer``: the fold's stream),
@@ -165,12 +173,66 @@ class DeferredWaits:
         if program is None:  # this stream's wait would hold the fold's queue
             return False
         with self._order_lock:
-            if op_id not in self._open:
+            if op_id not in self._open or self._stall is not None:
                 return False
             self._deferred.add(op_id)
+            self._watched[op_id] = p
         self._flags.wait(program, op_id)
         self.deferred_waits += 1
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="prism-deferred-watchdog", daemon=True)
+            self._watchdog.start()
         return True
+
+    def _watch(self) -> None:
+        """Until the rank closes: a deferred op whose flag is not written by its deadline
+        (``comm.timeout_s``) stops the waits on the GPU (:meth:`_stalled`) — the program's stream
+        would otherwise wait for it for good, and a host copy behind it with it."""
+        while not self._closed.wait(WATCH_S):
+            now = time.monotonic()
+            with self._order_lock:
+                watched = list(self._watched.items())
+            for op_id, p in watched:
+                if self._flags.written(op_id):
+                    with self._order_lock:
+                        self._watched.pop(op_id, None)
+                elif now > p.deadline:
+                    self._stalled(op_id, p)
+                    return
+
+    def _stalled(self, op_id: int, p: Pending) -> None:
+        """Op ``op_id``'s flag was not written by its deadline: the op fails with a deadline
+        error that says where it stands, every deferred flag is written from the CPU (the
+        program's stream goes on), no wait is deferred from here on, and the program's next op
+        raises the error."""
+        with self._order_lock:
+            queued = op_id not in self._open
+            before = sorted(self._after.get(op_id, frozenset()) & self._deferred)
+            unanswered = sorted(o for o in self._open if o not in self._ready)
+            watched = sorted(self._watched)
+            self._watched.clear()
+        if queued:
+            where = "its fold was queued on the GPU and has not run (it waits there for a peer's contribution or an earlier op)"
+        elif before:
+            where = f"its fold waits for the folds of ops {before}, deferred before it was issued"
+        else:
+            where = "its peers' contributions have not all been staged (the coordinator has not answered it)"
+        error = CommDeadlineError(
+            f"deadline exceeded: {p.what}: its wait was passed on the GPU (capture.gpu_waits=true) and its results "
+            f"were not written within {p.timeout_s:g} s: {where}. Ops of this rank not answered yet: "
+            f"{unanswered[:16]}; deferred and not written: {watched[:16]}. Capture with capture.gpu_waits=false "
+            f"(each wait then blocks on the host), or raise {LIMIT_KEY}= if the peers are only slow")
+        self._stall = error
+        if self._deferred_error is None:
+            self._deferred_error = error
+        print(f"prism-launch: rank {self.rank}: {error}", file=sys.stderr, flush=True)
+        p.fail(error)
+        for o in watched:
+            try:
+                self._flags.release(o)
+            except Exception as e:  # noqa: BLE001 - the deadline error is the one to report
+                print(f"prism-launch: rank {self.rank}: could not release the GPU's wait for op {o}: {e}",
+                      file=sys.stderr, flush=True)
 
     def deferred_failed(self, p: Pending, error: BaseException) -> None:
         """Writing a deferred op's results failed after its wait returned: the next op raises it."""

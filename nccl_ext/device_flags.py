@@ -157,6 +157,10 @@ class DeviceFlags:
         _check(self._lib.cuStreamWriteValue32_v2(stream.cuda_stream, self._addr(op_id), (op_id + 1) & 0xFFFFFFFF,
                                                  _WRITE_DEFAULT), "cuStreamWriteValue32")
 
+    def written(self, op_id: int) -> bool:
+        """Whether op ``op_id``'s flag holds its value (read from the CPU)."""
+        return self._host[op_id % self.slots] >= ((op_id + 1) & 0xFFFFFFFF)
+
     def release(self, op_id: int) -> None:
         """Write op ``op_id``'s flag at once, from the CPU: the op failed, and whatever waits for
         it on the GPU must not wait forever (the program hears of the failure at its next op)."""

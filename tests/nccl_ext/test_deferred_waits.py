@@ -32,6 +32,12 @@ class Flags:
     def release(self, op_id):
         self.released.append(op_id)
 
+    def written(self, op_id):
+        return op_id in self.signalled or op_id in self.released or op_id in self.by_fold
+
+    by_fold = set()
+    """Ops whose folds wrote their flags on the GPU."""
+
 
 class Rank(DeferredWaits):
     def __init__(self, flags):
@@ -43,8 +49,8 @@ class Rank(DeferredWaits):
         self._flags = flags
 
 
-def _issue(rank, op_id):
-    p = Pending(f"op {op_id}", 30.0, op_id)
+def _issue(rank, op_id, timeout_s=30.0):
+    p = Pending(f"op {op_id}", timeout_s, op_id)
     rank._gpu_op(op_id, p)
     return p
 
@@ -170,3 +176,29 @@ def test_the_context_the_driver_makes_has_wide_queues_and_eager_kernels_while_os
     device_flags.restore_context()
     assert libc.getenv(b"CUDA_DEVICE_MAX_CONNECTIONS") is None
     assert libc.getenv(b"CUDA_MODULE_LOADING") == b"LAZY"
+
+
+def test_a_deferred_op_not_written_by_its_deadline_fails_and_releases_the_gpu(monkeypatch, capsys):
+    import time
+
+    from nccl_ext import deferred_waits
+
+    monkeypatch.setattr(deferred_waits, "WATCH_S", 0.02)
+    flags = Flags()
+    flags.by_fold = set()
+    rank = Rank(flags)
+    ok, stuck = _issue(rank, 0, timeout_s=0.2), _issue(rank, 1, timeout_s=0.2)
+    assert ok.defer() and stuck.defer()
+    flags.by_fold.add(0)  # op 0's fold wrote its flag; op 1's answer never comes
+    deadline = time.monotonic() + 10
+    while 1 not in flags.released and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(flags.released) == {1}  # the program's stream goes on; op 0 was written in time
+    assert stuck.error is not None and not ok.is_done
+    with pytest.raises(RuntimeError) as e:
+        rank._check_deferred()  # the program's next op
+    said = str(e.value)
+    assert "deadline exceeded: op 1" in said and "capture.gpu_waits=false" in said and "have not all been staged" in said
+    assert "rank 7: deadline exceeded: op 1" in capsys.readouterr().err
+    assert not _issue(rank, 2).defer()  # no wait is deferred any more
+    rank._closed.set()
