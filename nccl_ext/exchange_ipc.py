@@ -25,7 +25,9 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import sys
 import threading
+import time
 from collections import deque
 
 import torch
@@ -132,6 +134,7 @@ class DevicePeers:
         self._opened: dict[int, tuple[torch.Tensor, list]] = {}
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._lock = threading.Lock()
+        self._events_lock = threading.Lock()
 
     def _peer(self, rank: int) -> tuple[torch.Tensor, list]:
         with self._lock:
@@ -156,7 +159,10 @@ class DevicePeers:
         ev = self._events.get(key)
         if ev is None:
             _, handles = self._peer(rank)
-            ev = self._events[key] = torch.cuda.Event.from_ipc_handle(self.device, handles[index])
+            with self._events_lock:  # the reader's and the folds' threads: each handle opened once
+                ev = self._events.get(key)
+                if ev is None:
+                    ev = self._events[key] = torch.cuda.Event.from_ipc_handle(self.device, handles[index])
         return ev
 
 
@@ -192,6 +198,70 @@ class Retirer:
         self._thread.join(timeout_s)
 
 
+def _has_run(event) -> bool:
+    """Whether ``event`` has completed (one whose query fails counts as done: the fold's own wait
+    for it then fails the op and says why)."""
+    try:
+        return bool(event.query())
+    except Exception:  # noqa: BLE001 - see above
+        return True
+
+
+class EventGate:
+    """Calls each ``then()`` once all of its events have completed, polled from a thread of its
+    own (in the order they were put, among those ready at once); errors are said on stderr."""
+
+    POLL_S = 50e-6
+
+    def __init__(self, device: torch.device | None, name: str):
+        self._items: list[tuple[list, object]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, events: list, then) -> None:
+        with self._cv:
+            self._items.append((events, then))
+            self._cv.notify()
+
+    def _run(self, device) -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+        while True:
+            with self._cv:
+                while not self._items and not self._closed:
+                    self._cv.wait()
+                if not self._items:
+                    return
+                items = list(self._items)
+            ready = [item for item in items if all(_has_run(e) for e in item[0])]
+            if not ready:
+                time.sleep(self.POLL_S)
+                continue
+            with self._cv:
+                for item in ready:
+                    self._items.remove(item)
+            for _events, then in ready:
+                try:
+                    then()
+                except BaseException as e:  # noqa: BLE001 - the op's deadline names it; this says why
+                    self.error = self.error or e
+                    print(f"prism-launch: {self._thread.name}: queuing a fold failed: {type(e).__name__}: {e}",
+                          file=sys.stderr, flush=True)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop once what is queued has run (at most ``timeout_s``; a peer that never staged
+        leaves its op unqueued)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+        with self._cv:
+            self._items.clear()
+
+
 def done_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """An event recorded on ``stream`` now, whose wait yields the CPU."""
     ev = torch.cuda.Event(blocking=True)
@@ -211,6 +281,7 @@ class GpuExchange:
         self.arena = DeviceArena(directory, rank, self.device, nbytes)
         self.peers = DevicePeers(directory, self.device)
         self.retirer = Retirer(read, name=f"prism-gpu-exchange-{rank}")
+        self.gate = EventGate(self.device, name=f"prism-gpu-gate-{rank}")
         self.scope = scope
         self.ops = 0
         """Ops whose contribution or send was staged on the GPU."""
@@ -260,6 +331,23 @@ class GpuExchange:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
+
+    def when_staged(self, locations, then, gated: bool) -> None:
+        """Call ``then()`` (which queues a fold); ``gated``: once the peers' stagings at
+        ``locations`` (rank first) have run on their GPUs — at once where they have, else from the
+        gate's thread —, so the fold's stream never waits on the GPU for a peer. One stream folds
+        every group's ops, in the order they become ready; a fold waiting there for a peer would
+        hold the folds of other groups behind it — which that peer may itself wait for through
+        its program's stream: an op issued early and waited for late, with ops of another group
+        between, as NCCL allows (it runs each group's kernels on a stream of their own). Gated
+        where the program's waits go to the GPU (:mod:`nccl_ext.deferred_waits`): there the
+        program's host never stops at a wait. Else the rank's host blocks at each wait until its
+        result is queued, and a gate would make that wait for the peers' GPUs as well."""
+        events = [self.peers.event(loc[0], loc[3]) for loc in locations if is_device_location(loc)] if gated else ()
+        if all(_has_run(e) for e in events):
+            then()
+        else:
+            self.gate.put(events, then)
 
     def views(self, location, host_views) -> list[torch.Tensor] | None:
         """A member's pieces from its location (rank first): on a GPU — once the fold's stream
@@ -315,6 +403,7 @@ class GpuExchange:
     def close(self, timeout_s: float) -> None:
         """Report every op read whose fold is done (at most ``timeout_s``); a failure to wait for
         one is said on stderr (its regions stay: the capture's end names what is unfinished)."""
+        self.gate.close(timeout_s)
         self.retirer.close(timeout_s)
         if self.retirer.error is not None:
             import sys

@@ -56,3 +56,48 @@ def test_the_retire_thread_reports_each_op_read_in_order_and_keeps_its_first_fai
     r.close(5.0)
     assert read == [0, 2]  # the op whose fold could not be waited for is not reported read
     assert "op 1" in str(r.error) and "device lost" in str(r.error)
+
+
+def test_the_gate_queues_a_fold_only_once_its_peers_stagings_have_run_and_never_holds_a_ready_one():
+    """One stream folds every group's ops: a fold queued there before its peer's staging ran would
+    hold the folds of other groups behind it. The gate holds each op until its events are done;
+    an op whose peers are ready goes ahead of one still waiting, put earlier."""
+    import threading
+
+    from nccl_ext.exchange_ipc import EventGate
+
+    class Event:
+        def __init__(self, done=False):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    class Broken:
+        def query(self):
+            raise RuntimeError("peer gone")
+
+    ran, all_ran = [], threading.Event()
+
+    def then(name):
+        def f():
+            ran.append(name)
+            if len(ran) == 3:
+                all_ran.set()
+        return f
+
+    late = Event()
+    gate = EventGate(None, "test-gate")
+    gate.put([late, Event(True)], then("X: a peer's staging not run yet"))
+    gate.put([Event(True)], then("Y: ready"))
+    gate.put([Broken()], then("Z: its fold's own wait says why"))
+    deadline = threading.Event()
+    for _ in range(200):
+        if len(ran) == 2:
+            break
+        deadline.wait(0.01)
+    assert ran == ["Y: ready", "Z: its fold's own wait says why"]
+    late.done = True
+    assert all_ran.wait(5) and ran[-1] == "X: a peer's staging not run yet"
+    gate.close(5.0)
+    assert gate.error is None
