@@ -201,6 +201,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         if (tensors is None and call.standin is not None and self._captured is not None
                 and group.ranks[call.root] not in self._captured):
             tensors, contributes = call.standin, "standin"
+        self._from_host(p, call)
         header = ("coll", op_id, group.key, seq, call.api, str(call.kind),
                   None if call.reduce is None else str(call.reduce), call.root,
                   contributes, self.unit, t, wall, cpu)

@@ -61,6 +61,7 @@ class DeferredWaits:
         """Deferred ops whose flags the watchdog has not seen written yet."""
         self._watchdog: threading.Thread | None = None
         self._stall: BaseException | None = None
+        self._host_results: torch.cuda.Stream | None = None
 
     def _start_flags(self, device: torch.device, writer: torch.cuda.Stream) -> None:
         """The flags of this rank's GPU (before its first GPU op; ``writer``: the fold's stream),
@@ -72,10 +73,27 @@ class DeferredWaits:
         self._fold_stream = writer
         try:
             self._flags = self_test(device, writer)
+            self._host_results = torch.cuda.Stream(device)
         except (DeviceFlagsUnavailable, RuntimeError) as e:
             self._defer_enabled = False
             print(f"prism-launch: rank {self.rank}: waits on the GPU are unavailable ({e}); each collective's "
                   "wait blocks the rank until its peers have arrived", file=sys.stderr, flush=True)
+
+    def _from_host(self, p: Pending, call) -> None:
+        """Collective ``p`` (``call``) is answered through the host (the coordinator's): where
+        waits go to the GPU its results are copied into the program's tensors on a stream of
+        their own. The receiving thread's current stream is CUDA's legacy default one, which
+        Megatron computes on: a copy there would wait behind the program's waits for deferred ops
+        (a copy from host memory synchronizes), holding the thread that queues their folds. The
+        program's stream is drained here first (a contribution's copy to the host drains it
+        anyway), and its host blocks at the op's wait until the copy is done, so nothing of the
+        program's races the copy."""
+        if self._host_results is None:
+            return
+        cuda = [t for t in (*(call.tensors or ()), *(call.outputs or ())) if t.is_cuda]
+        if cuda:
+            torch.cuda.current_stream(cuda[0].device).synchronize()
+            p.apply_stream = self._host_results
 
     def _gpu_op(self, op_id: int, p: Pending, deferrable: bool = True) -> None:
         """Op ``op_id`` (its issue event recorded) will be completed by the GPU exchange: its fold
