@@ -89,6 +89,7 @@ class RankExchange:
                          for g, loc in enumerate(locations)]
                 return gpu_results(gpu.fold, kind, views, me, reduce, root)
 
+            self._await_staging(op_id)
             gpu.when_staged([loc for g, loc in enumerate(locations) if g != me],
                             lambda: self._in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results)),
                             gated=self._flags is not None)
@@ -135,6 +136,7 @@ class RankExchange:
         issue = self._recv_issue.pop(op_id, None)
         if issue is not None:
             gpu = self._gpu
+            self._await_staging(op_id)
             gpu.when_staged([location], lambda: self._in_order(op_id, lambda: self._complete_on_gpu(
                 op_id, issue, lambda: gpu_results(gpu.fold, Collective.BROADCAST,
                                                   [gpu.views(location, self._peers.views)], 0, None, 0))),

@@ -52,6 +52,8 @@ class DeferredWaits:
         self._after: dict[int, frozenset[int]] = {}
         """op id -> the ops deferred when it was issued (its fold waits for their flags)."""
         self._ready: dict[int, object] = {}
+        self._gated: set[int] = set()
+        """Answered ops whose folds wait for their peers' stagings to run (:meth:`_await_staging`)."""
         """op id -> the queuing of its fold, waiting for the folds of the ops in ``_after``."""
         self._draining = False
         self._deferred_error: BaseException | None = None
@@ -110,10 +112,16 @@ class DeferredWaits:
         if deferrable:
             p.defer = lambda: self._defer(op_id, p)
 
+    def _await_staging(self, op_id: int) -> None:
+        """Op ``op_id`` is answered; its fold waits for its peers' stagings to run on their GPUs."""
+        with self._order_lock:
+            self._gated.add(op_id)
+
     def _in_order(self, op_id: int, queue_fold) -> None:
         """Queue op ``op_id``'s fold (``queue_fold()``, which writes its flag after its results)
         once the ops deferred before it was issued have queued theirs (reader thread)."""
         with self._order_lock:
+            self._gated.discard(op_id)
             self._ready[op_id] = queue_fold
         self._run_ready()
 
@@ -161,6 +169,7 @@ class DeferredWaits:
             self._deferred.discard(op_id)
             self._after.pop(op_id, None)
             self._ready.pop(op_id, None)
+            self._gated.discard(op_id)
         flags = self._flags
         if p.error is None:
             if was_open:  # the copy into the program's tensors runs after this, on the current stream
@@ -226,11 +235,14 @@ class DeferredWaits:
         with self._order_lock:
             queued = op_id not in self._open
             before = sorted(self._after.get(op_id, frozenset()) & self._deferred)
-            unanswered = sorted(o for o in self._open if o not in self._ready)
+            gated = op_id in self._gated
+            unanswered = sorted(o for o in self._open if o not in self._ready and o not in self._gated)
             watched = sorted(self._watched)
             self._watched.clear()
         if queued:
-            where = "its fold was queued on the GPU and has not run (it waits there for a peer's contribution or an earlier op)"
+            where = "its fold was queued on the GPU and has not run (it waits there for the program's stream to reach the op)"
+        elif gated:
+            where = "it was answered, and a peer's staging of its contribution has not run on that peer's GPU"
         elif before:
             where = f"its fold waits for the folds of ops {before}, deferred before it was issued"
         else:

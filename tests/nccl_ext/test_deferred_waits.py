@@ -202,3 +202,22 @@ def test_a_deferred_op_not_written_by_its_deadline_fails_and_releases_the_gpu(mo
     assert "rank 7: deadline exceeded: op 1" in capsys.readouterr().err
     assert not _issue(rank, 2).defer()  # no wait is deferred any more
     rank._closed.set()
+
+
+def test_a_deferred_op_whose_peer_never_staged_says_so_at_its_deadline(monkeypatch):
+    import time
+
+    from nccl_ext import deferred_waits
+
+    monkeypatch.setattr(deferred_waits, "WATCH_S", 0.02)
+    flags = Flags()
+    flags.by_fold = set()
+    rank = Rank(flags)
+    p = _issue(rank, 0, timeout_s=0.2)
+    assert p.defer()
+    rank._await_staging(0)  # answered; the gate waits for a peer's staging event that never completes
+    deadline = time.monotonic() + 10
+    while p.error is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "a peer's staging of its contribution has not run" in str(p.error) and 0 in flags.released
+    rank._closed.set()
