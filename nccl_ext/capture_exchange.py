@@ -92,7 +92,7 @@ class RankExchange:
             self._await_staging(op_id)
             gpu.when_staged([loc for g, loc in enumerate(locations) if g != me],
                             lambda: self._in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results)),
-                            gated=self._flags is not None)
+                            gated=self._deferring)
             return
         on_device = self._fold_on(device)
 
@@ -140,7 +140,7 @@ class RankExchange:
             gpu.when_staged([location], lambda: self._in_order(op_id, lambda: self._complete_on_gpu(
                 op_id, issue, lambda: gpu_results(gpu.fold, Collective.BROADCAST,
                                                   [gpu.views(location, self._peers.views)], 0, None, 0))),
-                            gated=self._flags is not None)
+                            gated=self._deferring)
             return
         on_device = self._fold_on(device)
 

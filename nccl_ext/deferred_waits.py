@@ -81,6 +81,13 @@ class DeferredWaits:
             print(f"prism-launch: rank {self.rank}: waits on the GPU are unavailable ({e}); each collective's "
                   "wait blocks the rank until its peers have arrived", file=sys.stderr, flush=True)
 
+    @property
+    def _deferring(self) -> bool:
+        """Whether waits may go to the GPU now (flags, and past the program's first steps): the
+        orderings that only deferred waits need hold from then on; the first steps run as
+        without waits on the GPU."""
+        return self._flags is not None and self.unit >= DEFER_FROM_STEP
+
     def _from_host(self, p: Pending, call) -> None:
         """Collective ``p`` (``call``) is answered through the host (the coordinator's): where
         waits go to the GPU its results are copied into the program's tensors on a stream of
@@ -90,7 +97,7 @@ class DeferredWaits:
         program's stream is drained here first (a contribution's copy to the host drains it
         anyway), and its host blocks at the op's wait until the copy is done, so nothing of the
         program's races the copy."""
-        if self._host_results is None:
+        if self._host_results is None or not self._deferring:
             return
         cuda = [t for t in (*(call.tensors or ()), *(call.outputs or ())) if t.is_cuda]
         if cuda:

@@ -340,8 +340,8 @@ class GpuExchange:
         hold the folds of other groups behind it — which that peer may itself wait for through
         its program's stream: an op issued early and waited for late, with ops of another group
         between, as NCCL allows (it runs each group's kernels on a stream of their own). Gated
-        where the program's waits go to the GPU (:mod:`nccl_ext.deferred_waits`): there the
-        program's host never stops at a wait. Else the rank's host blocks at each wait until its
+        where the program's waits go to the GPU (:mod:`nccl_ext.deferred_waits`, from the
+        program's third step): there the program's host does not stop at a wait. Else the rank's host blocks at each wait until its
         result is queued, and a gate would make that wait for the peers' GPUs as well."""
         events = [self.peers.event(loc[0], loc[3]) for loc in locations if is_device_location(loc)] if gated else ()
         if all(_has_run(e) for e in events):
