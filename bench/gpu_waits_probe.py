@@ -17,8 +17,10 @@ import argparse
 import concurrent.futures
 import mmap
 import os
+import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,6 +31,10 @@ CASES = ("none", "first_kernel", "first_mm", "host_register", "host_unregister",
 WAITING = {"item", "h2d_blocking"}
 """Calls that wait for the device (for the program's stream: on the "main" side only)."""
 DEADLINE_S = 30.0
+"""Seconds a case's call X and the flag's write get, counted once the process is set up."""
+SETUP_S = 300.0
+"""Seconds a case's process gets to make its context (every kernel loaded up front: 13 s alone on
+the H200, longer with many cases at once) and reach the wait."""
 
 
 def _call(case: str, x):
@@ -96,6 +102,7 @@ def child(case: str, side: str, lazy: bool) -> None:
         x @ x  # cuBLAS's handle and kernels exist before the wait
     call, _keep = _call(case, x)
     torch.cuda.synchronize()
+    print("ready", flush=True)
     flags.wait(program, 5)
     x.add_(1)  # queued behind the wait
 
@@ -130,14 +137,31 @@ def main() -> None:
     def one(case_side: tuple[str, str]) -> tuple[bool, str]:
         case, side = case_side
         cmd = [sys.executable, __file__, "--child", case, side, *(["--lazy"] if a.lazy else [])]
+        errs = tempfile.TemporaryFile("w+")  # read after the end: a full pipe would stop the case
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errs, text=True, env=env)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x.strip()) for x in proc.stdout] + [lines.put(None)],
+                         daemon=True).start()
+        got, limit = [], SETUP_S  # the set-up's deadline, then the case's own from "ready"
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
-        except subprocess.TimeoutExpired:
-            return False, f"{case:16s} {side:7s} HUNG (no end within {DEADLINE_S:g} s)"
-        lines = r.stdout.strip().splitlines()
-        ok = r.returncode == 0 and bool(lines)
-        said = f"X took {lines[-1]} s" if ok else \
-            f"failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1][:120]}"
+            while True:
+                line = lines.get(timeout=limit)
+                if line is None:
+                    break
+                got.append(line)
+                if line == "ready":
+                    limit = DEADLINE_S
+        except queue.Empty:
+            proc.kill()
+            proc.wait()
+            what = f"no end within {DEADLINE_S:g} s of its wait" if "ready" in got else f"not set up within {SETUP_S:g} s"
+            return False, f"{case:16s} {side:7s} HUNG ({what})"
+        rc = proc.wait()
+        errs.seek(0)
+        err = errs.read()
+        ok = rc == 0 and len(got) > 1
+        said = f"X took {got[-1]} s" if ok else \
+            f"failed (exit {rc}): {(err.strip().splitlines() or ['?'])[-1][:120]}"
         return ok, f"{case:16s} {side:7s} {said}"
 
     todo = [(case, side) for case in a.cases.split(",") for side in ("queuer", "main")
