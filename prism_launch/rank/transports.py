@@ -47,7 +47,8 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
     met through node 0's store (``physical.endpoint`` on several nodes). Both the store's
     connection and the group's forming end by ``timeout_s`` (``comm.timeout_s``); a process
     that never arrives (its node's prism-launch not started, or started with other
-    ``physical.*`` values) fails every one that did, naming it."""
+    ``physical.*`` values) fails every one that did, naming it. Where every member arrived and
+    gloo's full mesh still failed, every member tries again (:func:`_connected`)."""
     if size < 2:
         return None, None
     import datetime
@@ -69,7 +70,7 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
             f"raise {LIMIT_KEY}=") from exc
     store.set(_arrived_key(index), "1")
     try:
-        group = dist.ProcessGroupGloo(dist.PrefixStore("prism/physical", store), index, size, timeout)
+        group = _connected(dist, store, index, size, timeout)
     except Exception as exc:  # noqa: BLE001 - c10d raises its own error types
         missing = [i for i in range(size) if not store.check([_arrived_key(i)])]
         names = [f"sandbox rank {e.sandbox[i]}" if i < len(e.sandbox) else "the assistant" for i in missing]
@@ -88,6 +89,41 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
             f"the same physical.nodes and physical.endpoint and its physical.node_rank; or raise {LIMIT_KEY}= "
             f"({_first_line(exc)})") from exc
     return group, store
+
+
+CONNECT_ATTEMPTS = 3
+"""Times the physical group tries to connect its members when gloo's full mesh fails with every
+member present (on a loaded machine one pair's connection is at times closed while it forms)."""
+
+
+def _connected(dist, store, index: int, size: int, timeout):
+    """The gloo group of the ``size`` members, formed anew — by every member — while gloo's full
+    mesh fails for any of them, at most :data:`CONNECT_ATTEMPTS` times: after each try a member
+    says on the store whether it connected and waits for the others' word (a member that
+    connected drops its group when another did not). Raises the last failure."""
+    for attempt in range(CONNECT_ATTEMPTS):
+        group, failure = None, None
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"prism/physical/{attempt}", store), index, size, timeout)
+        except Exception as exc:  # noqa: BLE001 - c10d raises its own error types
+            failure = exc
+        if failure is not None and not store.check([_arrived_key(i) for i in range(size)]):
+            raise failure  # a member never arrived: no other try brings it
+        store.set(f"prism/physical-connected/{attempt}/{index}", "0" if failure else "1")
+        keys = [f"prism/physical-connected/{attempt}/{i}" for i in range(size)]
+        try:  # a member whose try failed at once waits for one still in its own (up to ``timeout``)
+            store.wait(keys, 2 * timeout)
+        except Exception:  # noqa: BLE001 - a member never said: it is gone, and this try's failure says why
+            if failure is None:
+                raise
+            raise failure from None
+        if all(store.get(k) == b"1" for k in keys):
+            return group
+        if attempt == CONNECT_ATTEMPTS - 1:
+            raise failure or RuntimeError(f"another member of the physical group could not connect to it "
+                                          f"({CONNECT_ATTEMPTS} tries)")
+        del group
+    raise AssertionError("unreachable")
 
 
 def _arrived_key(index: int) -> str:

@@ -59,3 +59,38 @@ def test_a_group_whose_members_all_arrived_but_did_not_connect_says_so():
     assert msg.startswith("sandbox rank 0: every member of the physical group (sandbox ranks [0, 5]) arrived, "
                           "but connecting them failed: ")
     assert "never arrived" not in msg and "logs" in msg
+
+
+def test_a_mesh_that_fails_to_connect_once_with_every_member_present_is_formed_again(monkeypatch):
+    """On a loaded machine gloo's full mesh at times fails with every member present (a pair's
+    connection closed while it formed): every member tries again, and the group works."""
+    import threading
+
+    import torch
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    real = dist.ProcessGroupGloo
+    tries = []
+
+    def flaky(prefix_store, rank, size, timeout):
+        tries.append(rank)
+        if rank == 1 and tries.count(1) == 1:
+            raise RuntimeError("Gloo connectFullMesh failed with ... Connection closed by peer")
+        return real(prefix_store, rank, size, timeout)
+
+    monkeypatch.setattr(dist, "ProcessGroupGloo", flaky)
+    out = {}
+
+    def member(i):
+        group, _ = physical_group(_plan(f"127.0.0.1:{store.port}"), i, 2, 3.0)
+        t = torch.tensor([float(i + 1)])
+        group.allreduce([t]).wait()
+        out[i] = t.item()
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: 3.0, 1: 3.0} and sorted(tries) == [0, 0, 1, 1]
