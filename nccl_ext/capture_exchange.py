@@ -49,6 +49,8 @@ class RankExchange:
         device = next((x.device for x in (*(call.tensors or ()), *(call.outputs or ()), *(call.standin or ()))
                        if x.is_cuda), None)
         gpu = self._gpu if self._gpu is not None and device == self._gpu.device else None
+        if gpu is not None:
+            gpu.peers.meet(r for r in group.ranks if r != self.rank)
         location = None
         if call.tensors is not None:
             t0 = time.perf_counter()

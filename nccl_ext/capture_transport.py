@@ -322,6 +322,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         if like.is_cuda:
             self._recv_on[op_id] = like.device
             if self._gpu is not None and like.device == self._gpu.device:
+                self._gpu.peers.meet((src,))
                 self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
                 self._gpu_op(op_id, p, deferrable=False)
         self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
@@ -370,6 +371,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                                              "exchanged_ops": self.exchanged_ops,
                                              "gpu_staged": self._gpu.ops if self._gpu else 0,
                                              "gpu_full": self._gpu.arena.full if self._gpu else 0,
+                                             "peers_opened_late": self._gpu.peers.opened_late if self._gpu else 0,
                                              "fold_finish": round(folds.finish_s, 3) if folds else 0.0,
                                              "thread_cpu_s": thread_cpu_seconds(),
                                              **{k: round(v, 3) for k, v in self.busy_s.items()}}))

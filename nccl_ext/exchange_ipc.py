@@ -126,27 +126,55 @@ class DeviceArena:
 
 
 class DevicePeers:
-    """The peers' device buffers and events, each opened once (by CUDA IPC)."""
+    """The peers' device buffers and events, each peer opened once by CUDA IPC — its buffer and
+    every one of its events together.
+
+    Opening an IPC handle takes the driver's context lock for writing, which a thread blocked in
+    a synchronous copy holds while the copy waits for its stream (H200, driver 580: a rank's
+    reader thread sat in ``cuIpcOpenEventHandle`` while its program sat in a copy to the host
+    behind a deferred wait whose fold that reader was about to queue). So nothing is opened
+    lazily per op: a peer's events all come with it, and the program's thread opens the peers
+    of each op it issues (:meth:`meet`), where it holds no such lock, before any thread needs
+    them."""
 
     def __init__(self, directory: str, device: torch.device):
         self.directory = directory
         self.device = device
         self._opened: dict[int, tuple[torch.Tensor, list]] = {}
-        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._lock = threading.Lock()
-        self._events_lock = threading.Lock()
+        self.opened_late = 0
+        """Peers opened by a thread other than the program's (first met in a location)."""
 
     def _peer(self, rank: int) -> tuple[torch.Tensor, list]:
+        got = self._opened.get(rank)
+        if got is not None:
+            return got
         with self._lock:
             got = self._opened.get(rank)
             if got is None:
                 with open(handle_path(self.directory, rank), "rb") as f:
                     buf, handles = pickle.loads(f.read())
-                got = self._opened[rank] = (buf, handles)
+                events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles]
+                got = self._opened[rank] = (buf, events)
+        return got
+
+    def meet(self, ranks) -> None:
+        """Open the peers among ``ranks`` that have published their buffers and are not open yet
+        (the program's thread, at an op's issue; one that has not published yet is opened when
+        its location arrives)."""
+        for rank in ranks:
+            if rank not in self._opened and os.path.exists(handle_path(self.directory, rank)):
+                self._peer(rank)
+
+    def _late(self, rank: int) -> tuple[torch.Tensor, list]:
+        got = self._opened.get(rank)
+        if got is None:
+            got = self._peer(rank)
+            self.opened_late += 1
         return got
 
     def views(self, rank: int, descs) -> list[torch.Tensor]:
-        buf, _ = self._peer(rank)
+        buf, _ = self._late(rank)
         out = []
         for off, dt, shape in descs:
             dtype = wire.dtype_from_name(dt)
@@ -155,15 +183,7 @@ class DevicePeers:
         return out
 
     def event(self, rank: int, index: int) -> torch.cuda.Event:
-        key = (rank, index)
-        ev = self._events.get(key)
-        if ev is None:
-            _, handles = self._peer(rank)
-            with self._events_lock:  # the reader's and the folds' threads: each handle opened once
-                ev = self._events.get(key)
-                if ev is None:
-                    ev = self._events[key] = torch.cuda.Event.from_ipc_handle(self.device, handles[index])
-        return ev
+        return self._late(rank)[1][index]
 
 
 class Retirer:

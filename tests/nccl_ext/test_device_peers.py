@@ -1,0 +1,66 @@
+"""A peer's IPC handles are opened once, all together, by the program's thread at an op's issue
+(:class:`nccl_ext.exchange_ipc.DevicePeers`): opening one takes the driver's context lock for
+writing, so the reader thread that queues folds must never open one while the program's thread
+may sit in a synchronous copy behind a deferred wait. CUDA's opening is replaced by a recorder
+here; what is checked is who opens what, and when."""
+
+import os
+import pickle
+import threading
+
+import torch
+
+from nccl_ext.exchange_ipc import DevicePeers, handle_path
+
+EVENTS = 16
+
+
+def _publish(directory, rank):
+    handles = [f"r{rank}e{i}".encode() for i in range(EVENTS)]
+    with open(handle_path(directory, rank), "wb") as f:
+        f.write(pickle.dumps((torch.arange(64, dtype=torch.uint8), handles)))
+
+
+def _recorder(monkeypatch):
+    opened = []
+
+    def from_ipc_handle(device, handle):
+        opened.append((threading.current_thread().name, handle))
+        return ("event", handle)
+
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(from_ipc_handle), raising=False)
+    return opened
+
+
+def test_the_program_thread_opens_a_peer_with_every_event_and_no_other_thread_opens_it_again(tmp_path, monkeypatch):
+    opened = _recorder(monkeypatch)
+    _publish(tmp_path, 1)
+    peers = DevicePeers(str(tmp_path), torch.device("cpu"))
+    peers.meet([1, 2])  # rank 2 has not published yet: left for later
+    me = threading.current_thread().name
+    assert opened == [(me, f"r1e{i}".encode()) for i in range(EVENTS)]
+
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(
+        [peers.event(1, i) for i in (EVENTS - 1, 0, 7)] + [peers.views(1, [(8, "uint8", [4])])]),
+        name="prism-capture-reader")
+    reader.start()
+    reader.join(10)
+    assert got[:3] == [("event", f"r1e{i}".encode()) for i in (EVENTS - 1, 0, 7)]
+    assert got[3][0].tolist() == [8, 9, 10, 11]
+    assert len(opened) == EVENTS and peers.opened_late == 0
+    peers.meet([1])
+    assert len(opened) == EVENTS
+
+
+def test_a_peer_first_met_in_a_location_is_opened_there_whole_and_counted(tmp_path, monkeypatch):
+    opened = _recorder(monkeypatch)
+    peers = DevicePeers(str(tmp_path), torch.device("cpu"))
+    peers.meet([3])
+    assert opened == [] and not os.path.exists(handle_path(str(tmp_path), 3))
+    _publish(tmp_path, 3)
+    assert peers.event(3, 5) == ("event", b"r3e5")
+    assert [h for _, h in opened] == [f"r3e{i}".encode() for i in range(EVENTS)]
+    assert peers.opened_late == 1
+    peers.event(3, 9)
+    assert peers.opened_late == 1 and len(opened) == EVENTS
