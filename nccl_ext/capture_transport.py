@@ -368,6 +368,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                                              "device_folds": folds.device_ops if folds else 0,
                                              "host_folds": folds.host_ops if folds else 0,
                                              "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
+                                             "left_pageable": self._peers.left_pageable if self._peers else 0,
                                              "exchanged_ops": self.exchanged_ops,
                                              "gpu_staged": self._gpu.ops if self._gpu else 0,
                                              "gpu_full": self._gpu.arena.full if self._gpu else 0,

@@ -88,6 +88,13 @@ class DeferredWaits:
         without waits on the GPU."""
         return self._flags is not None and self.unit >= DEFER_FROM_STEP
 
+    def _may_lock_pages(self) -> bool:
+        """Whether the calling thread may page-lock (or unlock) host memory for the GPU now: the
+        program's thread always; helper threads until waits go to the GPU (the program may then
+        sit in a synchronous copy behind a deferred op whose fold a helper queues, holding the
+        driver's lock that page-locking takes for writing)."""
+        return not self._deferring or threading.current_thread() is threading.main_thread()
+
     def _from_host(self, p: Pending, call) -> None:
         """Collective ``p`` (``call``) is answered through the host (the coordinator's): where
         waits go to the GPU its results are copied into the program's tensors on a stream of

@@ -189,12 +189,16 @@ def _clear_cuda_error() -> None:
 class Arena:
     """One rank's staging area: :meth:`put` copies a contribution in (from any device) and says
     where it lies; :meth:`free` gives the region back. With ``pin``, its files are page-locked
-    for the GPU (:func:`pin`)."""
+    for the GPU (:func:`pin`); ``pin_ok()``: whether the calling thread may unlock one now (see
+    :class:`PeerViews`) — else a drained generation stays locked until the next :meth:`put`."""
 
-    def __init__(self, directory: str, rank: int, initial_bytes: int = _MIN_BYTES, *, pin: bool = False) -> None:
+    def __init__(self, directory: str, rank: int, initial_bytes: int = _MIN_BYTES, *, pin: bool = False,
+                 pin_ok=None) -> None:
         self.directory = directory
         self.rank = rank
         self.pin = pin
+        self._pin_ok = pin_ok
+        self._drained: list[_Segment] = []
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._current: _Segment | None = None
@@ -222,6 +226,8 @@ class Arena:
         sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
         total = max(_ALIGN, sum(sizes))
         with self._lock:
+            while self._drained:
+                self._drop(self._drained.pop())
             seg = self._current
             start = seg.take(total) if seg is not None else None
             if start is None:
@@ -248,7 +254,10 @@ class Arena:
                 return
             seg.give(start, total)
             if seg is not self._current and seg.live == 0:
-                self._drop(seg)
+                if seg.pinned is None or self._pin_ok is None or self._pin_ok():
+                    self._drop(seg)
+                elif seg not in self._drained:
+                    self._drained.append(seg)
 
     def _drop(self, seg: _Segment) -> None:
         self._segments.pop(seg.gen, None)
@@ -267,15 +276,25 @@ class Arena:
         with self._lock:
             for seg in list(self._segments.values()):
                 self._drop(seg)
+            self._drained.clear()
             self._current = None
 
 
 class PeerViews:
-    """Views of other ranks' arenas (each generation mapped once; page-locked with ``pin``)."""
+    """Views of other ranks' arenas (each generation mapped once; page-locked with ``pin`` where
+    ``pin_ok()`` says the calling thread may, else left pageable).
 
-    def __init__(self, directory: str, *, pin: bool = False) -> None:
+    Page-locking takes the driver's context lock for writing, which a thread blocked in a
+    synchronous copy holds while the copy waits for its stream. Where the program's stream waits
+    on the GPU for ops whose folds a helper thread queues (:mod:`nccl_ext.deferred_waits`), that
+    helper must not lock pages: the program may sit in such a copy behind one of those ops."""
+
+    def __init__(self, directory: str, *, pin: bool = False, pin_ok=None) -> None:
         self.directory = directory
         self.pin = pin
+        self._pin_ok = pin_ok
+        self.left_pageable = 0
+        """Generations mapped without page-locking because ``pin_ok()`` said no."""
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._pinned: dict[tuple[int, int], int | None] = {}
         self._lock = threading.Lock()
@@ -288,8 +307,10 @@ class PeerViews:
             mm = self._maps.get(key)
             if mm is None:
                 mm = self._maps[key] = _map(arena_path(self.directory, rank, gen))
-                if self.pin:
+                if self.pin and (self._pin_ok is None or self._pin_ok()):
                     self._pinned[key] = pin(mm)
+                elif self.pin:
+                    self.left_pageable += 1
         return mm
 
     def view(self, rank: int, gen: int, offset: int, dtype: str, shape) -> torch.Tensor:

@@ -64,3 +64,56 @@ def test_a_peer_first_met_in_a_location_is_opened_there_whole_and_counted(tmp_pa
     assert peers.opened_late == 1
     peers.event(3, 9)
     assert peers.opened_late == 1 and len(opened) == EVENTS
+
+
+def test_helper_threads_do_not_lock_or_unlock_pages_once_told_not_to(tmp_path, monkeypatch):
+    """Host arenas: a generation first mapped, or drained, on a thread that may not lock pages
+    now stays pageable, or stays locked until the program's next staging drops it."""
+    from nccl_ext import exchange
+
+    calls = []
+    monkeypatch.setattr(exchange, "pin", lambda mm: calls.append("pin") or 1000 + len(calls))
+    monkeypatch.setattr(exchange, "unpin", lambda ptr: calls.append(("unpin", ptr)))
+    allowed = [True]
+    d = str(tmp_path)
+    arena = exchange.Arena(d, 0, initial_bytes=1 << 20, pin=True, pin_ok=lambda: allowed[0])
+    gen0, _descs, first = arena.put([torch.zeros(1024)])
+    assert calls == ["pin"]
+    peers = exchange.PeerViews(d, pin=True, pin_ok=lambda: allowed[0])
+
+    allowed[0] = False  # waits went to the GPU, and this is a helper thread
+    _gen1, _, second = arena.put([torch.zeros(1 << 18)])  # does not fit: generation 1, locked by the program
+    assert calls == ["pin", "pin"]
+    assert peers.view(0, gen0, 0, "float32", [4]).tolist() == [0.0] * 4
+    assert calls == ["pin", "pin"] and peers.left_pageable == 1
+    arena.free(first)  # generation 0 drained on a helper thread: not unlocked there
+    assert calls == ["pin", "pin"] and os.path.exists(exchange.arena_path(d, 0, gen0))
+    arena.put([torch.ones(4)])  # the program's next staging unlocks and drops it
+    assert calls == ["pin", "pin", ("unpin", 1001)]
+    assert not os.path.exists(exchange.arena_path(d, 0, gen0))
+    arena.free(second)
+    peers.close()
+    arena.close()
+
+
+def test_only_the_program_thread_locks_pages_once_waits_go_to_the_gpu():
+    from nccl_ext.deferred_waits import DEFER_FROM_STEP, DeferredWaits
+
+    w = DeferredWaits()
+    w._flags, w.unit = None, DEFER_FROM_STEP  # no flags: waits never go to the GPU
+    seen = []
+
+    def helper():
+        seen.append(w._may_lock_pages())
+
+    def run():
+        t = threading.Thread(target=helper)
+        t.start()
+        t.join(10)
+        return seen.pop()
+
+    assert run() is True
+    w._flags, w.unit = object(), DEFER_FROM_STEP - 1  # the program's first steps
+    assert run() is True
+    w.unit = DEFER_FROM_STEP
+    assert run() is False and w._may_lock_pages() is True
