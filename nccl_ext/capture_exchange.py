@@ -12,10 +12,13 @@ import torch
 from nccl_ext.exchange import Arena, PeerViews, detached
 from nccl_ext.exchange_device import DeviceFold, gpu_results
 from nccl_ext.exchange_ipc import GpuExchange, is_device_location
+from nccl_ext.folded import fold_into, shard_indices, weighted_sum
 from nccl_ext.groups import GroupInfo
 from nccl_ext.ops import Collective, compute
 from nccl_ext.pending import Pending
 from nccl_ext.process_group import CollectiveCall
+from nccl_ext.results import raw
+from nccl_ext.wire import untracked_empty
 
 
 class RankExchange:
@@ -39,10 +42,12 @@ class RankExchange:
             self.busy_s["apply"] += time.perf_counter() - t0
             self._send(("xread", op_id))
 
-    def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
+    def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, folded: bool = False) -> Pending:
         """A collective among captured ranks only: the contribution is staged in this rank's arena,
         the coordinator gets where it lies, and once every member has staged its own this rank
-        computes its result from their pieces (:meth:`_compute_exchanged`)."""
+        computes its result from their pieces (:meth:`_compute_exchanged`). ``folded``: a folded
+        group's weighted reduction (:func:`nccl_ext.folded.exchangeable`), computed from its
+        captured members' pieces into the caller's tensors (:meth:`_compute_folded`)."""
         op_id, p = self._new_pending(what)
         t, wall, cpu = self._span()
         self._open_exchange()
@@ -60,6 +65,9 @@ class RankExchange:
         if issue is not None:
             self._gpu_op(op_id, p)
         self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device, issue)
+        if folded:
+            self.folded_exchanged_ops += 1
+            self._xtargets[op_id] = list(call.outputs if call.kind is Collective.REDUCE_SCATTER else call.tensors)
         self._x_sent[op_id] = time.monotonic()
         self.exchanged_ops += 1
         self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
@@ -79,9 +87,13 @@ class RankExchange:
         gen, descs, self._regions[op_id] = self._arena.put(tensors)
         return gen, descs
 
-    def _compute_exchanged(self, op_id: int, locations: list) -> None:
+    def _compute_exchanged(self, op_id: int, locations: list, parts: list | None = None) -> None:
         """Every member's contribution is staged: fold them (group-rank order, as the coordinator
-        would), tell the coordinator this rank has read them, complete the op."""
+        would), tell the coordinator this rank has read them, complete the op (``parts``: a
+        folded group's, :meth:`_compute_folded`)."""
+        if parts is not None:
+            self._compute_folded(op_id, locations, parts)
+            return
         kind, reduce, root, me, own, device, issue = self._xops.pop(op_id)
         if issue is not None:
             gpu = self._gpu
@@ -115,6 +127,52 @@ class RankExchange:
             return out
 
         self._read_staged(op_id, read, "reading the peers' contributions", on_device)
+
+    def _compute_folded(self, op_id: int, locations: list, parts: list) -> None:
+        """A folded group's weighted reduction: this rank's result is the sum of ``parts``
+        (``(group rank, factor)``: its captured members' staged contributions, each stand-in's
+        scaled by how many members it stands in for) with the coordinator's arithmetic
+        (:mod:`nccl_ext.folded`), written into the caller's tensors — on the GPU's fold stream
+        where the pieces were staged there, else on the host."""
+        kind, reduce, _root, me, _own, device, issue = self._xops.pop(op_id)
+        targets = self._xtargets.pop(op_id)
+        n = len(locations)
+        used = sorted({g for g, _ in parts})
+        if issue is not None:
+            gpu = self._gpu
+
+            def pieces(g: int) -> list:
+                loc = locations[g]
+                if g != me:
+                    return gpu.views(loc, self._peers.views)
+                # its own staged copy (the caller's tensors are about to be written)
+                return gpu.own_views(loc[2]) if is_device_location(loc) else self._peers.views(loc)
+
+            def results() -> list:
+                got = {g: pieces(g) for g in used}
+                return _fold_targets(kind, reduce, n, me, parts, got, targets, gpu.fold.buf)
+
+            self._await_staging(op_id)
+            gpu.when_staged([loc for g, loc in enumerate(locations) if g != me and g in used],
+                            lambda: self._in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results)),
+                            gated=self._deferring)
+            return
+
+        def read() -> list:
+            _host_only(locations)
+            got = {g: self._peers.views(locations[g]) for g in used}
+            if all(t.device.type == "cpu" for t in targets):
+                return _fold_targets(kind, reduce, n, me, parts, got, targets, self._host_fold_scratch())
+            first = got[parts[0][0]]  # a GPU rank without the GPU exchange: its results go back from the host
+            return [weighted_sum([(got[g][i], k) for g, k in parts], reduce, n)
+                    for i in shard_indices(kind, len(first), n, me)]
+
+        self._read_staged(op_id, read, "summing the folded group's staged contributions")
+
+    def _host_fold_scratch(self) -> torch.Tensor:
+        if self._fold_scratch is None:
+            self._fold_scratch = untracked_empty((FOLD_SCRATCH_BYTES,), torch.uint8)
+        return self._fold_scratch
 
     def _complete_on_gpu(self, op_id: int, issue: tuple, results) -> None:
         """Complete op ``op_id`` through the GPU exchange (``issue``: the event and program stream
@@ -205,6 +263,23 @@ class RankExchange:
             self._arena = Arena(self._exchange, self.rank, pin=pinned, pin_ok=self._may_lock_pages)
             self._peers = PeerViews(self._exchange, pin=pinned, pin_ok=self._may_lock_pages)
         return self._arena, self._peers
+
+
+FOLD_SCRATCH_BYTES = 16 << 20
+"""Slice buffer of a folded weighted reduction summed on the host (:func:`nccl_ext.folded.fold_into`)."""
+
+
+def _fold_targets(kind, reduce, n: int, me: int, parts: list, got: dict, targets: list, scratch) -> list:
+    """Write member ``me``'s weighted sums into ``targets`` (the caller's tensors), one slice of
+    ``scratch`` at a time; returns them (the process group sees they are its own: no copy)."""
+    first = got[parts[0][0]]
+    for target, i in zip(targets, shard_indices(kind, len(first), n, me), strict=True):
+        out = raw(target) if target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype,
+                                                                     device=target.device)
+        fold_into(out, [(got[g][i], k) for g, k in parts], reduce, n, scratch)
+        if not target.is_contiguous():
+            raw(target).copy_(out)
+    return targets
 
 
 def _results_are_views() -> None:

@@ -24,7 +24,7 @@ from multiprocessing.connection import Client
 
 import torch
 
-from nccl_ext import mirrored, synth, wire
+from nccl_ext import folded, mirrored, synth, wire
 from nccl_ext.capture_exchange import RankExchange
 from nccl_ext.deferred_waits import DeferredWaits
 from nccl_ext.exchange import PIN_COUNTS, Arena, PeerViews
@@ -57,7 +57,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
     def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
                  captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0,
                  exchange: str | None = None, gpu_exchange_bytes: int = 0, scope: frozenset[int] | None = None,
-                 gpu_waits: bool = False):
+                 gpu_waits: bool = False, fold_exchange: bool = False):
         self.rank = rank
         self._init_deferred(gpu_waits)
         self.synthesize = payload == "none"
@@ -88,6 +88,13 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._arena: Arena | None = None
         self._peers: PeerViews | None = None
         self._xops: dict[int, tuple] = {}
+        self._xtargets: dict[int, list] = {}
+        """op id -> the caller's tensors a folded exchanged reduction writes (:meth:`_compute_folded`)."""
+        self._fold_exchange = fold_exchange and self._exchange is not None
+        """A folded group's weighted reductions are summed by its captured members from each
+        other's staged contributions (:func:`nccl_ext.folded.exchangeable`), not by the coordinator."""
+        self._fold_scratch: torch.Tensor | None = None
+        self.folded_exchanged_ops = 0
         """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
         self._regions: dict[int, tuple] = {}
         """op id -> the arena region its contribution occupies until every member has read it."""
@@ -192,6 +199,9 @@ class CaptureTransport(RankExchange, DeferredWaits):
         keep = self._mirrored.get(group.key)
         if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
             return self._mirrored_op(group, seq, call, what, keep)
+        if self._fold_exchange and call.tensors and \
+                folded.exchangeable(call.kind, call.reduce, group.ranks, self._captured, EXCHANGE_MAX_MEMBERS):
+            return self._exchanged(group, seq, call, what, folded=True)
         if self._exchange is not None and call.kind is not Collective.BARRIER and \
                 group.size <= EXCHANGE_MAX_MEMBERS and (self._captured is None or self._captured.issuperset(group.ranks)):
             return self._exchanged(group, seq, call, what)
@@ -370,6 +380,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                                              "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
                                              "left_pageable": self._peers.left_pageable if self._peers else 0,
                                              "exchanged_ops": self.exchanged_ops,
+                                             "folded_exchanged_ops": self.folded_exchanged_ops,
                                              "gpu_staged": self._gpu.ops if self._gpu else 0,
                                              "gpu_full": self._gpu.arena.full if self._gpu else 0,
                                              "peers_opened_late": self._gpu.peers.opened_late if self._gpu else 0,
@@ -420,7 +431,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                     if sent is not None and len(header) > 3:
                         self.busy_s["x_until_complete"] += max(0.0, header[3] - sent)
                         self.busy_s["x_to_reader"] += max(0.0, self._alive - header[3])
-                    self._compute_exchanged(header[1], header[2])
+                    self._compute_exchanged(header[1], header[2], header[4] if len(header) > 4 else None)
                     continue
                 if kind == "sok":
                     self._receive_result(header[1], header[2])

@@ -369,6 +369,16 @@ class GpuExchange:
         else:
             self.gate.put(events, then)
 
+    def own_views(self, descs) -> list[torch.Tensor]:
+        """This rank's own staged pieces (its ``descs``) in its device buffer: ordered before the
+        program's issue event, which every fold waits for."""
+        out = []
+        for off, dt, shape in descs:
+            dtype = wire.dtype_from_name(dt)
+            n = wire.numel(shape) * dtype.itemsize
+            out.append(self.arena.buf[off:off + n].view(dtype).view(shape))
+        return out
+
     def views(self, location, host_views) -> list[torch.Tensor] | None:
         """A member's pieces from its location (rank first): on a GPU — once the fold's stream
         waits for its event — or in a host arena (``host_views``)."""

@@ -23,7 +23,7 @@ from nccl_ext import wire
 from nccl_ext.exchange import PeerViews
 from nccl_ext.exchange_ipc import is_device_location
 from nccl_ext.ops import Collective, ReduceKind, compute, contributors
-from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, weighted_reduction
+from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, FoldedResults, exchanged_terms, weighted_reduction
 from prism_launch.capture.ops_state import Arrival, Lags, OpGroup, PendingCollective, Reads, describe, op_label
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.notes import TraceNotes
@@ -45,7 +45,7 @@ class PayloadBudgetError(CaptureError):
     with ``none``)."""
 
 
-class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
+class Coordinator(SynthesizedOps, TraceNotes, StagedResults, FoldedResults):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
     (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`~prism_launch.capture.sink.MemorySink`)."""
 
@@ -425,8 +425,12 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         self.ops_completed += 1
 
     def _complete_exchanged(self, pc: PendingCollective) -> None:
-        """Every member staged its contribution: each computes its own result from the locations."""
+        """Every member staged its contribution: each computes its own result from the locations
+        (of a folded group: from its captured members', summed as ``parts`` says)."""
         locations = [pc.locations.get(g) for g in range(len(pc.group.ranks))]
+        parts = exchanged_terms(pc, pc.group)
+        if parts is not None:
+            self._keep_folded(pc, parts)
         pc.contributions = []  # the coordinator's views of the regions: the members free them
         reads = Reads(len(pc.arrivals), [(a.conn, a.op_id) for g, a in pc.arrivals.items() if g in pc.locations],
                       pc.held)
@@ -435,7 +439,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         for arrival in pc.arrivals.values():
             self._reads[(arrival.rank, arrival.op_id)] = reads
             arrival.row["t_end"] = now
-            wire.send(arrival.conn, ("xok", arrival.op_id, locations, time.monotonic()))
+            wire.send(arrival.conn, ("xok", arrival.op_id, locations, time.monotonic(), parts))
             self.scheduler.answered(arrival.rank, arrival.op_id)
         self.busy_s["reply"] += time.perf_counter() - t0
         self.ops_completed += 1

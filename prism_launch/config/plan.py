@@ -50,6 +50,8 @@ class CapturePlan:
     """Each rank's device buffer of the exchange on CUDA (:mod:`nccl_ext.exchange_ipc`; 0: off)."""
     gpu_waits: bool = False
     """Waits on the exchange's GPU ops are deferred to the GPU (:mod:`nccl_ext.deferred_waits`)."""
+    fold_exchange: bool = False
+    """A folded group's weighted reductions are summed by its captured members (:mod:`nccl_ext.folded`)."""
     scope: tuple[int, ...] | None = None
     """The ranks the trace is scoped to (``exact``: the sandbox ranks; None: every rank): the
     data of their ops is what the coordinator reads on the host."""

@@ -209,6 +209,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange,
         switch_interval_us=ctx.cfg.capture.switch_interval_us,
         gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, gpu_waits=ctx.cfg.capture.gpu_waits,
+        fold_exchange=ctx.cfg.capture.fold_exchange,
         scope=scope))
     from prism_launch.capture.monitor import CaptureMonitor
 

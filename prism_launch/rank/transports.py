@@ -28,6 +28,7 @@ def capture(plan: RankPlan) -> MakeTransport:
         return CaptureTransport(cp.coordinator, bytes.fromhex(cp.authkey), rank, timeout_s, captured=captured,
                                 payload=cp.payload, carry_bytes=cp.carry_bytes, exchange=cp.exchange,
                                 gpu_exchange_bytes=cp.gpu_exchange_bytes, gpu_waits=cp.gpu_waits,
+                                fold_exchange=cp.fold_exchange,
                                 scope=frozenset(cp.scope) if cp.scope is not None else None)
 
     return make
