@@ -150,7 +150,9 @@ class RankExchange:
 
             def results() -> list:
                 got = {g: pieces(g) for g in used}
-                return _fold_targets(kind, reduce, n, me, parts, got, targets, gpu.fold.buf)
+                out = _fold_targets(kind, reduce, n, me, parts, got, targets, gpu.fold.buf)
+                self._keep_result(op_id, out)  # on the fold's stream, before its done event
+                return out
 
             self._await_staging(op_id)
             gpu.when_staged([loc for g, loc in enumerate(locations) if g != me and g in used],
@@ -162,12 +164,31 @@ class RankExchange:
             _host_only(locations)
             got = {g: self._peers.views(locations[g]) for g in used}
             if all(t.device.type == "cpu" for t in targets):
-                return _fold_targets(kind, reduce, n, me, parts, got, targets, self._host_fold_scratch())
-            first = got[parts[0][0]]  # a GPU rank without the GPU exchange: its results go back from the host
-            return [weighted_sum([(got[g][i], k) for g, k in parts], reduce, n)
-                    for i in shard_indices(kind, len(first), n, me)]
+                out = _fold_targets(kind, reduce, n, me, parts, got, targets, self._host_fold_scratch())
+            else:  # a GPU rank without the GPU exchange: its results go back from the host
+                first = got[parts[0][0]]
+                out = [weighted_sum([(got[g][i], k) for g, k in parts], reduce, n)
+                       for i in shard_indices(kind, len(first), n, me)]
+            self._keep_result(op_id, out)
+            return out
 
         self._read_staged(op_id, read, "summing the folded group's staged contributions")
+
+    def _keep_result(self, op_id: int, out: list) -> None:
+        """Where the trace keeps this rank's result of a folded group's op (a sandbox rank's; every
+        rank's in a full trace) — replay cannot recompute it —, stage it in the host arena: the
+        coordinator records these bits, the ones the program got, from where ``xread`` says they
+        lie (from the GPU: copied on the fold's stream, complete once ``xread`` is sent)."""
+        if self._scope is not None and self.rank not in self._scope:
+            return
+        gen, descs, token = self._open_exchange()[0].put(list(out), non_blocking=True)
+        self._kept[op_id] = ((gen, descs), token)
+
+    def _xread(self, op_id: int) -> None:
+        """Tell the coordinator this rank has read op ``op_id``'s staged data (with where its kept
+        result lies, :meth:`_keep_result`)."""
+        kept = self._kept.get(op_id)
+        self._send(("xread", op_id) if kept is None else ("xread", op_id, kept[0]))
 
     def _host_fold_scratch(self) -> torch.Tensor:
         if self._fold_scratch is None:
@@ -233,7 +254,7 @@ class RankExchange:
                     on_device.finish()
                 except BaseException:  # noqa: BLE001 - the op's own error is the one to report
                     pass
-            self._send(("xread", op_id))
+            self._xread(op_id)
             if p is not None:
                 p.fail(RuntimeError(f"{p.what}: {what} failed: {e}"))
             return
@@ -249,9 +270,9 @@ class RankExchange:
                 else:
                     on_device.finish()
             finally:
-                self._send(("xread", op_id))
+                self._xread(op_id)
         else:
-            self._send(("xread", op_id))
+            self._xread(op_id)
             if p is not None:
                 p.complete(out)
         self.busy_s["apply"] += time.perf_counter() - t0

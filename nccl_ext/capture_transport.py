@@ -95,6 +95,8 @@ class CaptureTransport(RankExchange, DeferredWaits):
         other's staged contributions (:func:`nccl_ext.folded.exchangeable`), not by the coordinator."""
         self._fold_scratch: torch.Tensor | None = None
         self.folded_exchanged_ops = 0
+        self._kept: dict[int, tuple] = {}
+        """op id -> (location, arena token) of this rank's kept result of a folded op (:meth:`_keep_result`)."""
         """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
         self._regions: dict[int, tuple] = {}
         """op id -> the arena region its contribution occupies until every member has read it."""
@@ -193,7 +195,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                 self._device_fold = DeviceFold(call.tensors[0].device)
                 if self._gpu_bytes > 0:
                     self._gpu = start_gpu_exchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
-                                                   lambda op_id: self._send(("xread", op_id)), self._scope)
+                                                   self._xread, self._scope)
                     if self._gpu is not None:
                         self._start_flags(self._gpu.device, self._gpu.fold.stream)
         keep = self._mirrored.get(group.key)
@@ -441,6 +443,9 @@ class CaptureTransport(RankExchange, DeferredWaits):
                     continue
                 if kind == "xfree":
                     region = self._regions.pop(header[1], None)
+                    kept = self._kept.pop(header[1], None)
+                    if kept is not None:
+                        self._arena.free(kept[1])
                     if region is not None and region[0] == "gpu":
                         self._gpu.free(region[1], self._arena)
                     elif region is not None and self._arena is not None:

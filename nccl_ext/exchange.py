@@ -189,8 +189,9 @@ def _clear_cuda_error() -> None:
 class Arena:
     """One rank's staging area: :meth:`put` copies a contribution in (from any device) and says
     where it lies; :meth:`free` gives the region back. With ``pin``, its files are page-locked
-    for the GPU (:func:`pin`); ``pin_ok()``: whether the calling thread may unlock one now (see
-    :class:`PeerViews`) — else a drained generation stays locked until the next :meth:`put`."""
+    for the GPU (:func:`pin`); ``pin_ok()``: whether the calling thread may lock or unlock pages
+    now (see :class:`PeerViews`) — else a new generation stays pageable and a drained one locked
+    until the next :meth:`put` that may."""
 
     def __init__(self, directory: str, rank: int, initial_bytes: int = _MIN_BYTES, *, pin: bool = False,
                  pin_ok=None) -> None:
@@ -211,7 +212,7 @@ class Arena:
         gen = self._current.gen + 1 if self._current is not None else 0
         path = arena_path(self.directory, self.rank, gen)
         seg = _Segment(gen, path, size, _map(path, size), free=[(0, size)])
-        if self.pin:
+        if self.pin and (self._pin_ok is None or self._pin_ok()):
             seg.pinned = pin(seg.mm)
         old, self._current = self._current, seg
         self._segments[gen] = seg
@@ -226,7 +227,7 @@ class Arena:
         sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
         total = max(_ALIGN, sum(sizes))
         with self._lock:
-            while self._drained:
+            while self._drained and (self._pin_ok is None or self._pin_ok()):
                 self._drop(self._drained.pop())
             seg = self._current
             start = seg.take(total) if seg is not None else None

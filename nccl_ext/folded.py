@@ -2,10 +2,12 @@
 reduction over hundreds of replicas, few of them captured): each captured member's contribution
 added once, in group-rank order, then each stand-in's contribution times the number of uncaptured
 members it stands in for, each scaled term rounded in its dtype before it is added, the sum divided
-by the group's size for AVG. Every step is one elementwise IEEE operation, so the bits depend
-neither on the device nor on how the work is sliced: the capture's coordinator
+by the group's size for AVG. Every step is one elementwise IEEE operation, so the bits do not
+depend on how the work is sliced, and the capture's coordinator
 (``prism_launch/capture/folded_reduction.py``) and the captured members that compute their own
-results from each other's staged contributions (:mod:`nccl_ext.capture_exchange`) get the same.
+results from each other's staged contributions (:mod:`nccl_ext.capture_exchange`) get the same —
+but for an AVG on CUDA, which divides by a host scalar as a product with its reciprocal (the
+trace keeps a member's own result, so emulation serves the bits its program got).
 """
 
 from __future__ import annotations

@@ -23,11 +23,12 @@ from nccl_ext import wire
 from nccl_ext.exchange import PeerViews
 from nccl_ext.exchange_ipc import is_device_location
 from nccl_ext.ops import Collective, ReduceKind, compute, contributors
-from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, FoldedResults, exchanged_terms, weighted_reduction
+from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, exchanged_terms, weighted_reduction
 from prism_launch.capture.ops_state import Arrival, Lags, OpGroup, PendingCollective, Reads, describe, op_label
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.notes import TraceNotes
 from prism_launch.capture.sink import MemorySink
+from prism_launch.capture.piece_refs import refs
 from prism_launch.capture.staged import StagedResults, recordable
 from prism_launch.capture.synthesized import SynthesizedOps
 
@@ -45,7 +46,7 @@ class PayloadBudgetError(CaptureError):
     with ``none``)."""
 
 
-class Coordinator(SynthesizedOps, TraceNotes, StagedResults, FoldedResults):
+class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
     (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`~prism_launch.capture.sink.MemorySink`)."""
 
@@ -220,7 +221,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, FoldedResults):
             rank = self._rank_of[conn]
             self._on_collective(conn, header[:-1], self._views.views((rank, *header[-1])), staged=True)
         elif kind == "xread":
-            self._on_read(conn, header[1])
+            self._on_read(conn, header[1], header[2] if len(header) > 2 else None)
         elif kind == "coll":
             if self.payload == "none" and header[5] == str(Collective.BROADCAST):
                 self._on_carried_broadcast(conn, header, tensors)
@@ -429,11 +430,9 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, FoldedResults):
         (of a folded group: from its captured members', summed as ``parts`` says)."""
         locations = [pc.locations.get(g) for g in range(len(pc.group.ranks))]
         parts = exchanged_terms(pc, pc.group)
-        if parts is not None:
-            self._keep_folded(pc, parts)
         pc.contributions = []  # the coordinator's views of the regions: the members free them
         reads = Reads(len(pc.arrivals), [(a.conn, a.op_id) for g, a in pc.arrivals.items() if g in pc.locations],
-                      pc.held)
+                      pc.held, None if parts is None else f"r/{pc.group.id}/{pc.seq}")
         now = time.monotonic() - self.t0
         t0 = time.perf_counter()
         for arrival in pc.arrivals.values():
@@ -444,15 +443,20 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, FoldedResults):
         self.busy_s["reply"] += time.perf_counter() - t0
         self.ops_completed += 1
 
-    def _on_read(self, conn, op_id: int) -> None:
-        """A member has its result: once every member has, each frees its region (once the trace's
-        notes of the regions are taken); or a member has copied a result the coordinator staged."""
+    def _on_read(self, conn, op_id: int, kept: tuple | None = None) -> None:
+        """A member has its result (``kept``: where it staged the result the trace keeps of a
+        folded op, freed with its contribution): once every member has, each frees its region
+        (once the trace's notes of the regions are taken); or a member has copied a result the
+        coordinator staged."""
         rank = self._rank_of[conn]
         if self._read_result(rank, op_id):
             return
         reads = self._reads.pop((rank, op_id), None)
         if reads is None:
             return
+        if kept is not None and reads.result_key is not None:
+            self._record(rank, [f"{reads.result_key}/{i}" for i in range(len(kept[1]))], refs(self._views, rank, *kept),
+                         staged=True)
         reads.left -= 1
         if reads.left == 0:
             for fn, args in reads.notes:  # data staged on a GPU: its host copies are complete now

@@ -62,6 +62,9 @@ class Reads:
     owners: list[tuple[Connection, int]]
     notes: list = field(default_factory=list)
     """(function, arguments) of the trace's notes to take once every member has read."""
+    result_key: str | None = None
+    """A folded group's op: the prefix of the results the trace keeps (``r/<group>/<seq>``), which
+    the members in its scope stage and name in their ``xread``."""
 
 
 def describe(ranks: tuple[int, ...]) -> str:

@@ -116,8 +116,8 @@ class CaptureConfig:
     a folded group of more than 64 members with 2 to 8 captured ones (a data-parallel gradient
     reduction with several model shards captured) is summed by each captured member from the
     others' staged contributions — on its GPU with the GPU exchange — with the coordinator's
-    arithmetic (same bits); the coordinator computes only what the trace keeps, after the members
-    have their results. ``false``: the coordinator sums it on the host and the members wait for it."""
+    arithmetic; a member whose result the trace keeps (a sandbox rank's) stages it for the
+    coordinator. ``false``: the coordinator sums it on the host and the members wait for it."""
     switch_interval_us: int = 200
     """Python's thread switch interval (``sys.setswitchinterval``) in the launcher and the captured
     ranks while they capture. Each op's completion hops between threads (a rank's program and the

@@ -67,31 +67,45 @@ def test_a_peer_first_met_in_a_location_is_opened_there_whole_and_counted(tmp_pa
 
 
 def test_helper_threads_do_not_lock_or_unlock_pages_once_told_not_to(tmp_path, monkeypatch):
-    """Host arenas: a generation first mapped, or drained, on a thread that may not lock pages
-    now stays pageable, or stays locked until the program's next staging drops it."""
+    """Host arenas: once waits go to the GPU, a generation first mapped, grown or drained on a
+    helper thread stays pageable, or stays locked until the program's next staging drops it."""
     from nccl_ext import exchange
 
     calls = []
     monkeypatch.setattr(exchange, "pin", lambda mm: calls.append("pin") or 1000 + len(calls))
     monkeypatch.setattr(exchange, "unpin", lambda ptr: calls.append(("unpin", ptr)))
-    allowed = [True]
+    deferring = [False]
+
+    def pin_ok():
+        return not deferring[0] or threading.current_thread() is threading.main_thread()
+
+    def helper(fn):
+        out = []
+        t = threading.Thread(target=lambda: out.append(fn()))
+        t.start()
+        t.join(10)
+        return out[0]
+
     d = str(tmp_path)
-    arena = exchange.Arena(d, 0, initial_bytes=1 << 20, pin=True, pin_ok=lambda: allowed[0])
+    arena = exchange.Arena(d, 0, initial_bytes=1 << 20, pin=True, pin_ok=pin_ok)
     gen0, _descs, first = arena.put([torch.zeros(1024)])
     assert calls == ["pin"]
-    peers = exchange.PeerViews(d, pin=True, pin_ok=lambda: allowed[0])
+    peers = exchange.PeerViews(d, pin=True, pin_ok=pin_ok)
 
-    allowed[0] = False  # waits went to the GPU, and this is a helper thread
-    _gen1, _, second = arena.put([torch.zeros(1 << 18)])  # does not fit: generation 1, locked by the program
+    deferring[0] = True
+    assert helper(lambda: peers.view(0, gen0, 0, "float32", [4]).tolist()) == [0.0] * 4
+    assert calls == ["pin"] and peers.left_pageable == 1
+    gen1, _, second = helper(lambda: arena.put([torch.zeros(1 << 18)]))  # does not fit: a new generation
+    assert gen1 == gen0 + 1 and calls == ["pin"]  # left pageable
+    _gen, _, third = arena.put([torch.zeros(1 << 19)])  # the program's thread: locked
     assert calls == ["pin", "pin"]
-    assert peers.view(0, gen0, 0, "float32", [4]).tolist() == [0.0] * 4
-    assert calls == ["pin", "pin"] and peers.left_pageable == 1
-    arena.free(first)  # generation 0 drained on a helper thread: not unlocked there
+    helper(lambda: arena.free(first))  # generation 0 drained on a helper thread: not unlocked there
     assert calls == ["pin", "pin"] and os.path.exists(exchange.arena_path(d, 0, gen0))
     arena.put([torch.ones(4)])  # the program's next staging unlocks and drops it
     assert calls == ["pin", "pin", ("unpin", 1001)]
     assert not os.path.exists(exchange.arena_path(d, 0, gen0))
-    arena.free(second)
+    for token in (second, third):
+        arena.free(token)
     peers.close()
     arena.close()
 
