@@ -13,6 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
 EXAMPLES = ROOT / "examples"
+MOE_RECIPE = [EXAMPLES / "megatron_gpt.py", "--pipeline-model-parallel-size", "2", "--num-experts", "4",
+              "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01", "--replicate-data",
+              "--log-all-ranks"]
+"""The bundled Megatron-core recipe as a PP2·EP2 MoE job, every replica on the same data."""
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -64,3 +68,31 @@ def logged_metrics(lines: list[str]) -> list[dict]:
 @pytest.fixture
 def tmp(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def capture_each(tmp_path_factory, name: str, base: list, settings: dict[str, str], sandbox: int, program: list,
+                 timeout: float = 900) -> dict[str, Path]:
+    """One capture of ``program`` per value of the setting ``name`` (``{value: extra key=value}``),
+    each in a directory of its own (its ``logs`` and ``trace``): asserts each succeeded."""
+    out = {}
+    for value, setting in settings.items():
+        d = tmp_path_factory.mktemp(f"{name}-{value}")
+        r = run_prism([*base, "--log-dir", d / "logs", "mode=capture", setting, f"sandbox.ranks=[{sandbox}]",
+                       f"trace.dir={d / 'trace'}", *program], cwd=d, timeout=timeout)
+        assert r.returncode == 0, r.stderr[-4000:]
+        out[value] = d
+    return out
+
+
+def assert_emulation_bit_identical(base: list, captured: Path, sandbox: int, program: list, tmp_path: Path) -> None:
+    """Emulating ``sandbox`` from the capture in ``captured`` (strict) logs exactly what the
+    capture logged on that rank, with no divergence."""
+    r = run_prism([*base, "--log-dir", tmp_path / "logs", "mode=emulate", f"trace.dir={captured / 'trace'}",
+                   f"sandbox.ranks=[{sandbox}]", "emulate.strict=true", f"report.dir={tmp_path / 'report'}",
+                   *program], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    emu = logged_metrics(rank_lines(tmp_path / "logs", sandbox))
+    assert len(emu) >= 3 and emu == logged_metrics(rank_lines(captured / "logs", sandbox))
+    import json
+
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["ranks"][str(sandbox)]["divergences"] == []

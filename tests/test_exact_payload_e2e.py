@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from prism_launch.trace import TraceReader
-from tests.conftest import EXAMPLES, logged_metrics, rank_lines, run_prism
+from tests.conftest import EXAMPLES, capture_each, logged_metrics, rank_lines, run_prism
 
 RECIPE = EXAMPLES / "megatron_gpt.py"
 DENSE = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--replicate-data",
@@ -30,14 +30,8 @@ def _disk_bytes(trace) -> int:
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    out = {}
-    for payload in ("full", "exact"):
-        d = tmp_path_factory.mktemp(f"scoped-{payload}")
-        r = run_prism([*BASE, "--log-dir", d / "logs", "mode=capture", f"capture.payload={payload}",
-                       f"sandbox.ranks=[{SANDBOX}]", f"trace.dir={d / 'trace'}", RECIPE, *DENSE], cwd=d, timeout=900)
-        assert r.returncode == 0, r.stderr[-4000:]
-        out[payload] = d
-    return out
+    return capture_each(tmp_path_factory, "scoped", BASE, {p: f"capture.payload={p}" for p in ("full", "exact")},
+                        SANDBOX, [RECIPE, *DENSE])
 
 
 def test_the_exact_trace_covers_its_sandbox_ranks_and_is_a_fraction_of_the_full_one(traces):

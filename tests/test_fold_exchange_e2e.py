@@ -10,11 +10,8 @@ import json
 
 import pytest
 
-from tests.conftest import EXAMPLES, logged_metrics, rank_lines, run_prism
+from tests.conftest import MOE_RECIPE, assert_emulation_bit_identical, capture_each, logged_metrics, rank_lines
 
-RECIPE = EXAMPLES / "megatron_gpt.py"
-MOE = ["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
-       "--moe-aux-loss-coeff", "0.01", "--replicate-data", "--log-all-ranks"]
 BASE = ["--nnodes", "20", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120", "capture.fold=true",
         "capture.payload=exact"]
 SANDBOX = 159
@@ -23,14 +20,9 @@ CAPTURED = (78, 79, 158, 159)
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    out = {}
-    for on in ("true", "false"):
-        d = tmp_path_factory.mktemp(f"fold-exchange-{on}")
-        r = run_prism([*BASE, "--log-dir", d / "logs", "mode=capture", f"capture.fold_exchange={on}",
-                       f"sandbox.ranks=[{SANDBOX}]", f"trace.dir={d / 'trace'}", RECIPE, *MOE], cwd=d, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        out[on] = d
-    return out
+    return capture_each(tmp_path_factory, "fold-exchange", BASE,
+                        {on: f"capture.fold_exchange={on}" for on in ("true", "false")}, SANDBOX, MOE_RECIPE,
+                        timeout=600)
 
 
 def _busy(d):
@@ -50,11 +42,4 @@ def test_members_sum_the_folded_reductions_with_the_coordinators_bits(captures):
 
 
 def test_emulation_of_a_fold_exchanged_capture_is_bit_identical(captures, tmp_path):
-    d = captures["true"]
-    r = run_prism([*BASE, "--log-dir", tmp_path / "logs", "mode=emulate", f"trace.dir={d / 'trace'}",
-                   f"sandbox.ranks=[{SANDBOX}]", "emulate.strict=true", f"report.dir={tmp_path / 'report'}",
-                   RECIPE, *MOE], cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    emu = logged_metrics(rank_lines(tmp_path / "logs", SANDBOX))
-    assert len(emu) >= 3 and emu == logged_metrics(rank_lines(d / "logs", SANDBOX))
-    assert json.loads((tmp_path / "report" / "report.json").read_text())["ranks"][str(SANDBOX)]["divergences"] == []
+    assert_emulation_bit_identical(BASE, captures["true"], SANDBOX, MOE_RECIPE, tmp_path)
