@@ -59,7 +59,8 @@ class RankExchange:
         location = None
         if call.tensors is not None:
             t0 = time.perf_counter()
-            location = self._stage(op_id, list(call.tensors), gpu, group.ranks)
+            # a folded group's op: the trace reads only a sandbox member's own data of it
+            location = self._stage(op_id, list(call.tensors), gpu, (self.rank,) if folded else group.ranks)
             self.busy_s["stage"] += time.perf_counter() - t0
         issue = (gpu.issued(), torch.cuda.current_stream(device)) if gpu is not None else None
         if issue is not None:
@@ -77,7 +78,8 @@ class RankExchange:
 
     def _stage(self, op_id: int, tensors: list[torch.Tensor], gpu: GpuExchange | None, ranks) -> tuple:
         """Stage a contribution or send: on the GPU where it can (with a host copy where the
-        trace reads it), else in the host arena; returns its location."""
+        trace reads it: an op among ``ranks`` with a sandbox rank), else in the host arena;
+        returns its location."""
         if gpu is not None and gpu.fits(tensors):
             staged = gpu.stage(tensors, self._arena if gpu.needs_host(ranks) else None)
             if staged is not None:

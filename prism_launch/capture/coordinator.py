@@ -212,10 +212,11 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
         elif kind == "xcoll":
             loc = header[-1]
             rank = self._rank_of[conn]
-            location = None if loc is None else (rank, *loc)
-            tensors = [] if location is None else self._located(location, self._group(header[2]).consumed,
-                                                                f"{header[4]} (seq {header[3]}) on group {header[2]}",
-                                                                lazy=True)
+            location, g = None if loc is None else (rank, *loc), self._group(header[2])
+            # of a folded group's op (summed by its members) the trace reads only a sandbox rank's data
+            reads = g.consumed and (g.sources is None or self.scope is None or rank in self.scope)
+            tensors = [] if location is None else self._located(location, reads, f"{header[4]} (seq {header[3]}) on "
+                                                                f"group {header[2]}", lazy=True)
             self._on_collective(conn, header[:-1], tensors, location)
         elif kind == "scoll":  # computed here from the contribution where the rank staged it
             rank = self._rank_of[conn]
