@@ -105,3 +105,46 @@ def test_a_gpu_only_location_of_data_the_trace_reads_is_refused_by_name(coord):
     c, conns, _xdir = coord
     with pytest.raises(RuntimeError, match="gpu_exchange_mib=0"):
         c._handle(conns[1], _xcoll(2, "tp", 0, (DEVICE_TAG, [(0, "float32", [8])], 0, None)), [])
+
+
+def test_a_folded_groups_reduction_summed_by_its_members_keeps_the_sandbox_members_own_result(tmp_path):
+    """A data-parallel group of 130 members with two captured (ranks 0 and 1, each standing in
+    for 64 others): the members get the sum's terms with the locations, only the sandbox rank's
+    contribution is read on the host (rank 0's lies on its GPU alone), and the result the trace
+    keeps is the one the sandbox rank staged — its program's bits — freed with the contributions."""
+    from prism_launch.trace.fold import FoldPlan
+
+    xdir = claim_directory(tmp_path)
+    world = 130
+    fold = FoldPlan(world_size=world, captured=[0, 1], rep=[r % 2 for r in range(world)],
+                    replicated=["DATA_PARALLEL"])
+    c = Coordinator(str(tmp_path / "c.sock"), b"k" * 16, world, 30.0, payload="exact", scope=(1,), exchange=xdir,
+                    fold=fold)
+    conns = [FakeConn(), FakeConn()]
+    for r, conn in enumerate(conns):
+        c._handle(conn, ("hello", r, 1000 + r), [])
+        c._handle(conn, ("group", "dp", tuple(range(world)), 0, "DATA_PARALLEL_GROUP"), [])
+    arena = Arena(xdir, 1)
+    try:
+        gen, descs, _ = arena.put([torch.arange(8.0)])  # the sandbox rank's host copy of its contribution
+        c._handle(conns[0], _xcoll(5, "dp", 0, (DEVICE_TAG, [(0, "float32", [8])], 0, None)), [])
+        c._handle(conns[1], _xcoll(5, "dp", 0, (DEVICE_TAG, [(0, "float32", [8])], 0, (gen, descs))), [])
+        c.drain()
+        for conn in conns:
+            [xok] = [h for h in conn.headers() if h[0] == "xok"]
+            assert xok[4] == [(0, 1), (1, 1), (0, 64), (1, 64)]
+            assert [loc is not None for loc in xok[2]] == [True, True] + [False] * (world - 2)
+        result = torch.arange(8.0) * 7 + 0.5
+        rgen, rdescs, _ = arena.put([result])
+        c._handle(conns[1], ("xread", 5, (rgen, rdescs)), [])
+        c._handle(conns[0], ("xread", 5), [])
+        c.drain(wait=True)
+        c.drain(wait=True)
+        gid = c._groups["dp"].id
+        assert set(c.sink.tensors) == {1} and torch.equal(c.sink.tensors[1][f"r/{gid}/0/0"], result)
+        assert json.loads(_row(c, 1, "dp")["extra"])["digests"]  # the sandbox rank's digest, from its host copy
+        assert all(any(h == ("xfree", 5) for h in conn.headers()) for conn in conns)
+    finally:
+        arena.close()
+        c._close_notes()
+        release_directory(xdir)
