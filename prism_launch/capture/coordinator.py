@@ -24,7 +24,9 @@ from nccl_ext.exchange import PeerViews
 from nccl_ext.exchange_ipc import is_device_location
 from nccl_ext.ops import Collective, ReduceKind, compute, contributors
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, exchanged_terms, weighted_reduction
-from prism_launch.capture.ops_state import Arrival, Lags, OpGroup, PendingCollective, Reads, describe, op_label
+from prism_launch.capture.ops_state import (Arrival, CaptureDeadlineError, CaptureError, Lags, OpGroup,
+                                            PayloadBudgetError, PendingCollective, Reads, describe, op_label)
+from prism_launch.capture.p2p import PointToPoint
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.notes import TraceNotes
 from prism_launch.capture.sink import MemorySink
@@ -33,20 +35,7 @@ from prism_launch.capture.staged import StagedResults, recordable
 from prism_launch.capture.synthesized import SynthesizedOps
 
 
-class CaptureError(RuntimeError):
-    """The captured program did something the coordinator cannot complete."""
-
-
-class CaptureDeadlineError(CaptureError):
-    """A rank waited on a peer that never arrived."""
-
-
-class PayloadBudgetError(CaptureError):
-    """An exact capture's tensors passed the payload budget (``payload=auto`` records again
-    with ``none``)."""
-
-
-class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
+class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
     (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`~prism_launch.capture.sink.MemorySink`)."""
 
@@ -470,90 +459,6 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults):
             raise PayloadBudgetError(
                 f"the trace's tensors passed {self.budget_bytes / 2**30:.2f} GiB "
                 f"({self.bytes_recorded / 2**30:.2f} GiB after {self.ops_completed} ops)")
-
-    # -- point to point -----------------------------------------------------------------
-    def _on_send(self, conn, header, tensor, staged: tuple | None = None) -> None:
-        """A send: its tensor came over the connection, or (``staged``: the sender's op id and
-        the location) lies in the sender's arena until the receiver has read it."""
-        _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header[:10]
-        src = self._rank_of[conn]
-        group = self._group(key)
-        self._check_p2p_peer(src, dst, group, "send to")
-        tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
-        extra = {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
-                 "dtypes": [wire.dtype_name(tensor.dtype)], "digests": []}
-        # a sandbox-scoped trace stores what a sandbox rank receives from a virtual one
-        if not (self.scope is None or (dst in self.scope and src not in self.scope)):
-            tkey = None
-        row = self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, None)
-        # its digest, a sandbox rank's statistics, the kept copy: after the receiver has it
-        note = (self._note_send, (src, row, extra, tensor, tkey, staged is not None))
-        if staged is not None and is_device_location(staged[1]):
-            staged = (conn, *staged, note)  # taken once the receiver has read it
-        else:
-            self._deferred.append(note)
-            if staged is not None:
-                staged = (conn, *staged)
-        chan = (key, src, dst, tag)
-        waiting = self._recvs.get(chan)
-        if waiting:
-            self._deliver(waiting.popleft(), seq, tensor, src, staged)
-        else:
-            self._sends.setdefault(chan, deque()).append((seq, tensor, staged))
-
-    def _on_xsend(self, conn, header) -> None:
-        op_id, location = header[1], (self._rank_of[conn], *header[-1])
-        src, dst = location[0], header[3]
-        reads = self.scope is None or src in self.scope or dst in self.scope
-        tensor = self._located(location, reads, f"send from rank {src} to rank {dst} (seq {header[5]})")[0]
-        self._on_send(conn, header, tensor, (op_id, location))
-
-    def _on_recv(self, conn, header) -> None:
-        _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
-        dst = self._rank_of[conn]
-        group = self._group(key)
-        self._check_p2p_peer(dst, src, group, "receive from")
-        row = self._row(dst, unit, "p2p", "recv", group, seq, src, None, t, t, wall, cpu, None,
-                        {"tag": tag, "kind": "recv"})
-        self.scheduler.issued(dst, op_id)
-        waiter = (op_id, conn, row, seq, dst, time.monotonic())
-        chan = (key, src, dst, tag)
-        queued = self._sends.get(chan)
-        if queued:
-            send_seq, tensor, staged = queued.popleft()
-            self._deliver(waiter, send_seq, tensor, src, staged)
-        else:
-            self._recvs.setdefault(chan, deque()).append(waiter)
-
-    def _check_p2p_peer(self, rank: int, peer: int, group: OpGroup, verb: str) -> None:
-        if self.fold is not None and not self.fold.is_captured(peer):
-            raise CaptureError(
-                f"folded capture: rank {rank} wants to {verb} rank {peer} on group {describe(group.ranks)} "
-                f"({group.desc or group.key}), but rank {peer} is not in the captured set "
-                f"{describe(tuple(self.fold.captured))}: point-to-point traffic crosses data-parallel replicas. "
-                "Capture without folding (capture.fold=false) or name the group's pattern differently in "
-                "capture.replicated_groups"
-            )
-
-    def _deliver(self, waiter, send_seq: int, tensor: torch.Tensor, src: int, staged: tuple | None = None) -> None:
-        """Answer a receive: with the tensor, or with where the sender staged it (``staged``: the
-        sender's connection, op id, location; the sender frees the region once it is read)."""
-        op_id, conn, row, seq, dst, _ = waiter
-        if seq != send_seq:
-            raise CaptureError(f"p2p order mismatch: rank {dst} recv #{seq} from rank {src} matched send #{send_seq}")
-        row["t_end"] = time.monotonic() - self.t0
-        row["dtype"], row["shape"] = wire.dtype_name(tensor.dtype), list(tensor.shape)
-        row["nbytes"] = tensor.numel() * tensor.element_size()
-        t0 = time.perf_counter()
-        if staged is None:
-            wire.send(conn, ("ok", op_id), [tensor])
-        else:
-            owner, send_id, location, *notes = staged
-            self._reads[(dst, op_id)] = Reads(1, [(owner, send_id)], notes)
-            wire.send(conn, ("xrecv", op_id, location))
-        self.busy_s["reply"] += time.perf_counter() - t0
-        self.scheduler.answered(dst, op_id)
-        self.ops_completed += 1
 
     # -- deadlines ------------------------------------------------------------------------
     def _check_deadlines(self) -> None:

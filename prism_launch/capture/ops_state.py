@@ -1,4 +1,4 @@
-"""What the coordinator holds per group and per op in flight."""
+"""What the coordinator holds per group and per op in flight, and the errors it raises."""
 
 from __future__ import annotations
 
@@ -8,6 +8,19 @@ from multiprocessing.connection import Connection
 import torch
 
 from nccl_ext.ops import Collective, ReduceKind
+
+
+class CaptureError(RuntimeError):
+    """The captured program did something the coordinator cannot complete."""
+
+
+class CaptureDeadlineError(CaptureError):
+    """A rank waited on a peer that never arrived."""
+
+
+class PayloadBudgetError(CaptureError):
+    """An exact capture's tensors passed the payload budget (``payload=auto`` records again
+    with ``none``)."""
 
 
 @dataclass(slots=True)

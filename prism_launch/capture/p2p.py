@@ -1,0 +1,102 @@
+"""A capture's point-to-point traffic: sends matched to receives per channel (group, source,
+destination, tag) in order, a send's tensor delivered with the receive's answer or read where
+the sender staged it; traffic to a rank a folded capture does not run is refused by name."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from nccl_ext import wire
+from nccl_ext.exchange_ipc import is_device_location
+from prism_launch.capture.ops_state import CaptureError, OpGroup, Reads, describe
+
+
+class PointToPoint:
+    """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator` (its connections' ranks,
+    groups, rows, notes, scheduler, fold plan and pending reads)."""
+
+    def _on_send(self, conn, header, tensor, staged: tuple | None = None) -> None:
+        """A send: its tensor came over the connection, or (``staged``: the sender's op id and
+        the location) lies in the sender's arena until the receiver has read it."""
+        _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header[:10]
+        src = self._rank_of[conn]
+        group = self._group(key)
+        self._check_p2p_peer(src, dst, group, "send to")
+        tkey = f"p/{group.id}/{src}/{dst}/{tag}/{seq}"
+        extra = {"tag": tag, "kind": "send", "n": 1, "shapes": [list(tensor.shape)],
+                 "dtypes": [wire.dtype_name(tensor.dtype)], "digests": []}
+        # a sandbox-scoped trace stores what a sandbox rank receives from a virtual one
+        if not (self.scope is None or (dst in self.scope and src not in self.scope)):
+            tkey = None
+        row = self._row(src, unit, "p2p", "send", group, seq, dst, [tensor], t, t, wall, cpu, tkey, None)
+        # its digest, a sandbox rank's statistics, the kept copy: after the receiver has it
+        note = (self._note_send, (src, row, extra, tensor, tkey, staged is not None))
+        if staged is not None and is_device_location(staged[1]):
+            staged = (conn, *staged, note)  # taken once the receiver has read it
+        else:
+            self._deferred.append(note)
+            if staged is not None:
+                staged = (conn, *staged)
+        chan = (key, src, dst, tag)
+        waiting = self._recvs.get(chan)
+        if waiting:
+            self._deliver(waiting.popleft(), seq, tensor, src, staged)
+        else:
+            self._sends.setdefault(chan, deque()).append((seq, tensor, staged))
+
+    def _on_xsend(self, conn, header) -> None:
+        op_id, location = header[1], (self._rank_of[conn], *header[-1])
+        src, dst = location[0], header[3]
+        reads = self.scope is None or src in self.scope or dst in self.scope
+        tensor = self._located(location, reads, f"send from rank {src} to rank {dst} (seq {header[5]})")[0]
+        self._on_send(conn, header, tensor, (op_id, location))
+
+    def _on_recv(self, conn, header) -> None:
+        _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
+        dst = self._rank_of[conn]
+        group = self._group(key)
+        self._check_p2p_peer(dst, src, group, "receive from")
+        row = self._row(dst, unit, "p2p", "recv", group, seq, src, None, t, t, wall, cpu, None,
+                        {"tag": tag, "kind": "recv"})
+        self.scheduler.issued(dst, op_id)
+        waiter = (op_id, conn, row, seq, dst, time.monotonic())
+        chan = (key, src, dst, tag)
+        queued = self._sends.get(chan)
+        if queued:
+            send_seq, tensor, staged = queued.popleft()
+            self._deliver(waiter, send_seq, tensor, src, staged)
+        else:
+            self._recvs.setdefault(chan, deque()).append(waiter)
+
+    def _check_p2p_peer(self, rank: int, peer: int, group: OpGroup, verb: str) -> None:
+        if self.fold is not None and not self.fold.is_captured(peer):
+            raise CaptureError(
+                f"folded capture: rank {rank} wants to {verb} rank {peer} on group {describe(group.ranks)} "
+                f"({group.desc or group.key}), but rank {peer} is not in the captured set "
+                f"{describe(tuple(self.fold.captured))}: point-to-point traffic crosses data-parallel replicas. "
+                "Capture without folding (capture.fold=false) or name the group's pattern differently in "
+                "capture.replicated_groups"
+            )
+
+    def _deliver(self, waiter, send_seq: int, tensor: torch.Tensor, src: int, staged: tuple | None = None) -> None:
+        """Answer a receive: with the tensor, or with where the sender staged it (``staged``: the
+        sender's connection, op id, location; the sender frees the region once it is read)."""
+        op_id, conn, row, seq, dst, _ = waiter
+        if seq != send_seq:
+            raise CaptureError(f"p2p order mismatch: rank {dst} recv #{seq} from rank {src} matched send #{send_seq}")
+        row["t_end"] = time.monotonic() - self.t0
+        row["dtype"], row["shape"] = wire.dtype_name(tensor.dtype), list(tensor.shape)
+        row["nbytes"] = tensor.numel() * tensor.element_size()
+        t0 = time.perf_counter()
+        if staged is None:
+            wire.send(conn, ("ok", op_id), [tensor])
+        else:
+            owner, send_id, location, *notes = staged
+            self._reads[(dst, op_id)] = Reads(1, [(owner, send_id)], notes)
+            wire.send(conn, ("xrecv", op_id, location))
+        self.busy_s["reply"] += time.perf_counter() - t0
+        self.scheduler.answered(dst, op_id)
+        self.ops_completed += 1
