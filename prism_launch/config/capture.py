@@ -105,7 +105,9 @@ class CaptureConfig:
     gpu_waits: bool = False
     """Experimental (on the H200, upstream ``pretrain_gpt.py``'s dense TP2·PP2 job captures at
     1.7–2.2x its emulated step with it, 3.2–3.9x without; its MoE PP2·EP2 job has not completed
-    with it: a deferred op not written by ``comm.timeout_s`` fails by name). On
+    with it yet — the stop found, a peer's IPC event opened by a helper thread while the program
+    sat in a copy to the host, is fixed but not yet run there; a deferred op not written by
+    ``comm.timeout_s`` fails by name). On
     CUDA, with the GPU exchange: a wait on a collective that the exchange computes returns at
     once, the program's stream waiting for the op on the GPU (CUDA stream memory operations), as
     over NCCL, once no captured rank is parked, from the program's third step on (the captured
