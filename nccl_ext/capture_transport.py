@@ -88,6 +88,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._arena: Arena | None = None
         self._peers: PeerViews | None = None
         self._xops: dict[int, tuple] = {}
+        """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
         self._xtargets: dict[int, list] = {}
         """op id -> the caller's tensors a folded exchanged reduction writes (:meth:`_compute_folded`)."""
         self._fold_exchange = fold_exchange and self._exchange is not None
@@ -97,7 +98,6 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self.folded_exchanged_ops = 0
         self._kept: dict[int, tuple] = {}
         """op id -> (location, arena token) of this rank's kept result of a folded op (:meth:`_keep_result`)."""
-        """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
         self._regions: dict[int, tuple] = {}
         """op id -> the arena region its contribution occupies until every member has read it."""
         self._mirrored: dict[str, bool] = {}
