@@ -7,7 +7,8 @@ logical ranks, folded around the last rank: each stage's two captured expert-par
 one data-parallel group of ``--nodes`` x 4 members, weighted past 64) with
 ``capture.fold_exchange=true`` and ``false``, and prints per setting the capture's seconds, the
 recipe's step times on the sandbox rank (median after the first), the coordinator's busiest
-handling of a staged collective and its compute seconds, and whether every captured rank logged
+handling of a staged collective and its compute seconds, the captured ranks' seconds blocked in
+waits on data-parallel collectives after the first step, and whether every captured rank logged
 the same losses and parameter checksums under both. Exits 1 when a capture fails or they differ.
 """
 
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_exact import blocked_seconds  # noqa: E402
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
 MOE = ["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
        "--moe-aux-loss-coeff", "0.01", "--replicate-data", "--log-all-ranks"]
@@ -60,11 +63,14 @@ def capture(out: Path, on: bool, a) -> dict | None:
     busy = stats["rank_busy_s"]
     ranks = sorted(map(int, busy))
     steps = [float(x) for x in _STEP.findall(_logs(d, world - 1))]
+    _total, by = blocked_seconds(d / "trace", since_unit=1)
+    dp = [cell for per in by.values() for what, cell in per.items() if what.startswith("c:DATA_PARALLEL")]
     return {"seconds": seconds, "ranks": ranks, "steps_ms": steps,
             "metrics": {r: _METRIC.findall(_logs(d, r)) for r in ranks},
             "folded_exchanged": sum(b.get("folded_exchanged_ops", 0) for b in busy.values()),
             "staged": sum(b.get("staged_ops", 0) for b in busy.values()),
             "compute_s": stats["coordinator_busy_s"].get("compute", 0.0),
+            "dp_blocked_s": sum(c[0] for c in dp), "dp_waits": sum(c[1] for c in dp),
             "scoll_max_s": stats["coordinator_lags"].get("handle_scoll", {}).get("max_s", 0.0)}
 
 
@@ -89,7 +95,8 @@ def main() -> int:
             print(f"  fold_exchange={str(on).lower():5}: capture {r['seconds']:.1f}s, step (median after the first) "
                   f"{steady:.0f} ms {r['steps_ms']}, ops summed by members {r['folded_exchanged']}, staged to the "
                   f"coordinator {r['staged']}, coordinator compute {r['compute_s']:.3f}s, longest scoll "
-                  f"{r['scoll_max_s'] * 1e3:.1f} ms")
+                  f"{r['scoll_max_s'] * 1e3:.1f} ms; the captured ranks blocked {r['dp_blocked_s']:.3f}s in "
+                  f"{r['dp_waits']} waits on data-parallel collectives after the first step")
         same = res[True]["metrics"] == res[False]["metrics"] and all(res[True]["metrics"].values())
         print(f"  losses and parameter checksums of ranks {res[True]['ranks']} equal under both: {same}")
         return 0 if same else 1
