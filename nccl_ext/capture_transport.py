@@ -26,7 +26,7 @@ import torch
 
 from nccl_ext import folded, mirrored, synth, wire
 from nccl_ext.capture_exchange import RankExchange
-from nccl_ext.deferred_waits import DeferredWaits
+from nccl_ext.deferred_waits import DEFER_FROM_STEP, DeferredWaits
 from nccl_ext.exchange import PIN_COUNTS, Arena, PeerViews
 from nccl_ext.exchange_device import DeviceFold
 from nccl_ext.exchange_ipc import GpuExchange, start_gpu_exchange
@@ -361,6 +361,8 @@ class CaptureTransport(RankExchange, DeferredWaits):
         t, wall, cpu = self._span()
         self._send(("marker", name, self.unit, t, wall, cpu))
         if name == "step":
+            if self.unit + 1 == DEFER_FROM_STEP:
+                self._before_deferring()
             self.unit += 1
 
     def close(self) -> None:
@@ -380,7 +382,8 @@ class CaptureTransport(RankExchange, DeferredWaits):
                                              "device_folds": folds.device_ops if folds else 0,
                                              "host_folds": folds.host_ops if folds else 0,
                                              "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
-                                             "left_pageable": self._peers.left_pageable if self._peers else 0,
+                                             "left_pageable": ((self._peers.left_pageable if self._peers else 0)
+                                                               + (self._arena.left_pageable if self._arena else 0)),
                                              "exchanged_ops": self.exchanged_ops,
                                              "folded_exchanged_ops": self.folded_exchanged_ops,
                                              "gpu_staged": self._gpu.ops if self._gpu else 0,

@@ -89,11 +89,23 @@ class DeferredWaits:
         return self._flags is not None and self.unit >= DEFER_FROM_STEP
 
     def _may_lock_pages(self) -> bool:
-        """Whether the calling thread may page-lock (or unlock) host memory for the GPU now: the
-        program's thread always; helper threads until waits go to the GPU (the program may then
-        sit in a synchronous copy behind a deferred op whose fold a helper queues, holding the
-        driver's lock that page-locking takes for writing)."""
-        return not self._deferring or threading.current_thread() is threading.main_thread()
+        """Whether host memory may be page-locked (or unlocked) for the GPU now: until waits go
+        to the GPU, on no thread after. A helper thread's lock waits for the driver's context
+        lock, which the program holds while it sits in a synchronous copy behind a deferred op
+        whose fold that helper would queue; and on the program's own thread, unlocking
+        (``cuMemHostUnregister``) waits for work on the GPU that a deferred wait holds (H200:
+        upstream Megatron's dense capture stopped there, its tensor-parallel peer waiting for
+        the op it was about to stage)."""
+        return not self._deferring
+
+    def _before_deferring(self) -> None:
+        """The program's thread, at the step boundary from which waits may be deferred: the
+        host arena grows now, page-locked, to twice the most it held at once so far (a
+        generation made later stays pageable, and the program's copy into it would synchronize
+        behind its deferred waits)."""
+        arena = getattr(self, "_arena", None)
+        if self._flags is not None and arena is not None and arena.pin and arena.high_water:
+            arena.reserve(2 * arena.high_water)
 
     def _from_host(self, p: Pending, call) -> None:
         """Collective ``p`` (``call``) is answered through the host (the coordinator's): where

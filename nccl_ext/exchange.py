@@ -189,9 +189,10 @@ def _clear_cuda_error() -> None:
 class Arena:
     """One rank's staging area: :meth:`put` copies a contribution in (from any device) and says
     where it lies; :meth:`free` gives the region back. With ``pin``, its files are page-locked
-    for the GPU (:func:`pin`); ``pin_ok()``: whether the calling thread may lock or unlock pages
-    now (see :class:`PeerViews`) — else a new generation stays pageable and a drained one locked
-    until the next :meth:`put` that may."""
+    for the GPU (:func:`pin`); ``pin_ok()``: whether pages may be locked or unlocked now (see
+    :class:`PeerViews`) — else a new generation stays pageable (``left_pageable``) and a drained
+    one locked until a later :meth:`put` that may, or :meth:`close`. :meth:`reserve` grows it
+    ahead, while it still may."""
 
     def __init__(self, directory: str, rank: int, initial_bytes: int = _MIN_BYTES, *, pin: bool = False,
                  pin_ok=None) -> None:
@@ -205,20 +206,45 @@ class Arena:
         self._current: _Segment | None = None
         self._initial = initial_bytes
         self.bytes_staged = 0
+        self.live_bytes = 0
+        self.high_water = 0
+        """The most bytes staged and not yet freed at once."""
+        self.left_pageable = 0
+        """Generations made while ``pin_ok()`` said no (their copies from the GPU synchronize)."""
 
-    def _grow(self, need: int) -> _Segment:
-        size = max(self._initial, need, 2 * self._current.size if self._current is not None else 0)
+    def _may_pin(self) -> bool:
+        return self._pin_ok is None or self._pin_ok()
+
+    def _grow(self, need: int, exact: bool = False) -> _Segment:
+        size = need if exact else max(self._initial, need, 2 * self._current.size if self._current is not None else 0)
         size = -(-size // (1 << 20)) * (1 << 20)
         gen = self._current.gen + 1 if self._current is not None else 0
         path = arena_path(self.directory, self.rank, gen)
         seg = _Segment(gen, path, size, _map(path, size), free=[(0, size)])
-        if self.pin and (self._pin_ok is None or self._pin_ok()):
+        if self.pin and self._may_pin():
             seg.pinned = pin(seg.mm)
+        elif self.pin:
+            self.left_pageable += 1
         old, self._current = self._current, seg
         self._segments[gen] = seg
         if old is not None and old.live == 0:
-            self._drop(old)
+            self._retire(old)
         return seg
+
+    def reserve(self, size: int) -> None:
+        """Make the current generation at least ``size`` bytes now (a new, empty one if it is
+        smaller): growing later may have to stay pageable."""
+        with self._lock:
+            if self._current is None or self._current.size < size:
+                self._grow(max(size, self._initial), exact=True)
+
+    def _retire(self, seg: _Segment) -> None:
+        """Drop drained generation ``seg`` — or keep it locked for later, where pages may not be
+        unlocked now."""
+        if seg.pinned is None or self._may_pin():
+            self._drop(seg)
+        elif seg not in self._drained:
+            self._drained.append(seg)
 
     def put(self, tensors: list[torch.Tensor], *, non_blocking: bool = False) -> tuple[int, list[tuple[int, str, list[int]]], tuple]:
         """Copy ``tensors`` into one region; returns (generation, [(offset, dtype, shape)], token).
@@ -227,13 +253,15 @@ class Arena:
         sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
         total = max(_ALIGN, sum(sizes))
         with self._lock:
-            while self._drained and (self._pin_ok is None or self._pin_ok()):
+            while self._drained and self._may_pin():
                 self._drop(self._drained.pop())
             seg = self._current
             start = seg.take(total) if seg is not None else None
             if start is None:
                 seg = self._grow(total)
                 start = seg.take(total)
+            self.live_bytes += total
+            self.high_water = max(self.high_water, self.live_bytes)
         descs, at = [], start
         for t, n in zip(tensors, sizes):
             if n:
@@ -254,11 +282,9 @@ class Arena:
             if seg is None:
                 return
             seg.give(start, total)
+            self.live_bytes -= total
             if seg is not self._current and seg.live == 0:
-                if seg.pinned is None or self._pin_ok is None or self._pin_ok():
-                    self._drop(seg)
-                elif seg not in self._drained:
-                    self._drained.append(seg)
+                self._retire(seg)
 
     def _drop(self, seg: _Segment) -> None:
         self._segments.pop(seg.gen, None)

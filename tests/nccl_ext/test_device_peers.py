@@ -66,9 +66,10 @@ def test_a_peer_first_met_in_a_location_is_opened_there_whole_and_counted(tmp_pa
     assert peers.opened_late == 1 and len(opened) == EVENTS
 
 
-def test_helper_threads_do_not_lock_or_unlock_pages_once_told_not_to(tmp_path, monkeypatch):
-    """Host arenas: once waits go to the GPU, a generation first mapped, grown or drained on a
-    helper thread stays pageable, or stays locked until the program's next staging drops it."""
+def test_no_thread_locks_or_unlocks_arena_pages_while_told_not_to(tmp_path, monkeypatch):
+    """Host arenas: once waits go to the GPU no thread locks or unlocks pages — a generation
+    first mapped or grown then stays pageable, a drained locked one stays locked until pages may
+    be unlocked again (or the arena closes) — and ``reserve`` grows the arena ahead, locked."""
     from nccl_ext import exchange
 
     calls = []
@@ -77,7 +78,7 @@ def test_helper_threads_do_not_lock_or_unlock_pages_once_told_not_to(tmp_path, m
     deferring = [False]
 
     def pin_ok():
-        return not deferring[0] or threading.current_thread() is threading.main_thread()
+        return not deferring[0]
 
     def helper(fn):
         out = []
@@ -89,28 +90,61 @@ def test_helper_threads_do_not_lock_or_unlock_pages_once_told_not_to(tmp_path, m
     d = str(tmp_path)
     arena = exchange.Arena(d, 0, initial_bytes=1 << 20, pin=True, pin_ok=pin_ok)
     gen0, _descs, first = arena.put([torch.zeros(1024)])
+    assert calls == ["pin"] and arena.high_water == 4096
+    arena.reserve(2 * arena.high_water)  # already that large: nothing new
     assert calls == ["pin"]
+    arena.reserve(4 << 20)  # a new, larger generation, locked; generation 0 still holds a region
+    gen1 = gen0 + 1
+    assert calls == ["pin", "pin"] and os.path.exists(exchange.arena_path(d, 0, gen0))
     peers = exchange.PeerViews(d, pin=True, pin_ok=pin_ok)
 
     deferring[0] = True
     assert helper(lambda: peers.view(0, gen0, 0, "float32", [4]).tolist()) == [0.0] * 4
-    assert calls == ["pin"] and peers.left_pageable == 1
-    gen1, _, second = helper(lambda: arena.put([torch.zeros(1 << 18)]))  # does not fit: a new generation
-    assert gen1 == gen0 + 1 and calls == ["pin"]  # left pageable
-    _gen, _, third = arena.put([torch.zeros(1 << 19)])  # the program's thread: locked
-    assert calls == ["pin", "pin"]
-    helper(lambda: arena.free(first))  # generation 0 drained on a helper thread: not unlocked there
+    assert calls == ["pin", "pin"] and peers.left_pageable == 1
+    g, _, second = arena.put([torch.zeros(1 << 20)])  # fits the reserved generation
+    assert g == gen1
+    g, _, third = arena.put([torch.zeros(1 << 20)])  # does not fit: a new generation, pageable
+    assert g == gen1 + 1 and calls == ["pin", "pin"] and arena.left_pageable == 1
+    arena.free(first)  # generation 0 drained: stays locked
+    arena.free(second)  # generation 1 drained: stays locked
+    *_, fourth = arena.put([torch.ones(4)])
     assert calls == ["pin", "pin"] and os.path.exists(exchange.arena_path(d, 0, gen0))
-    arena.put([torch.ones(4)])  # the program's next staging unlocks and drops it
-    assert calls == ["pin", "pin", ("unpin", 1001)]
+    deferring[0] = False
+    *_, fifth = arena.put([torch.ones(4)])  # pages may be unlocked again: the drained generations go
+    assert sorted(c for c in calls if c != "pin") == [("unpin", 1001), ("unpin", 1002)]
     assert not os.path.exists(exchange.arena_path(d, 0, gen0))
-    for token in (second, third):
+    for token in (third, fourth, fifth):
         arena.free(token)
+    assert arena.live_bytes == 0 and arena.high_water >= 2 << 20
     peers.close()
     arena.close()
 
 
-def test_only_the_program_thread_locks_pages_once_waits_go_to_the_gpu():
+def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred():
+    from nccl_ext.capture_transport import CaptureTransport
+    from nccl_ext.deferred_waits import DEFER_FROM_STEP, DeferredWaits
+
+    class FakeArena:
+        pin, high_water, reserved = True, 3 << 20, []
+
+        def reserve(self, n):
+            self.reserved.append((n, w.unit, w._may_lock_pages()))
+
+    w = DeferredWaits()
+    w._flags, w.unit, w._arena = object(), 0, FakeArena()
+    w._span, w._send = (lambda: (0.0, 0.0, 0.0)), (lambda msg: None)
+    for _ in range(DEFER_FROM_STEP + 2):
+        CaptureTransport.marker(w, "step")
+    # once, on the step boundary, while pages may still be locked
+    assert FakeArena.reserved == [(6 << 20, DEFER_FROM_STEP - 1, True)] and w.unit == DEFER_FROM_STEP + 2
+    FakeArena.reserved.clear()
+    w2 = DeferredWaits()
+    w2._flags, w2.unit, w2._arena = None, DEFER_FROM_STEP - 1, FakeArena()  # no waits on the GPU: no growth
+    w2._before_deferring()
+    assert FakeArena.reserved == []
+
+
+def test_no_thread_locks_pages_once_waits_go_to_the_gpu():
     from nccl_ext.deferred_waits import DEFER_FROM_STEP, DeferredWaits
 
     w = DeferredWaits()
@@ -130,4 +164,4 @@ def test_only_the_program_thread_locks_pages_once_waits_go_to_the_gpu():
     w._flags, w.unit = object(), DEFER_FROM_STEP - 1  # the program's first steps
     assert run() is True
     w.unit = DEFER_FROM_STEP
-    assert run() is False and w._may_lock_pages() is True
+    assert run() is False and w._may_lock_pages() is False  # no thread, the program's neither
