@@ -283,7 +283,8 @@ class RankExchange:
         """This rank's arena and its views of the peers' (opened at first use)."""
         if self._arena is None:
             pinned = self._device_fold is not None  # copies to and from the GPU at the link's speed
-            self._arena = Arena(self._exchange, self.rank, pin=pinned, pin_ok=self._may_lock_pages)
+            self._arena = Arena(self._exchange, self.rank, pin=pinned, pin_ok=self._may_lock_pages,
+                                unpin_ok=self._may_unlock_pages)
             self._peers = PeerViews(self._exchange, pin=pinned, pin_ok=self._may_lock_pages)
         return self._arena, self._peers
 

@@ -22,6 +22,9 @@ import torch
 from nccl_ext.device_flags import DeviceFlags, DeviceFlagsUnavailable, restore_context, self_test
 from nccl_ext.pending import LIMIT_KEY, CommDeadlineError, Pending
 
+HELPER_PREFIX = "prism-"
+"""The names of a captured rank's own threads begin so; every other thread is the program's."""
+
 MAX_DEFERRED = 1024
 """Ops whose waits are deferred at once, at most (past it the program waits on the host)."""
 
@@ -89,20 +92,23 @@ class DeferredWaits:
         return self._flags is not None and self.unit >= DEFER_FROM_STEP
 
     def _may_lock_pages(self) -> bool:
-        """Whether host memory may be page-locked (or unlocked) for the GPU now: until waits go
-        to the GPU, on no thread after. A helper thread's lock waits for the driver's context
-        lock, which the program holds while it sits in a synchronous copy behind a deferred op
-        whose fold that helper would queue; and on the program's own thread, unlocking
-        (``cuMemHostUnregister``) waits for work on the GPU that a deferred wait holds (H200:
-        upstream Megatron's dense capture stopped there, its tensor-parallel peer waiting for
-        the op it was about to stage)."""
+        """Whether the calling thread may page-lock host memory for the GPU now: the program's
+        threads always; this module's helper threads (named ``prism-…``) until waits go to the
+        GPU — locking waits for the driver's context lock, which the program holds while it sits
+        in a synchronous copy behind a deferred op whose fold a helper would queue."""
+        return not self._deferring or not threading.current_thread().name.startswith(HELPER_PREFIX)
+
+    def _may_unlock_pages(self) -> bool:
+        """Whether page-locked host memory may be unlocked now: until waits go to the GPU, by no
+        thread after — ``cuMemHostUnregister`` waits for work on the GPU that a deferred wait
+        holds (H200: upstream Megatron's dense capture stopped in it, on the program's own
+        thread, its tensor-parallel peer waiting for the op it was about to stage)."""
         return not self._deferring
 
     def _before_deferring(self) -> None:
         """The program's thread, at the step boundary from which waits may be deferred: the
-        host arena grows now, page-locked, to twice the most it held at once so far (a
-        generation made later stays pageable, and the program's copy into it would synchronize
-        behind its deferred waits)."""
+        host arena grows now, page-locked, to twice the most it held at once so far, so that
+        the steps after it neither register pages nor leave a drained generation locked."""
         arena = getattr(self, "_arena", None)
         if self._flags is not None and arena is not None and arena.pin and arena.high_water:
             arena.reserve(2 * arena.high_water)

@@ -189,17 +189,18 @@ def _clear_cuda_error() -> None:
 class Arena:
     """One rank's staging area: :meth:`put` copies a contribution in (from any device) and says
     where it lies; :meth:`free` gives the region back. With ``pin``, its files are page-locked
-    for the GPU (:func:`pin`); ``pin_ok()``: whether pages may be locked or unlocked now (see
-    :class:`PeerViews`) — else a new generation stays pageable (``left_pageable``) and a drained
-    one locked until a later :meth:`put` that may, or :meth:`close`. :meth:`reserve` grows it
-    ahead, while it still may."""
+    for the GPU (:func:`pin`); ``pin_ok()``: whether the calling thread may lock pages now (see
+    :class:`PeerViews`) — else a new generation stays pageable (``left_pageable``);
+    ``unpin_ok()``: whether pages may be unlocked now — else a drained generation stays locked
+    until a later :meth:`put` that may, or :meth:`close`. :meth:`reserve` grows it ahead."""
 
     def __init__(self, directory: str, rank: int, initial_bytes: int = _MIN_BYTES, *, pin: bool = False,
-                 pin_ok=None) -> None:
+                 pin_ok=None, unpin_ok=None) -> None:
         self.directory = directory
         self.rank = rank
         self.pin = pin
         self._pin_ok = pin_ok
+        self._unpin_ok = unpin_ok
         self._drained: list[_Segment] = []
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
@@ -214,6 +215,9 @@ class Arena:
 
     def _may_pin(self) -> bool:
         return self._pin_ok is None or self._pin_ok()
+
+    def _may_unpin(self) -> bool:
+        return self._unpin_ok is None or self._unpin_ok()
 
     def _grow(self, need: int, exact: bool = False) -> _Segment:
         size = need if exact else max(self._initial, need, 2 * self._current.size if self._current is not None else 0)
@@ -241,7 +245,7 @@ class Arena:
     def _retire(self, seg: _Segment) -> None:
         """Drop drained generation ``seg`` — or keep it locked for later, where pages may not be
         unlocked now."""
-        if seg.pinned is None or self._may_pin():
+        if seg.pinned is None or self._may_unpin():
             self._drop(seg)
         elif seg not in self._drained:
             self._drained.append(seg)
@@ -253,7 +257,7 @@ class Arena:
         sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
         total = max(_ALIGN, sum(sizes))
         with self._lock:
-            while self._drained and self._may_pin():
+            while self._drained and self._may_unpin():
                 self._drop(self._drained.pop())
             seg = self._current
             start = seg.take(total) if seg is not None else None

@@ -67,9 +67,9 @@ def test_a_peer_first_met_in_a_location_is_opened_there_whole_and_counted(tmp_pa
 
 
 def test_no_thread_locks_or_unlocks_arena_pages_while_told_not_to(tmp_path, monkeypatch):
-    """Host arenas: once waits go to the GPU no thread locks or unlocks pages — a generation
-    first mapped or grown then stays pageable, a drained locked one stays locked until pages may
-    be unlocked again (or the arena closes) — and ``reserve`` grows the arena ahead, locked."""
+    """Host arenas: once waits go to the GPU a generation first mapped or grown where pages may
+    not be locked stays pageable, a drained locked one stays locked until pages may be unlocked
+    again (or the arena closes), and ``reserve`` grows the arena ahead, locked."""
     from nccl_ext import exchange
 
     calls = []
@@ -88,7 +88,7 @@ def test_no_thread_locks_or_unlocks_arena_pages_while_told_not_to(tmp_path, monk
         return out[0]
 
     d = str(tmp_path)
-    arena = exchange.Arena(d, 0, initial_bytes=1 << 20, pin=True, pin_ok=pin_ok)
+    arena = exchange.Arena(d, 0, initial_bytes=1 << 20, pin=True, pin_ok=pin_ok, unpin_ok=pin_ok)
     gen0, _descs, first = arena.put([torch.zeros(1024)])
     assert calls == ["pin"] and arena.high_water == 4096
     arena.reserve(2 * arena.high_water)  # already that large: nothing new
@@ -144,24 +144,23 @@ def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred()
     assert FakeArena.reserved == []
 
 
-def test_no_thread_locks_pages_once_waits_go_to_the_gpu():
-    from nccl_ext.deferred_waits import DEFER_FROM_STEP, DeferredWaits
+def test_once_waits_go_to_the_gpu_only_the_program_locks_pages_and_no_thread_unlocks_them():
+    from nccl_ext.deferred_waits import DEFER_FROM_STEP, HELPER_PREFIX, DeferredWaits
 
     w = DeferredWaits()
     w._flags, w.unit = None, DEFER_FROM_STEP  # no flags: waits never go to the GPU
-    seen = []
 
-    def helper():
-        seen.append(w._may_lock_pages())
-
-    def run():
-        t = threading.Thread(target=helper)
+    def on_thread(name):
+        seen = []
+        t = threading.Thread(target=lambda: seen.append((w._may_lock_pages(), w._may_unlock_pages())), name=name)
         t.start()
         t.join(10)
         return seen.pop()
 
-    assert run() is True
+    helper, program = f"{HELPER_PREFIX}capture-reader", "autograd-like"  # backward passes issue ops off the main thread
+    assert on_thread(helper) == (True, True) and on_thread(program) == (True, True)
     w._flags, w.unit = object(), DEFER_FROM_STEP - 1  # the program's first steps
-    assert run() is True
+    assert on_thread(helper) == (True, True)
     w.unit = DEFER_FROM_STEP
-    assert run() is False and w._may_lock_pages() is False  # no thread, the program's neither
+    assert on_thread(helper) == (False, False)
+    assert on_thread(program) == (True, False) and (w._may_lock_pages(), w._may_unlock_pages()) == (True, False)
