@@ -248,3 +248,23 @@ def check(world: int, s: Sizes) -> None:
 
 def validate(cfg, args: list[str]) -> None:
     check(int(cfg.target.world_size), sizes(cfg, args))
+
+
+GPU_WAITS_AGAINST = {
+    "--num-experts": "MoE: Megatron's token dispatchers copy routing counts to pageable host memory right "
+                     "after their collectives, and such a copy behind a wait on the GPU holds the CUDA "
+                     "driver's lock that the wait's fold needs (H200: the MoE PP2·EP2 capture stopped there)",
+}
+"""Flags whose programs stop with waits on the GPU, and why."""
+
+
+def gpu_waits(script_args: list[str]) -> tuple[bool, str] | None:
+    """The registry's ``waits`` role: against where a flag of :data:`GPU_WAITS_AGAINST` is given,
+    for a Megatron-LM training recipe (``--num-layers`` given) without one, no word otherwise."""
+    for flag, why in GPU_WAITS_AGAINST.items():
+        if get_flag(script_args, flag) not in (None, False):
+            return False, f"{flag}: {why}"
+    if get_flag(script_args, "--num-layers") is not None:
+        return True, ("a Megatron-LM recipe without MoE (H200, upstream pretrain_gpt.py's dense TP2·PP2 job: "
+                      "capture 1.7–2.2x its emulated step with them, 2.8–3.9x without)")
+    return None

@@ -102,17 +102,17 @@ class CaptureConfig:
     trace's next spill file (its memory for tensors, whatever the number of steps)."""
     carry_bytes: int = 64 * 1024
     """``payload=none``: broadcasts and scatters up to this size keep their real payload."""
-    gpu_waits: bool = False
-    """Experimental (on the H200, upstream ``pretrain_gpt.py``'s dense TP2·PP2 job captures at
-    1.7–2.2x its emulated step with it, 3.2–3.9x without; its MoE PP2·EP2 job has not completed
-    with it yet — the stop found, a peer's IPC event opened by a helper thread while the program
-    sat in a copy to the host, is fixed but not yet run there; a deferred op not written by
-    ``comm.timeout_s`` fails by name). On
-    CUDA, with the GPU exchange: a wait on a collective that the exchange computes returns at
-    once, the program's stream waiting for the op on the GPU (CUDA stream memory operations), as
-    over NCCL, once no captured rank is parked, from the program's third step on (the captured
-    ranks' contexts then load every kernel up front); false: the rank blocks until its peers
-    have arrived."""
+    gpu_waits: bool | None = None
+    """On CUDA, with the GPU exchange: a wait on a collective that the exchange computes returns
+    at once, the program's stream waiting for the op on the GPU (CUDA stream memory operations),
+    as over NCCL, once no captured rank is parked, from the program's third step on (the
+    captured ranks' contexts then load every kernel up front); false: the rank blocks until its
+    peers have arrived. Unset (default): on where an integration vouches for the recipe and none
+    speaks against it (Megatron-LM recipes without ``--num-experts``; the launcher says which and
+    why). A program that copies to pageable host memory right behind such a wait (Megatron's MoE
+    token dispatchers) stops there; a deferred op not written by ``comm.timeout_s`` fails by
+    name. On the H200, upstream ``pretrain_gpt.py``'s dense TP2·PP2 job captures at 1.7–2.2x
+    its emulated step with them, 2.8–3.9x without."""
     fold_exchange: bool = True
     """Folded ``exact``/``full`` captures with ``exchange``: a SUM/AVG all-reduce or reduce-scatter on
     a folded group of more than 64 members with 2 to 8 captured ones (a data-parallel gradient

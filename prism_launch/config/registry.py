@@ -8,6 +8,8 @@ An :class:`Integration` says which of its modules fill which role:
 - ``renderer``: writes ``target.parallel``/``script.args`` into the script's arguments
   (``render(cfg, script_args, out_dir) -> list[str]``);
 - ``moe``: finds MoE token dispatches in a trace (``dispatches``/``describe``);
+- ``waits``: vouches for or against waits on the GPU during capture (``capture.gpu_waits``
+  unset) for a recipe's script arguments (``gpu_waits(script_args) -> (bool, why) | None``);
 - ``recipe_flags``: script flags by which a recipe of this kind is recognised (DeepSpeed's
   ``--deepspeed_config``), so its compat layer joins by default and ``warm_imports`` are
   imported before ranks are forked.
@@ -26,7 +28,7 @@ from typing import Literal
 
 from prism_launch.config.errors import ConfigError
 
-Role = Literal["compat", "renderer", "moe"]
+Role = Literal["compat", "renderer", "moe", "waits"]
 ENTRY_POINT_GROUP = "prism_launch.integrations"
 
 
@@ -36,6 +38,7 @@ class Integration:
     compat: str | None = None
     renderer: str | None = None
     moe: str | None = None
+    waits: str | None = None
     compat_devices: tuple[str, ...] = ("cpu",)
     """The devices (``cpu``, ``cuda``) on which the ``compat`` module is activated."""
     recipe_flags: tuple[str, ...] = ()
@@ -50,7 +53,7 @@ BUILTIN: tuple[Integration, ...] = (
     Integration(name="cpu", compat="integrations.cpu_compat"),
     # Megatron-LM's output flags, checked against megatron/training/arguments.py (core_r0.19.0)
     Integration(name="megatron", compat="integrations.megatron_compat", renderer="integrations.megatron_flags",
-                moe="integrations.megatron_moe",
+                moe="integrations.megatron_moe", waits="integrations.megatron_flags",
                 # (not --data-cache-path: ranks read the dataset index cache that rank 0 builds there)
                 output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")),
     Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",
@@ -110,3 +113,30 @@ def recognised(script_args: list[str]) -> list[str]:
     """Integrations whose recipe flags appear among ``script_args`` (``--flag`` or ``--flag=v``)."""
     flags = {a.split("=", 1)[0] for a in script_args}
     return [n for n, i in integrations().items() if flags.intersection(i.recipe_flags)]
+
+
+def gpu_waits_verdicts(script_args: list[str]) -> list[tuple[str, bool, str]]:
+    """(integration, whether waits on the GPU suit the recipe, why) from every integration with
+    a ``waits`` role that has a word on ``script_args``."""
+    out = []
+    for name, i in integrations().items():
+        if i.waits:
+            said = load(name, "waits", where="capture.gpu_waits").gpu_waits(list(script_args))
+            if said is not None:
+                out.append((name, bool(said[0]), str(said[1])))
+    return out
+
+
+def choose_gpu_waits(setting: bool | None, script_args: list[str]) -> tuple[bool, str]:
+    """``capture.gpu_waits``: as set, or (unset) on where an integration vouches for the recipe
+    and none speaks against it; with the reason, for the launcher to say."""
+    if setting is not None:
+        return bool(setting), f"capture.gpu_waits={str(bool(setting)).lower()}"
+    verdicts = gpu_waits_verdicts(script_args)
+    against = [f"{n}: {why}" for n, ok, why in verdicts if not ok]
+    if against:
+        return False, "; ".join(against)
+    vouched = [f"{n}: {why}" for n, ok, why in verdicts if ok]
+    if vouched:
+        return True, "; ".join(vouched)
+    return False, "no integration knows the recipe to run with them"

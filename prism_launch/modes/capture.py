@@ -204,11 +204,17 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
             release_directory(exchange)
         release_directory(str(sock_dir))
         raise
+    gpu_waits = False
+    if ctx.cfg.on_cuda and ctx.cfg.capture.gpu_exchange_mib > 0 and payload != "none":
+        from prism_launch.config import registry
+
+        gpu_waits, why = registry.choose_gpu_waits(ctx.cfg.capture.gpu_waits, list(ctx.program.args))
+        print(f"prism-launch: waits on the GPU {'on' if gpu_waits else 'off'} ({why})", file=sys.stderr, flush=True)
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange,
         switch_interval_us=ctx.cfg.capture.switch_interval_us,
-        gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, gpu_waits=ctx.cfg.capture.gpu_waits,
+        gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, gpu_waits=gpu_waits,
         fold_exchange=ctx.cfg.capture.fold_exchange,
         scope=scope))
     from prism_launch.capture.monitor import CaptureMonitor
