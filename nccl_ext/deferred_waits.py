@@ -35,6 +35,12 @@ stream waiting for a flag would stop for good; ``torch.compile`` may compile aga
 second call), make its cuBLAS handles, grow the exchange's arenas and open its peers' IPC
 handles. Upstream Megatron's second iteration is still several times its steady one."""
 
+STALL_S = 60.0
+"""A deferred op whose flag is not written this long after its wait returned stops the waits on
+the GPU (or at its own deadline, ``comm.timeout_s``, if sooner): its peers are running (no
+rank is parked while waits are deferred), so so long a wait is a stop — a thread of this rank
+held in the driver behind the wait — more likely than a slow peer."""
+
 WATCH_S = 0.5
 """How often the watchdog of deferred ops looks whether their flags were written."""
 
@@ -62,6 +68,8 @@ class DeferredWaits:
         self._deferred_error: BaseException | None = None
         self.deferred_waits = 0
         """Waits that returned at once, the program's stream waiting for the op on the GPU."""
+        self._deferred_at: dict[int, float] = {}
+        """Deferred op id -> when its wait returned."""
         self._watched: dict[int, Pending] = {}
         """Deferred ops whose flags the watchdog has not seen written yet."""
         self._watchdog: threading.Thread | None = None
@@ -236,6 +244,7 @@ class DeferredWaits:
                 return False
             self._deferred.add(op_id)
             self._watched[op_id] = p
+            self._deferred_at[op_id] = time.monotonic()
         self._flags.wait(program, op_id)
         self.deferred_waits += 1
         if self._watchdog is None:
@@ -255,13 +264,15 @@ class DeferredWaits:
                 if self._flags.written(op_id):
                     with self._order_lock:
                         self._watched.pop(op_id, None)
-                elif now > p.deadline:
-                    self._stalled(op_id, p)
+                        self._deferred_at.pop(op_id, None)
+                elif now > min(p.deadline, self._deferred_at.get(op_id, now) + STALL_S):
+                    self._stalled(op_id, p, now - self._deferred_at.get(op_id, now))
                     return
 
-    def _stalled(self, op_id: int, p: Pending) -> None:
+    def _stalled(self, op_id: int, p: Pending, waited_s: float) -> None:
         """Op ``op_id``'s flag was not written by its deadline: the op fails with a deadline
-        error that says where it stands, every deferred flag is written from the CPU (the
+        error that says where it stands, the launcher hears of it (``stalled``: it may capture
+        again without waits on the GPU), every deferred flag is written from the CPU (the
         program's stream goes on), no wait is deferred from here on, and the program's next op
         raises the error."""
         with self._order_lock:
@@ -281,13 +292,14 @@ class DeferredWaits:
             where = "its peers' contributions have not all been staged (the coordinator has not answered it)"
         error = CommDeadlineError(
             f"deadline exceeded: {p.what}: its wait was passed on the GPU (capture.gpu_waits=true) and its results "
-            f"were not written within {p.timeout_s:g} s: {where}. Ops of this rank not answered yet: "
+            f"were not written within {waited_s:.0f} s of it: {where}. Ops of this rank not answered yet: "
             f"{unanswered[:16]}; deferred and not written: {watched[:16]}. Capture with capture.gpu_waits=false "
             f"(each wait then blocks on the host), or raise {LIMIT_KEY}= if the peers are only slow")
         self._stall = error
         if self._deferred_error is None:
             self._deferred_error = error
         print(f"prism-launch: rank {self.rank}: {error}", file=sys.stderr, flush=True)
+        self._report_stall(str(error))
         p.fail(error)
         for o in watched:
             try:
@@ -295,6 +307,15 @@ class DeferredWaits:
             except Exception as e:  # noqa: BLE001 - the deadline error is the one to report
                 print(f"prism-launch: rank {self.rank}: could not release the GPU's wait for op {o}: {e}",
                       file=sys.stderr, flush=True)
+
+    def _report_stall(self, what: str) -> None:
+        """Tell the capture's coordinator (where there is one) that waits on the GPU stopped."""
+        send = getattr(self, "_send", None)
+        if send is not None:
+            try:
+                send(("stalled", self.rank, what))
+            except OSError:
+                pass
 
     def deferred_failed(self, p: Pending, error: BaseException) -> None:
         """Writing a deferred op's results failed after its wait returned: the next op raises it."""

@@ -17,6 +17,10 @@ class RunFailedError(PrismError):
     """A rank failed; the message carries its rank and traceback location."""
 
 
+class GpuWaitsStalledError(RunFailedError):
+    """A capture failed after a rank's waits on the GPU stopped (``capture.gpu_waits``)."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The launcher received SIGINT, SIGTERM or SIGHUP; every rank has been (or is being)
     stopped. ``exit_code`` is what a shell expects of a process ended by that signal."""

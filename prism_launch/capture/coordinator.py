@@ -92,6 +92,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         """Seconds by activity: the coordinator's thread (what a capture waits on when every op
         passes through it), and its worker threads' ``digest`` and ``copy``."""
         self.rank_busy_s: dict[int, dict] = {}
+        self.gpu_waits_stalled: list[tuple[int, str]] = []
+        """(rank, what) for each rank whose waits on the GPU stopped."""
         self.lags = Lags()
         self._pump_end = None
         """Each rank's own seconds by activity (``CaptureTransport.busy_s``, sent at its close)."""
@@ -248,6 +250,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
                 self.scheduler.admission.report(header[1], header[2])
         elif kind == "stats":
             self.rank_busy_s[header[1]] = header[2]
+        elif kind == "stalled":  # a rank's waits on the GPU stopped (nccl_ext.deferred_waits)
+            self.gpu_waits_stalled.append((header[1], header[2]))
         elif kind == "bye":
             self.finished.add(header[1])
             self.scheduler.gone(header[1])

@@ -15,7 +15,7 @@ from pathlib import Path
 from nccl_ext.exchange import claim_directory, release_directory
 from prism_launch.config import Mode, Park
 from prism_launch.config.plan import CapturePlan
-from prism_launch.errors import RunFailedError
+from prism_launch.errors import GpuWaitsStalledError, RunFailedError
 from prism_launch.launch.logs import parse_rank_log
 from prism_launch.modes.context import RunContext
 from prism_launch.trace import RankLogs, TraceLayout, TraceWriter
@@ -159,31 +159,74 @@ def capture(ctx: RunContext) -> Path:
     policy = ctx.cfg.capture.payload
     fold = fold_plan(ctx)
     if policy is not Payload.auto:
-        return _capture(ctx, fold, str(policy), None)
+        return _capture_waits(ctx, fold, str(policy), None)
     budget, why = payload_budget(ctx)
     todo = auto_policies(ctx)
     for payload, then in zip(todo, todo[1:]):
         try:
-            return _capture(ctx, fold, payload, budget)
+            return _capture_waits(ctx, fold, payload, budget)
         except PayloadBudgetError as e:
             means = _MEANS[then].format(ranks=list(ctx.cfg.sandbox.ranks))
             print(f"prism-launch: capture.payload=auto: {e}, past the budget set by {why} "
                   f"({budget / 2**30:.2f} GiB); recording again with payload={then} ({means})", file=sys.stderr)
-    return _capture(ctx, fold, "none", None)
+    return _capture_waits(ctx, fold, "none", None)
 
 
-def _capture(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None) -> Path:
+def gpu_waits(ctx: RunContext, payload: str) -> tuple[bool, bool]:
+    """Whether the captured ranks wait on the GPU (``capture.gpu_waits``; only on CUDA, with the
+    GPU exchange, for a payload that exchanges contributions), and whether that was chosen for
+    the user (the setting unset); the launcher says which and why."""
+    if not (ctx.cfg.on_cuda and ctx.cfg.capture.gpu_exchange_mib > 0 and payload != "none"):
+        return False, False
+    from prism_launch.config import registry
+
+    on, why = registry.choose_gpu_waits(ctx.cfg.capture.gpu_waits, list(ctx.program.args))
+    print(f"prism-launch: waits on the GPU {'on' if on else 'off'} ({why})", file=sys.stderr, flush=True)
+    return on, ctx.cfg.capture.gpu_waits is None
+
+
+def _capture_waits(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None) -> Path:
+    """:func:`_capture`; where waits on the GPU were chosen for the user and a rank's stopped,
+    once more without them, saying so."""
+    on, chosen = gpu_waits(ctx, payload)
+    try:
+        return _capture(ctx, fold, payload, budget, on)
+    except GpuWaitsStalledError as e:
+        if not chosen:
+            raise
+        print(f"prism-launch: {e}; capturing again without waits on the GPU (capture.gpu_waits=false "
+              "starts so)", file=sys.stderr, flush=True)
+    return _capture(ctx, fold, payload, budget, False)
+
+
+def _capture(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, waits: bool = False) -> Path:
     ranks = list(fold.captured)
     slots = ctx.cfg.capture.slots or None  # 0: no limit
     park = parker(ctx, slots)
     admit = admission(ctx, ranks)
     spill = int(ctx.cfg.capture.spill_mib * 2**20)
     with TraceWriter(ctx.trace.root, spill_bytes=spill) as writer:
-        return _record(ctx, fold, payload, budget, writer, ranks, slots, park, admit, spill)
+        return _record(ctx, fold, payload, budget, writer, ranks, slots, park, admit, spill, waits)
+
+
+def _failure(coord, error: RunFailedError) -> RunFailedError:
+    """``error``, or — where a rank said its waits on the GPU stopped — a
+    :class:`GpuWaitsStalledError` that names it (the rank's word may still be on its way)."""
+    for _ in range(20):
+        if coord.gpu_waits_stalled:
+            break
+        try:
+            coord.pump(0.01)
+        except Exception:  # noqa: BLE001 - the capture's own failure is the one to report
+            break
+    if not coord.gpu_waits_stalled:
+        return error
+    rank, what = coord.gpu_waits_stalled[0]
+    return GpuWaitsStalledError(f"{error} (rank {rank}'s waits on the GPU stopped: {what})")
 
 
 def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, writer: TraceWriter,
-            ranks: list[int], slots: int | None, park, admit, spill: int) -> Path:
+            ranks: list[int], slots: int | None, park, admit, spill: int, waits: bool) -> Path:
     """Run the captured ranks against a coordinator that streams their tensors into ``writer``,
     then commit it (an exception leaves the writer to discard its staging directory)."""
     from prism_launch.capture.coordinator import CaptureError, Coordinator, PayloadBudgetError
@@ -204,17 +247,11 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
             release_directory(exchange)
         release_directory(str(sock_dir))
         raise
-    gpu_waits = False
-    if ctx.cfg.on_cuda and ctx.cfg.capture.gpu_exchange_mib > 0 and payload != "none":
-        from prism_launch.config import registry
-
-        gpu_waits, why = registry.choose_gpu_waits(ctx.cfg.capture.gpu_waits, list(ctx.program.args))
-        print(f"prism-launch: waits on the GPU {'on' if gpu_waits else 'off'} ({why})", file=sys.stderr, flush=True)
     plan = replace(ctx.base_plan(Mode.capture, ranks), capture=CapturePlan(
         coordinator=coord.address, authkey=authkey.hex(), captured=tuple(ranks) if fold.folded else None,
         payload=payload, carry_bytes=ctx.cfg.capture.carry_bytes, exchange=exchange,
         switch_interval_us=ctx.cfg.capture.switch_interval_us,
-        gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, gpu_waits=gpu_waits,
+        gpu_exchange_bytes=ctx.cfg.capture.gpu_exchange_mib << 20, gpu_waits=waits,
         fold_exchange=ctx.cfg.capture.fold_exchange,
         scope=scope))
     from prism_launch.capture.monitor import CaptureMonitor
@@ -234,7 +271,9 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         except PayloadBudgetError:
             raise
         except CaptureError as e:
-            raise RunFailedError(f"capture failed: {e}") from None
+            raise _failure(coord, RunFailedError(f"capture failed: {e}")) from None
+        except RunFailedError as e:
+            raise _failure(coord, e) from None
         for _ in range(50):  # drain what ranks sent right before exiting
             coord.pump(0.01)
         coord.drain(wait=True)

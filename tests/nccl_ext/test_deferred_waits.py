@@ -221,3 +221,26 @@ def test_a_deferred_op_whose_peer_never_staged_says_so_at_its_deadline(monkeypat
         time.sleep(0.02)
     assert "a peer's staging of its contribution has not run" in str(p.error) and 0 in flags.released
     rank._closed.set()
+
+
+def test_a_deferred_op_stalls_after_stall_s_however_far_its_deadline_and_the_launcher_hears_of_it(monkeypatch):
+    import time
+
+    from nccl_ext import deferred_waits
+
+    monkeypatch.setattr(deferred_waits, "WATCH_S", 0.02)
+    monkeypatch.setattr(deferred_waits, "STALL_S", 0.1)
+    flags = Flags()
+    flags.by_fold = set()
+    rank = Rank(flags)
+    sent = []
+    rank._send = sent.append
+    p = _issue(rank, 0, timeout_s=300.0)  # comm.timeout_s far off
+    assert p.defer()
+    t0 = time.monotonic()
+    while p.error is None and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert p.error is not None and time.monotonic() - t0 < 5 and 0 in flags.released
+    assert "were not written within 0 s of it" in str(p.error)  # of the wait's return, not of comm.timeout_s
+    assert [m[:2] for m in sent] == [("stalled", 7)] and "deadline exceeded: op 0" in sent[0][2]
+    rank._closed.set()

@@ -148,3 +148,9 @@ def test_a_folded_groups_reduction_summed_by_its_members_keeps_the_sandbox_membe
         arena.close()
         c._close_notes()
         release_directory(xdir)
+
+
+def test_a_rank_whose_waits_on_the_gpu_stopped_is_noted(coord):
+    c, conns, _ = coord
+    c._handle(conns[1], ("stalled", 1, "deadline exceeded: op 9"), [])
+    assert c.gpu_waits_stalled == [(1, "deadline exceeded: op 9")]
