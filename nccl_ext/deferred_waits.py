@@ -41,6 +41,9 @@ the GPU (or at its own deadline, ``comm.timeout_s``, if sooner): its peers are r
 rank is parked while waits are deferred), so so long a wait is a stop — a thread of this rank
 held in the driver behind the wait — more likely than a slow peer."""
 
+RESERVE_HEADROOM = 1 << 30
+"""At the step boundary the host arena grows to twice its high water, by at most this much."""
+
 WATCH_S = 0.5
 """How often the watchdog of deferred ops looks whether their flags were written."""
 
@@ -115,11 +118,17 @@ class DeferredWaits:
 
     def _before_deferring(self) -> None:
         """The program's thread, at the step boundary from which waits may be deferred: the
-        host arena grows now, page-locked, to twice the most it held at once so far, so that
+        host arena grows now, page-locked, to twice the most it held at once so far (by at most
+        :data:`RESERVE_HEADROOM`; where there is no room, not at all), so that
         the steps after it neither register pages nor leave a drained generation locked."""
         arena = getattr(self, "_arena", None)
         if self._flags is not None and arena is not None and arena.pin and arena.high_water:
-            arena.reserve(2 * arena.high_water)
+            want = min(2 * arena.high_water, arena.high_water + RESERVE_HEADROOM)
+            try:
+                arena.reserve(want)
+            except OSError as e:  # no room: it grows as it needs, as before
+                print(f"prism-launch: rank {self.rank}: could not grow the host arena ahead to "
+                      f"{want / 2**20:.0f} MiB ({e}); it grows as it needs", file=sys.stderr, flush=True)
 
     def _from_host(self, p: Pending, call) -> None:
         """Collective ``p`` (``call``) is answered through the host (the coordinator's): where

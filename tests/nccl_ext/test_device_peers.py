@@ -122,7 +122,7 @@ def test_no_thread_locks_or_unlocks_arena_pages_while_told_not_to(tmp_path, monk
 
 def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred():
     from nccl_ext.capture_transport import CaptureTransport
-    from nccl_ext.deferred_waits import DEFER_FROM_STEP, DeferredWaits
+    from nccl_ext.deferred_waits import DEFER_FROM_STEP, RESERVE_HEADROOM, DeferredWaits
 
     class FakeArena:
         pin, high_water, reserved = True, 3 << 20, []
@@ -137,6 +137,10 @@ def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred()
         CaptureTransport.marker(w, "step")
     # once, on the step boundary, while pages may still be locked
     assert FakeArena.reserved == [(6 << 20, DEFER_FROM_STEP - 1, True)] and w.unit == DEFER_FROM_STEP + 2
+    FakeArena.reserved.clear()
+    FakeArena.high_water = 8 << 30  # large: grown by at most RESERVE_HEADROOM
+    w._before_deferring()
+    assert FakeArena.reserved[0][0] == (8 << 30) + RESERVE_HEADROOM
     FakeArena.reserved.clear()
     w2 = DeferredWaits()
     w2._flags, w2.unit, w2._arena = None, DEFER_FROM_STEP - 1, FakeArena()  # no waits on the GPU: no growth
@@ -164,3 +168,19 @@ def test_once_waits_go_to_the_gpu_only_the_program_locks_pages_and_no_thread_unl
     w.unit = DEFER_FROM_STEP
     assert on_thread(helper) == (False, False)
     assert on_thread(program) == (True, False) and (w._may_lock_pages(), w._may_unlock_pages()) == (True, False)
+
+
+def test_no_room_to_grow_the_host_arena_ahead_is_said_and_not_fatal(capsys):
+    from nccl_ext.deferred_waits import DeferredWaits
+
+    class FullArena:
+        pin, high_water = True, 1 << 20
+
+        def reserve(self, n):
+            raise OSError(28, "capture's shared-memory exchange: no room for a 2 MiB arena")
+
+    w = DeferredWaits()
+    w.rank, w._flags, w._arena = 3, object(), FullArena()
+    w._before_deferring()
+    err = capsys.readouterr().err
+    assert "rank 3: could not grow the host arena ahead to 2 MiB" in err and "no room" in err
