@@ -237,7 +237,8 @@ class Arena:
 
     def reserve(self, size: int) -> None:
         """Make the current generation at least ``size`` bytes now (a new, empty one if it is
-        smaller): growing later may have to stay pageable."""
+        smaller), so that staging later neither registers pages mid-step nor leaves a generation
+        pageable where pages may not be locked."""
         with self._lock:
             if self._current is None or self._current.size < size:
                 self._grow(max(size, self._initial), exact=True)
