@@ -50,7 +50,8 @@ WATCH_S = 0.5
 
 class DeferredWaits:
     """Mixed into :class:`~nccl_ext.capture_transport.CaptureTransport` (its ``_unparked``,
-    ``_closed``, ``rank``, ``unit``)."""
+    ``_closed``, ``rank``, ``unit``; and, where it has them, its host ``_arena`` and ``_send`` to
+    the coordinator)."""
 
     def _init_deferred(self, enabled: bool) -> None:
         self._defer_enabled = enabled
