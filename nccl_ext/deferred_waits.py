@@ -292,6 +292,7 @@ class DeferredWaits:
             unanswered = sorted(o for o in self._open if o not in self._ready and o not in self._gated)
             watched = sorted(self._watched)
             self._watched.clear()
+            self._deferred_at.clear()
         if queued:
             where = "its fold was queued on the GPU and has not run (it waits there for the program's stream to reach the op)"
         elif gated:
