@@ -5,7 +5,7 @@
 Megatron's timers all-gather on ``default_pg`` in a 1,024-rank folded capture returns 1,024
 small pieces, each one of the captured ranks' contributions again. The coordinator hands a
 sandbox rank's result to the trace writer (:class:`~prism_launch.capture.sink.BackgroundSink`)
-and sends it back (:func:`nccl_ext.wire.send`). This bench times both on the handing thread,
+and sends it back (:func:`nccl_ext.core.wire.send`). This bench times both on the handing thread,
 per piece (``record_tensor`` per piece; each piece its own send) and as the coordinator does it
 now (one ``record_tensors``; one ``wire.send``, whose repeated pieces travel once), while
 another Python thread keeps the interpreter busy as the coordinator's helpers do. Prints the
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nccl_ext import wire  # noqa: E402
-from nccl_ext.ops import Collective, compute  # noqa: E402
+from nccl_ext.core.ops import Collective, compute  # noqa: E402
 from prism_launch.capture.sink import BackgroundSink  # noqa: E402
 from prism_launch.trace import TraceWriter  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What a CUDA stream waiting on a flag (``capture.gpu_waits``, :mod:`nccl_ext.device_flags`)
+"""What a CUDA stream waiting on a flag (``capture.gpu_waits``, :mod:`nccl_ext.exchange.device_flags`)
 survives: each case runs in a process of its own under a deadline. The program's stream waits
 for a flag, then the case's call X runs, then the fold's stream writes the flag — on the same
 thread after X ("queuer": X must not wait for the device) or from another thread 1 s after X
@@ -87,7 +87,7 @@ def _call(case: str, x):
 def child(case: str, side: str, lazy: bool) -> None:
     import torch
 
-    from nccl_ext import device_flags
+    from nccl_ext.exchange import device_flags
 
     if not lazy:
         device_flags.prepare_context()

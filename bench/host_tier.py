@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nccl_ext.device_path import DevicePath  # noqa: E402
-from nccl_ext.replay_transport import RecordedOp  # noqa: E402
+from nccl_ext.replay.transport import RecordedOp  # noqa: E402
 from prism_launch.trace import TraceReader, TraceWriter  # noqa: E402
 
 

@@ -8,7 +8,7 @@ assistant's part in emulation — through the same code the emulation runs
 (``RingChannels`` with ``group_factory(..., "nccl")``: one communicator per logical group,
 messages matched by order). For each placement of the live member in a group of 8 it runs
 all-reduce (SUM/AVG/MAX), reduce-scatter and all-gather in fp32 and bf16 and compares each
-result with ``nccl_ext.ops.compute`` over the whole group on the CPU. Prints one line per
+result with ``nccl_ext.core.ops.compute`` over the whole group on the CPU. Prints one line per
 placement and the time per all-reduce.
 """
 
@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nccl_ext import pruning  # noqa: E402
-from nccl_ext.ops import Collective, ReduceKind, compute  # noqa: E402
-from nccl_ext.pruning import PrunedRing, RingChannels, group_factory, ring_processes  # noqa: E402
+from nccl_ext.core.ops import Collective, ReduceKind, compute  # noqa: E402
+from nccl_ext.pruning.rings import PrunedRing, RingChannels, group_factory, ring_processes  # noqa: E402
 
 N, ELEMS = 8, 1 << 18
 REDUCES = (ReduceKind.SUM, ReduceKind.AVG, ReduceKind.MAX)

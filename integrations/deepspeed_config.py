@@ -113,7 +113,7 @@ def render(cfg, script_args: list[str], out_dir=None) -> list[str]:
         out.mkdir(parents=True, exist_ok=True)
         dst = out / f"{src.stem}.{digest}.json"
         if not dst.exists():
-            from nccl_ext.atomic import atomic_write_text
+            from nccl_ext.core.atomic import atomic_write_text
 
             atomic_write_text(dst, text)
         args = set_flag(args, flag, str(dst))

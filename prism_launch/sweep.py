@@ -137,7 +137,7 @@ def run_point(cfg_node: Any, args: LaunchArgs, out: Path, num: int | None, overr
         gc.collect()
     row["wall_s"] = round(time.monotonic() - t0, 3)
     try:
-        from nccl_ext.atomic import atomic_write_text
+        from nccl_ext.core.atomic import atomic_write_text
 
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "result.json", json.dumps(row, indent=1, default=str))
@@ -292,7 +292,7 @@ def _cell(v) -> str:
 
 def write_summary(rows: list[dict], sweep_dir: Path) -> tuple[Path, Path]:
     """``summary.csv`` and ``summary.png`` in ``sweep_dir``."""
-    from nccl_ext.atomic import atomic_write_text
+    from nccl_ext.core.atomic import atomic_write_text
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
     labels = varying(rows)

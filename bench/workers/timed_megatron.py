@@ -54,7 +54,7 @@ def timed_init(*a, **k):
     info["init_s"] = t1 - (_started[0] if _started else t0)
     info["rss_after_init_mb"] = _status_mb("VmRSS")
     try:
-        from nccl_ext import install
+        from nccl_ext.frontend import install
 
         world = install.current_world()
         if world is not None:

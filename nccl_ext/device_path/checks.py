@@ -3,7 +3,7 @@ the device into a slot of the pool (:class:`DeviceChecks`); the slots are read â
 synchronisation â€” at the step boundary and compared with the same sum of the recorded
 tensors (:func:`word_sum`), which the host tier's loader or the stager computes. A floating
 contribution's L1 norm goes into a second slot beside it: what tells a non-deterministic
-kernel's rounding from a value divergence (``nccl_ext/divergence.py``) for the few that mismatch."""
+kernel's rounding from a value divergence (``nccl_ext/replay/divergence.py``) for the few that mismatch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Compensation on device: member ``me``'s result of a collective from its live pieces and the
-virtual members' staged ones, folded with :func:`nccl_ext.ops.fold` in group-rank order into
+virtual members' staged ones, folded with :func:`nccl_ext.core.ops.fold` in group-rank order into
 pool scratch — the capture's arithmetic step for step, so results are bit-identical to it
 (IEEE adds, multiplies, min/max are exact per step on any device) — and which of a virtual
 member's pieces that result is made of (what the stager stages)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nccl_ext.ops import Collective, ReduceKind, fold
+from nccl_ext.core.ops import Collective, ReduceKind, fold
 
 
 def needed_pieces(kind: Collective, n: int, me: int, root: int | None, member: int, pieces: int) -> list[int]:
@@ -34,7 +34,7 @@ def needed_pieces(kind: Collective, n: int, me: int, root: int | None, member: i
 def result_of(kind: Collective, n: int, me: int, root: int | None, live: list[torch.Tensor] | None,
               terms: dict[int, dict[int, torch.Tensor]], scratch: list[torch.Tensor],
               reduce: ReduceKind | None) -> list[torch.Tensor]:
-    """Member ``me``'s result (the semantics of :func:`nccl_ext.ops.compute`), from its live
+    """Member ``me``'s result (the semantics of :func:`nccl_ext.core.ops.compute`), from its live
     pieces and the virtual members' needed pieces ``terms[m][i]``; reductions fold into
     ``scratch``."""
 

@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from nccl_ext import wire
+from nccl_ext.core import wire
 from nccl_ext.device_path import pool
 from nccl_ext.device_path.checks import SLOT_BYTES, DeviceChecks, chunked_word_sum
 from nccl_ext.device_path.host_tier import HostTier

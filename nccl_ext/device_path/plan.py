@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nccl_ext import wire
+from nccl_ext.core import wire
 from nccl_ext.device_path.compensation import needed_pieces
-from nccl_ext.ops import Collective, contributors
+from nccl_ext.core.ops import Collective, contributors
 
 ALIGN = 256
 """Every staged piece and scratch tensor starts at a multiple of this many bytes."""

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from nccl_ext import wire
+from nccl_ext.core import wire
 from nccl_ext.device_path.host_tier import chunks
 from nccl_ext.device_path.plan import Plan, StagedOp
 from nccl_ext.device_path.pool import strides

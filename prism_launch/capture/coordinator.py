@@ -2,8 +2,8 @@
 members' real contributions and records what replay needs.
 
 It runs in the launcher process, pumped between polls of the rank processes. Ranks
-connect over a Unix socket (:mod:`nccl_ext.capture_transport`); results are computed
-with :func:`nccl_ext.ops.compute` — the same function emulation uses — so replayed
+connect over a Unix socket (:mod:`nccl_ext.capture.transport`); results are computed
+with :func:`nccl_ext.core.ops.compute` — the same function emulation uses — so replayed
 results are bit-identical to captured ones. Every tensor it records goes to its ``sink``
 at once (the trace writer's :meth:`~prism_launch.trace.TraceWriter.record_tensor`, which
 spills them to disk as they come), so the launcher holds no step's tensors past the op.
@@ -19,10 +19,10 @@ from multiprocessing.connection import Connection, Listener, wait
 
 import torch
 
-from nccl_ext import wire
-from nccl_ext.exchange import PeerViews
-from nccl_ext.exchange_ipc import is_device_location
-from nccl_ext.ops import Collective, ReduceKind, compute, contributors
+from nccl_ext.core import wire
+from nccl_ext.exchange.arena import PeerViews
+from nccl_ext.exchange.ipc import is_device_location
+from nccl_ext.core.ops import Collective, ReduceKind, compute, contributors
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, exchanged_terms, weighted_reduction
 from prism_launch.capture.ops_state import (Arrival, CaptureDeadlineError, CaptureError, Lags, OpGroup,
                                             PayloadBudgetError, PendingCollective, Reads, describe, op_label)
@@ -55,7 +55,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         tensor (``full``)."""
         self.budget_bytes = budget_bytes
         self._views = PeerViews(exchange) if exchange is not None else None
-        """The shared-memory exchange (:mod:`nccl_ext.exchange`): what a trace records is read where
+        """The shared-memory exchange (:mod:`nccl_ext.exchange.arena`): what a trace records is read where
         the member staged it."""
         self._reads: dict[tuple[int, int], Reads] = {}
         self._init_notes()
@@ -250,14 +250,14 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
                 self.scheduler.admission.report(header[1], header[2])
         elif kind == "stats":
             self.rank_busy_s[header[1]] = header[2]
-        elif kind == "stalled":  # a rank's waits on the GPU stopped (nccl_ext.deferred_waits)
+        elif kind == "stalled":  # a rank's waits on the GPU stopped (nccl_ext.capture.deferred_waits)
             self.gpu_waits_stalled.append((header[1], header[2]))
         elif kind == "bye":
             self.finished.add(header[1])
             self.scheduler.gone(header[1])
 
     def _mirrored(self, g: OpGroup) -> int | None:
-        """The rank that computes ``g``'s collectives itself (:mod:`nccl_ext.mirrored`): in a
+        """The rank that computes ``g``'s collectives itself (:mod:`nccl_ext.core.mirrored`): in a
         sandbox-scoped trace, a folded group's only captured member when it stands in for every
         other member (the trace keeps nothing of a virtual rank's ops on the group; of a sandbox
         rank's, its contribution's digest and its result, read where the rank staged them), else None."""

@@ -1,15 +1,15 @@
 """Reductions over large folded groups (a data-parallel gradient reduction over thousands of
 replicas, most of them not captured): each stand-in's contribution added once, scaled by how many
-members it stands in for (:mod:`nccl_ext.folded`: the same arithmetic as the captured members
-that compute their own results); a large sum in slices on a few threads (:mod:`nccl_ext.sliced`)."""
+members it stands in for (:mod:`nccl_ext.core.replica_sums`: the same arithmetic as the captured members
+that compute their own results); a large sum in slices on a few threads (:mod:`nccl_ext.core.sliced`)."""
 
 from __future__ import annotations
 
 import torch
 
-from nccl_ext.folded import terms, weighted_sum
-from nccl_ext.mirrored import EXACT_FOLD_MAX, weighted
-from nccl_ext.ops import Collective
+from nccl_ext.core.replica_sums import terms, weighted_sum
+from nccl_ext.core.mirrored import EXACT_FOLD_MAX, weighted
+from nccl_ext.core.ops import Collective
 
 __all__ = ["EXACT_FOLD_MAX", "exchanged_terms", "weighted_reduction", "weighted_sum"]
 
@@ -41,7 +41,7 @@ def weighted_reduction(pc, group) -> list | None:
 
 def exchanged_terms(pc, group) -> list[tuple[int, int]] | None:
     """The terms (group rank, factor) a folded group's exchanged collective is summed from — the
-    members compute their own results (:func:`nccl_ext.folded.exchangeable`) and stage those the
+    members compute their own results (:func:`nccl_ext.core.replica_sums.exchangeable`) and stage those the
     trace keeps — or None where the group is not folded."""
     if group.sources is None:
         return None

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from nccl_ext import wire
-from nccl_ext.divergence import piece_stats
-from nccl_ext.exchange import detached
+from nccl_ext.core import wire
+from nccl_ext.replay.divergence import piece_stats
+from nccl_ext.exchange.arena import detached
 from prism_launch.capture.piece_refs import materialized
 
 

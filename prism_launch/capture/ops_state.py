@@ -7,7 +7,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from nccl_ext.ops import Collective, ReduceKind
+from nccl_ext.core.ops import Collective, ReduceKind
 
 
 class CaptureError(RuntimeError):

@@ -9,8 +9,8 @@ from collections import deque
 
 import torch
 
-from nccl_ext import wire
-from nccl_ext.exchange_ipc import is_device_location
+from nccl_ext.core import wire
+from nccl_ext.exchange.ipc import is_device_location
 from prism_launch.capture.ops_state import CaptureError, OpGroup, Reads, describe
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from nccl_ext import wire
+from nccl_ext.core import wire
 
 
 class PieceRef:
     """Piece ``(offset, dtype, shape)`` of ``rank``'s arena generation ``gen`` (``views``: the
-    coordinator's :class:`~nccl_ext.exchange.PeerViews`; None: only the rank's GPU has it)."""
+    coordinator's :class:`~nccl_ext.exchange.arena.PeerViews`; None: only the rank's GPU has it)."""
 
     __slots__ = ("dtype", "shape", "_views", "_where")
 

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from multiprocessing.connection import Connection
 
-from nccl_ext import wire
+from nccl_ext.core import wire
 
 
 class SlotScheduler:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nccl_ext import wire
-from nccl_ext.exchange import Arena, detached
-from nccl_ext.exchange_ipc import described, is_device_location
-from nccl_ext.ops import Collective
+from nccl_ext.core import wire
+from nccl_ext.exchange.arena import Arena, detached
+from nccl_ext.exchange.ipc import described, is_device_location
+from nccl_ext.core.ops import Collective
 from prism_launch.capture.piece_refs import refs
 
 COORDINATOR_ARENA = -1

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from nccl_ext import wire
-from nccl_ext.ops import Collective
+from nccl_ext.core import wire
+from nccl_ext.core.ops import Collective
 from prism_launch.capture.notes import _copies
 from prism_launch.capture.ops_state import Arrival, PendingCollective
 
@@ -16,7 +16,7 @@ class SynthesizedOps:
 
     def _on_meta(self, conn, header, mirrored: bool = False) -> None:
         """A collective the rank synthesized, or computed itself as a folded group's only captured
-        member (``mirrored``: every other member contributes its data, :mod:`nccl_ext.mirrored`):
+        member (``mirrored``: every other member contributes its data, :mod:`nccl_ext.core.mirrored`):
         its event, no tensors, nothing to wait for."""
         _, key, seq, api, kind, reduce, root, unit, t, wall, cpu, shapes, dtypes, nbytes = header[:14]
         rank = self._rank_of[conn]

@@ -54,7 +54,7 @@ class Payload(StrEnum):
     """No tensor payloads: the trace holds the op sequence, groups, shapes, dtypes, bytes,
     timings, memory and MoE routing counts. Every collective's result is synthesized on the
     rank's own device, in capture and emulation alike, as if each other member contributed what
-    this rank contributes (``nccl_ext/synth.py``); broadcasts up to ``capture.carry_bytes``
+    this rank contributes (``nccl_ext/core/synth.py``); broadcasts up to ``capture.carry_bytes``
     keep their real payload (they carry control flow: flags, batch metadata). Nothing but
     metadata reaches the launcher; ranks never wait on each other, so captured ranks run at
     the job's speed, ``capture.slots`` at a time (admitted by memory)."""

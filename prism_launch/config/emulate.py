@@ -99,7 +99,7 @@ class EmulateConfig:
     time_scale: float = 1.0
     """Multiplier on recorded waits (e.g. 0 to disable, 0.5 to halve)."""
     strict: bool = False
-    """A ``value`` divergence (live data beyond the tolerance of the recorded; ``nccl_ext/divergence.py``)
+    """A ``value`` divergence (live data beyond the tolerance of the recorded; ``nccl_ext/replay/divergence.py``)
     is an error instead of a warning. Divergences within tolerance and host scalars never are."""
     divergence_rtol: float | None = None
     """Tolerance under which a mismatching floating contribution counts as a non-deterministic
@@ -111,7 +111,7 @@ class EmulateConfig:
     """Call sites whose small contributions carry wall-clock times or rank-local counters (kind
     ``host_scalar``): a path fragment of the file issuing the collective (first frame outside
     torch and prism), or ``fragment:function``. Defaults: Megatron's timers, its start-time and
-    exit-duration all-reduces (``nccl_ext/divergence.py`` says where they were read)."""
+    exit-duration all-reduces (``nccl_ext/replay/divergence.py`` says where they were read)."""
     host_scalar_max_elements: int = 64
     """Largest contribution (elements) that can be a host scalar."""
     check_divergence: bool = True
@@ -123,7 +123,7 @@ class EmulateConfig:
     """Ops per sandbox rank the assistant may stream ahead (bounded memory)."""
     pruned_rings: bool = False
     """Collectives shared by several sandbox ranks run over pruned rings (live members plus the
-    assistant playing one edge virtual rank per arc; ``nccl_ext/pruning.py``) instead of every
+    assistant playing one edge virtual rank per arc; ``nccl_ext/pruning/rings.py``) instead of every
     sandbox member gathering all live contributions and folding on the host."""
     ring_backend: RingBackend = RingBackend.gloo
     """Transport of the pruned rings: one communicator per logical group that runs them."""

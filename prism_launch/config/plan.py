@@ -47,11 +47,11 @@ class CapturePlan:
     switch_interval_us: int = 0
     """Python's thread switch interval in the rank while it captures (0: Python's default)."""
     gpu_exchange_bytes: int = 0
-    """Each rank's device buffer of the exchange on CUDA (:mod:`nccl_ext.exchange_ipc`; 0: off)."""
+    """Each rank's device buffer of the exchange on CUDA (:mod:`nccl_ext.exchange.ipc`; 0: off)."""
     gpu_waits: bool = False
-    """Waits on the exchange's GPU ops are deferred to the GPU (:mod:`nccl_ext.deferred_waits`)."""
+    """Waits on the exchange's GPU ops are deferred to the GPU (:mod:`nccl_ext.capture.deferred_waits`)."""
     fold_exchange: bool = False
-    """A folded group's weighted reductions are summed by its captured members (:mod:`nccl_ext.folded`)."""
+    """A folded group's weighted reductions are summed by its captured members (:mod:`nccl_ext.core.replica_sums`)."""
     scope: tuple[int, ...] | None = None
     """The ranks the trace is scoped to (``exact``: the sandbox ranks; None: every rank): the
     data of their ops is what the coordinator reads on the host."""
@@ -156,7 +156,7 @@ class RankPlan:
         if spill_dir is None:
             raise ValueError(f"the rank plan is {len(text)} bytes, too long for the environment, and no "
                              "directory was given to write it to")
-        from nccl_ext.atomic import atomic_write_text
+        from nccl_ext.core.atomic import atomic_write_text
 
         path = Path(spill_dir) / "plan.json"
         path.parent.mkdir(parents=True, exist_ok=True)

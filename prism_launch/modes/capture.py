@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from nccl_ext.exchange import claim_directory, release_directory
+from nccl_ext.exchange.arena import claim_directory, release_directory
 from prism_launch.config import Mode, Park
 from prism_launch.config.plan import CapturePlan
 from prism_launch.errors import GpuWaitsStalledError, RunFailedError
@@ -89,7 +89,7 @@ when a contribution does not fit)."""
 
 COORDINATOR_DIR_PREFIX = "prism-coord-"
 """The coordinator's socket directory under the temporary directory: one a killed launcher left
-is removed by the next capture (:func:`~nccl_ext.exchange.claim_directory`)."""
+is removed by the next capture (:func:`~nccl_ext.exchange.arena.claim_directory`)."""
 
 
 def exchange_dir(fallback: Path, ranks: int) -> str | None:

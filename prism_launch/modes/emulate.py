@@ -156,7 +156,7 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
         old.unlink()
     schedule = None
     if cfg.emulate.timing is Timing.predicted:
-        from nccl_ext.atomic import atomic_write_text
+        from nccl_ext.core.atomic import atomic_write_text
         from prism_launch.predict.prediction import schedule as predicted_schedule
 
         schedule = ctx.report.schedule(ph.node_rank)
@@ -216,7 +216,7 @@ def exchange_summaries(ctx: RunContext, store, sandbox: list[int], local: list[i
             path = ctx.report.summary(r, node)
             store.set(f"prism/summary/{r}", path.read_text() if path.exists() else "")
         return
-    from nccl_ext.atomic import atomic_write_text
+    from nccl_ext.core.atomic import atomic_write_text
 
     remote = [r for r in sandbox if r not in local]
     keys = [f"prism/summary/{r}" for r in remote]

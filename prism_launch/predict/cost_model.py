@@ -78,7 +78,7 @@ COLLECTIVE_KINDS: tuple[str, ...] = (
     "scatter",
     "barrier",
 )
-"""Collective kinds :meth:`CostModel.collective_time` accepts (``nccl_ext.ops.Collective`` values)."""
+"""Collective kinds :meth:`CostModel.collective_time` accepts (``nccl_ext.core.ops.Collective`` values)."""
 
 P2P = "p2p"
 """Pseudo-kind for a point-to-point transfer, accepted by :func:`fit_alpha_beta`."""

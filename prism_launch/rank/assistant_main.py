@@ -9,12 +9,12 @@ import os
 import sys
 import time
 
-from nccl_ext.atomic import atomic_write_text
+from nccl_ext.core.atomic import atomic_write_text
 from prism_launch.config.plan import RankPlan
 
 
 def main() -> int:
-    from nccl_ext.assistant import serve
+    from nccl_ext.replay.assistant import serve
     from prism_launch.rank.replay_source import TraceRecording
     from prism_launch.rank.transports import outlive_interpreter, physical_group, ring_channels
     from prism_launch.trace import TraceReader

@@ -45,7 +45,7 @@ def _start_memory(plan: RankPlan):
 
 
 def _finish_memory() -> None:
-    from nccl_ext import install
+    from nccl_ext.frontend import install
 
     world = install.current_world()
     if _TRACKER and world is not None:
@@ -57,8 +57,8 @@ def _finish_memory() -> None:
 def finish() -> None:
     """End a capture or emulation rank whose program returned: its memory figures into its
     summary, then its transport closed — the transport's threads joined while Python can still
-    run them (``nccl_ext/helpers.py``)."""
-    from nccl_ext import install
+    run them (``nccl_ext/core/threads.py``)."""
+    from nccl_ext.frontend import install
 
     try:
         _finish_memory()
@@ -72,7 +72,7 @@ def _write_real_memory(plan: RankPlan, rank: int) -> None:
     path = RankLogs(plan.memory_dir).memory(rank)
     import json
 
-    from nccl_ext.atomic import atomic_write_text
+    from nccl_ext.core.atomic import atomic_write_text
 
     tracker = _TRACKER.pop()
     tracker.stop()
@@ -92,7 +92,7 @@ def activate(plan: RankPlan) -> None:
     cp = plan.capture
     if (plan.device == "cuda" and plan.mode == "capture" and cp is not None and not cp.discover_file
             and cp.gpu_waits and cp.gpu_exchange_bytes > 0):
-        from nccl_ext import device_flags
+        from nccl_ext.exchange import device_flags
 
         device_flags.prepare_context()  # before the CUDA context: waits on the GPU need a queue of their own
     if plan.device == "cuda" and plan.mode != "real":
@@ -107,11 +107,11 @@ def activate(plan: RankPlan) -> None:
     if plan.mode == "real":
         tracker = _start_memory(plan) if plan.memory_dir else None
         if tracker is not None:
-            from nccl_ext import install
+            from nccl_ext.frontend import install
 
             install.install_step_marker(lambda: tracker.mark_unit(len(tracker.samples)))
     if plan.mode in ("capture", "emulate"):
-        from nccl_ext import install
+        from nccl_ext.frontend import install
 
         if plan.capture is not None and plan.capture.discover_file:
             make = transports.discover(plan)

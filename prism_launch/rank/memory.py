@@ -195,7 +195,7 @@ class MemoryTracker:
     def _comm(self) -> int:
         """Device bytes the communication layer holds (the device path's pool): a real backend's
         buffers are not the program's, so they are left out of its figures."""
-        from nccl_ext.device_path import pool_bytes
+        from nccl_ext.core.device_memory import pool_bytes
 
         return pool_bytes(torch.device("cuda", self._index))
 

@@ -1,4 +1,4 @@
-"""A PrismTrace seen through the :class:`nccl_ext.replay_transport.Recording` interface.
+"""A PrismTrace seen through the :class:`nccl_ext.replay.transport.Recording` interface.
 
 A folded trace (``fold.json``) holds only the captured ranks; an uncaptured member of a
 group is answered by its captured stand-in (:meth:`prism_launch.capture.fold.FoldPlan.sources`),
@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from nccl_ext.replay_transport import RecordedOp
+from nccl_ext.replay.transport import RecordedOp
 from prism_launch.trace import TraceLayout, TraceReader
 
 

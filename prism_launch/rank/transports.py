@@ -15,7 +15,7 @@ MakeTransport = Callable[[int, int, float], object]
 
 
 def capture(plan: RankPlan) -> MakeTransport:
-    from nccl_ext.capture_transport import CaptureTransport
+    from nccl_ext.capture.transport import CaptureTransport
 
     cp = plan.capture
 
@@ -35,7 +35,7 @@ def capture(plan: RankPlan) -> MakeTransport:
 
 
 def discover(plan: RankPlan) -> MakeTransport:
-    from nccl_ext.discover import DiscoverTransport
+    from nccl_ext.capture.discover import DiscoverTransport
 
     def make(rank: int, world_size: int, timeout_s: float):
         return DiscoverTransport(plan.capture.discover_file)
@@ -56,7 +56,7 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
 
     import torch.distributed as dist
 
-    from nccl_ext.pending import LIMIT_KEY, CommDeadlineError
+    from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError
 
     e = plan.emulate
     who = f"sandbox rank {e.sandbox[index]}" if index < len(e.sandbox) else "the assistant"
@@ -139,7 +139,7 @@ def _first_line(exc: BaseException) -> str:
 def ring_channels(plan: RankPlan, me: int, store, timeout_s: float):
     """The pruned rings' communicators of physical rank ``me`` (gloo, or NCCL on this
     process's current GPU; without ring tags messages match by issue order)."""
-    from nccl_ext.pruning import RingChannels, group_factory
+    from nccl_ext.pruning.rings import RingChannels, group_factory
 
     e = plan.emulate
     device = None
@@ -156,7 +156,7 @@ def outlive_interpreter(*objs) -> None:
     teardown: the process's exit releases them, so no c10d destructor (which waits on the
     group's queued work and joins its threads) runs while Python finalizes, as the other
     physical processes close their connections. (The aborts at exit once blamed on these
-    objects came from the transport's own threads: ``nccl_ext/helpers.py``.)"""
+    objects came from the transport's own threads: ``nccl_ext/core/threads.py``.)"""
     import ctypes
 
     for o in objs:
@@ -172,7 +172,7 @@ def load_schedule(plan: RankPlan) -> dict[int, list[float]] | None:
 
 
 def replay(plan: RankPlan) -> MakeTransport:
-    from nccl_ext.replay_transport import ReplayTransport
+    from nccl_ext.replay.transport import ReplayTransport
     from prism_launch.rank.replay_source import TraceRecording
 
     e = plan.emulate
@@ -183,7 +183,7 @@ def replay(plan: RankPlan) -> MakeTransport:
 
         def on_close() -> None:
             if e.assistant:
-                from nccl_ext.assistant import done_key
+                from nccl_ext.replay.assistant import done_key
 
                 store.set(done_key(rank), "1")
         reader = TraceReader(e.trace_dir, verify=False)  # verified once by the launcher
@@ -202,7 +202,7 @@ def replay(plan: RankPlan) -> MakeTransport:
             device_path.prepare()  # plan and fill the host tier while the program builds its model
         rings = None
         if e.pruned and store is not None:
-            from nccl_ext.pruning import ring_plan
+            from nccl_ext.pruning.rings import ring_plan
 
             me = sandbox.index(rank)
             rings = ring_channels(plan, me, store, timeout_s)

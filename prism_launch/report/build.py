@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nccl_ext.atomic import atomic_write_text
+from nccl_ext.core.atomic import atomic_write_text
 from prism_launch.launch.logs import parse_rank_log
 from prism_launch.report import plots
 from prism_launch.trace import RankLogs, ReportLayout, TraceLayout

@@ -26,7 +26,7 @@ def _write_timeline(path: Path, timelines: dict, gpus_per_node: int) -> None:
         events.append({"ph": "M", "name": "thread_name", "pid": node, "tid": r, "args": {"name": f"rank {r}"}})
         for name, t0, t1 in spans:
             events.append({"ph": "X", "name": name, "pid": node, "tid": r, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
-    from nccl_ext.atomic import atomic_write_text
+    from nccl_ext.core.atomic import atomic_write_text
 
     atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 

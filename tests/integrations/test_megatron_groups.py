@@ -46,7 +46,7 @@ def test_a_world_that_is_not_the_product_of_the_sizes_takes_the_original_path():
 INIT = """
 import json, sys
 import torch.distributed as dist
-from nccl_ext import install
+from nccl_ext.frontend import install
 if sys.argv[2] == "fixed":
     from integrations import megatron_compat
     megatron_compat.install()

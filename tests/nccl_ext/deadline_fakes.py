@@ -12,8 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nccl_ext import wire
-from nccl_ext.recording import RecordedOp
+from nccl_ext.core import wire
+from nccl_ext.replay.recording import RecordedOp
 
 ELEMS = 16
 

@@ -3,7 +3,7 @@
 
 import torch
 
-from nccl_ext.ops import Collective, ReduceKind, compute
+from nccl_ext.core.ops import Collective, ReduceKind, compute
 from prism_launch.capture.ops_state import OpGroup as _Group, PendingCollective as _PendingCollective
 from prism_launch.capture.folded_reduction import weighted_reduction as _weighted_reduction
 
@@ -82,7 +82,7 @@ def test_weighted_fold_of_float_data_stays_within_the_summation_bound():
 def test_a_large_weighted_sum_on_several_threads_has_the_bits_of_one_pass():
     """Gradient-sized sums run in slices on a thread pool: every element sees the same
     operations in the same order (each scaled term rounded in its dtype, then added)."""
-    from nccl_ext.sliced import PARALLEL_MIN
+    from nccl_ext.core.sliced import PARALLEL_MIN
     from prism_launch.capture.folded_reduction import weighted_sum
 
     g = torch.Generator().manual_seed(1)

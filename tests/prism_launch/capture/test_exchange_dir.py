@@ -5,7 +5,7 @@ import os
 import shutil
 from pathlib import Path
 
-from nccl_ext.exchange import OWNER_FILE, release_directory
+from nccl_ext.exchange.arena import OWNER_FILE, release_directory
 from prism_launch.modes import capture as mode
 
 
@@ -29,7 +29,7 @@ def test_a_killed_launchers_exchange_is_removed_by_the_next_capture(tmp_path):
     import subprocess
     import sys
 
-    from nccl_ext import exchange
+    from nccl_ext.exchange import arena as exchange
 
     # a launcher that claims a directory, fills an arena and is SIGKILLed (no cleanup runs)
     code = ("import os, signal, sys; from nccl_ext import exchange; d = exchange.claim_directory(sys.argv[1]); "
@@ -55,7 +55,7 @@ def test_a_killed_launchers_coordinator_directory_is_removed_by_the_next_capture
     import subprocess
     import sys
 
-    from nccl_ext import exchange
+    from nccl_ext.exchange import arena as exchange
     from prism_launch.modes.capture import COORDINATOR_DIR_PREFIX
 
     code = ("import os, signal, sys; from nccl_ext import exchange; "

@@ -6,7 +6,7 @@ failure of the capture (it once ended one with a bare BrokenPipeError)."""
 from multiprocessing import Pipe
 from types import SimpleNamespace
 
-from nccl_ext import wire
+from nccl_ext.core import wire
 from prism_launch.capture.notes import TraceNotes
 from prism_launch.capture.staged import StagedResults
 from prism_launch.capture.synthesized import SynthesizedOps

@@ -1,4 +1,4 @@
-"""The coordinator's side of contributions and sends staged on a GPU (:mod:`nccl_ext.exchange_ipc`):
+"""The coordinator's side of contributions and sends staged on a GPU (:mod:`nccl_ext.exchange.ipc`):
 it answers with the locations as they are, records shapes from the location where the trace
 reads no data, takes the trace's notes (the sandbox rank's digest, a kept contribution) from the
 host copy only once every member has read — the host copies are complete then — frees the
@@ -11,9 +11,9 @@ import pickle
 import pytest
 import torch
 
-from nccl_ext.exchange import Arena, claim_directory, release_directory
-from nccl_ext.exchange_ipc import DEVICE_TAG
-from nccl_ext.ops import Collective, ReduceKind
+from nccl_ext.exchange.arena import Arena, claim_directory, release_directory
+from nccl_ext.exchange.ipc import DEVICE_TAG
+from nccl_ext.core.ops import Collective, ReduceKind
 from prism_launch.capture.coordinator import Coordinator
 
 

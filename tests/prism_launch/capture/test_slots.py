@@ -35,7 +35,7 @@ def _started(s):
 
 
 def test_a_probe_runs_alone_then_ranks_are_admitted_by_their_measured_peak(monkeypatch):
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     s, adm, arrive = _sched(20)
     for r in (7, 3, 5, 4, 6):
         arrive(r)
@@ -53,7 +53,7 @@ def test_a_probe_runs_alone_then_ranks_are_admitted_by_their_measured_peak(monke
 
 
 def test_when_every_admitted_rank_is_blocked_the_awaited_rank_starts(monkeypatch):
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     s, adm, arrive = _sched(10)
     for r in (0, 1, 2, 3):
         arrive(r)
@@ -68,7 +68,7 @@ def test_when_every_admitted_rank_is_blocked_the_awaited_rank_starts(monkeypatch
 
 
 def test_a_measured_rank_that_does_not_fit_waits_while_others_run(monkeypatch):
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     s, adm, arrive = _sched(10)
     adm.report(9, {"peak_bytes": 6 * GIB})  # a peak known from before
     for r in (1, 2):
@@ -82,7 +82,7 @@ def test_a_measured_rank_that_does_not_fit_waits_while_others_run(monkeypatch):
 
 
 def test_admission_waits_for_every_rank_to_connect_then_starts_in_rank_order(monkeypatch):
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     adm = MemoryAdmission([10 * GIB], lambda r: 0, overhead=GIB)
     s = SlotScheduler(8, admission=adm, expected=3)
     s.arrive(5, NO_PID + 5, _Conn())  # the first to connect is not the lowest rank
@@ -95,7 +95,7 @@ def test_admission_waits_for_every_rank_to_connect_then_starts_in_rank_order(mon
 
 
 def test_a_blocked_rank_waits_for_an_awaited_rank_that_has_not_connected(monkeypatch):
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     s, adm, arrive = _sched(10)
     arrive(1)
     arrive(2)
@@ -113,7 +113,7 @@ def test_a_blocked_rank_waits_for_an_awaited_rank_that_has_not_connected(monkeyp
 def test_the_budget_is_read_again_once_every_rank_has_connected(monkeypatch):
     """Ranks waiting for their first slot already hold device memory (their CUDA contexts): the
     budget is what is free once they have all connected, not what was free before they started."""
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     reads = iter([[14 * GIB]])
     adm = MemoryAdmission([20 * GIB], lambda r: 0, overhead=GIB, free=lambda: next(reads))
     s = SlotScheduler(8, admission=adm, expected=4)
@@ -136,7 +136,7 @@ def test_a_rank_answered_before_its_park_arrives_keeps_its_slot(monkeypatch):
     is not blocked. It keeps its slot and no other rank is started past the device's memory
     (the H200 capture of a Llama-3-8B shape ran 32 ranks onto the card this way)."""
     sent = []
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): sent.append((conn, header)))
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): sent.append((conn, header)))
     s, adm, arrive = _sched(20)
     for r in range(4):
         arrive(r)
@@ -153,7 +153,7 @@ def test_a_rank_answered_before_its_park_arrives_keeps_its_slot(monkeypatch):
 
 
 def test_a_started_rank_resumes_before_ranks_that_have_not_started(monkeypatch):
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     s, adm, arrive = _sched(20)
     for r in range(3):
         arrive(r)
@@ -175,7 +175,7 @@ def test_an_ended_rank_holds_its_memory_until_its_process_has_exited(monkeypatch
     import subprocess
     import sys
 
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): None)
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): None)
     adm = MemoryAdmission([10 * GIB], lambda r: 0, overhead=GIB)
     s = SlotScheduler(8, admission=adm)
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
@@ -198,7 +198,7 @@ def test_an_ended_rank_holds_its_memory_until_its_process_has_exited(monkeypatch
 
 def test_ranks_stop_parking_once_every_rank_runs_with_a_slot_of_its_own(monkeypatch):
     sent = []
-    monkeypatch.setattr("nccl_ext.wire.send", lambda conn, header, tensors=(): sent.append((conn.rank, header)))
+    monkeypatch.setattr("nccl_ext.core.wire.send", lambda conn, header, tensors=(): sent.append((conn.rank, header)))
 
     def scheduler(slots, expected):
         s = SlotScheduler(slots, expected=expected)

@@ -182,7 +182,7 @@ def test_bad_inputs_are_named(model):
 
 
 def test_kind_accepts_str_enum(model):
-    from nccl_ext.ops import Collective
+    from nccl_ext.core.ops import Collective
 
     assert model.collective_time(Collective.ALL_GATHER, 1 << 20, range(8)) == model.collective_time("all_gather", 1 << 20, range(8))
 

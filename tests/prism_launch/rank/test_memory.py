@@ -397,7 +397,7 @@ def test_communication_layer_copies_stay_out_of_the_programs_memory(tracker):
     """Checksumming or sending a non-contiguous contribution copies it outside the program's
     allocator (a real backend reads the program's tensor in place): the bytes are right and the
     program's current and peak memory do not move."""
-    from nccl_ext import wire
+    from nccl_ext.core import wire
 
     x = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
     h = x.to(torch.bfloat16)

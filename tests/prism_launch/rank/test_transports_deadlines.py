@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from nccl_ext.pending import CommDeadlineError
+from nccl_ext.core.pending import CommDeadlineError
 from prism_launch.rank.transports import physical_group
 
 

@@ -1,0 +1,483 @@
+"""Rank side of capture: every op goes to the coordinator, which computes it from all
+members' real contributions and records it — except collectives of small groups whose members
+are all captured, which pass their data through the shared-memory exchange
+(:mod:`nccl_ext.exchange.arena`: each member computes its own result; the coordinator gets locations).
+
+One reader thread per rank receives results (they may complete out of issue order:
+a pipeline stage's irecv from the next stage can finish before one from the previous)
+and enforces each op's deadline, so no wait is unbounded even for async work.
+
+Context switching: a rank runs only while it holds one of the coordinator's execution
+slots. It waits for a slot ("go") before its program communicates for the first time,
+hands it back when it blocks on an op that is not complete (:meth:`park`), and waits for
+a slot again once the op is done — so ``capture.slots`` ranks compute at a time however
+many logical ranks exist.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from multiprocessing.connection import Client
+
+import torch
+
+from nccl_ext.core import mirrored, replica_sums as folded, synth, wire
+from nccl_ext.capture.rank_exchange import RankExchange
+from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, DeferredWaits
+from nccl_ext.exchange.arena import PIN_COUNTS, Arena, PeerViews
+from nccl_ext.exchange.device_reduce import DeviceFold
+from nccl_ext.exchange.ipc import GpuExchange, start_gpu_exchange
+from nccl_ext.core.groups import GroupInfo
+from nccl_ext.core.ops import Collective
+from nccl_ext.core.pending import CommDeadlineError, Pending
+from nccl_ext.core.call import CollectiveCall
+from nccl_ext.core.spans import ComputeClock, thread_cpu_seconds
+
+
+EXCHANGE_MAX_MEMBERS = 8
+"""Groups up to this size use the shared-memory exchange: each member folds every contribution
+itself (the coordinator's one fold done by each member, in parallel); larger groups — a data-parallel
+reduction of an unfolded capture — go through the coordinator, which folds once."""
+
+
+STAGED_MIN_BYTES = 64 << 10
+"""A contribution to a collective the coordinator computes (a group with members that do not run)
+of at least this size is staged in the rank's arena, and its result comes back through the
+coordinator's (``scoll``/``sok``, :mod:`prism_launch.capture.staged`); smaller ones ride the socket."""
+
+
+MIRROR_SCRATCH_BYTES = 16 << 20
+"""Slice buffer of a mirrored in-place reduction (:mod:`nccl_ext.core.mirrored`)."""
+
+
+class CaptureTransport(RankExchange, DeferredWaits):
+    def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
+                 captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0,
+                 exchange: str | None = None, gpu_exchange_bytes: int = 0, scope: frozenset[int] | None = None,
+                 gpu_waits: bool = False, fold_exchange: bool = False):
+        self.rank = rank
+        self._init_deferred(gpu_waits)
+        self.synthesize = payload == "none"
+        """``payload=none``: results are synthesized here (:mod:`nccl_ext.core.synth`); the coordinator
+        gets metadata, and the payloads of broadcasts up to ``carry_bytes``."""
+        self.carry_bytes = carry_bytes
+        self.synthesized = 0
+        self._alive = time.monotonic()
+        self.timeout_s = timeout_s
+        self._conn = Client(address, family="AF_UNIX", authkey=authkey)
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._next_id = 0
+        self.unit = 0
+        self._clock = ComputeClock()
+        self._closed = threading.Event()
+        self._go = threading.Semaphore(0)
+        self.parked_s = 0.0
+        """Time this rank waited for an execution slot."""
+        self._unparked = False
+        """The coordinator said every rank has a slot of its own: blocking waits keep it."""
+        self._captured = frozenset(captured) if captured is not None else None
+        """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in);
+        None: every rank runs."""
+        self._exchange = exchange if payload != "none" else None
+        """The shared-memory exchange's directory (:mod:`nccl_ext.exchange.arena`), or None."""
+        self._arena: Arena | None = None
+        self._peers: PeerViews | None = None
+        self._xops: dict[int, tuple] = {}
+        """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
+        self._xtargets: dict[int, list] = {}
+        """op id -> the caller's tensors a folded exchanged reduction writes (:meth:`_compute_folded`)."""
+        self._fold_exchange = fold_exchange and self._exchange is not None
+        """A folded group's weighted reductions are summed by its captured members from each
+        other's staged contributions (:func:`nccl_ext.core.replica_sums.exchangeable`), not by the coordinator."""
+        self._fold_scratch: torch.Tensor | None = None
+        self.folded_exchanged_ops = 0
+        self._kept: dict[int, tuple] = {}
+        """op id -> (location, arena token) of this rank's kept result of a folded op (:meth:`_keep_result`)."""
+        self._regions: dict[int, tuple] = {}
+        """op id -> the arena region its contribution occupies until every member has read it."""
+        self._mirrored: dict[str, bool] = {}
+        """Keys of folded groups whose collectives this rank computes itself (the coordinator said
+        so: it is their only captured member and stands in for every other; :mod:`nccl_ext.core.mirrored`)
+        -> whether the trace keeps its data of them (a sandbox rank's: its contribution's digest,
+        its result), which then goes through the exchange."""
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._device_fold: DeviceFold | None = None
+        """Exchanged results computed on this rank's GPU (:mod:`nccl_ext.exchange.device_reduce`)."""
+        self._gpu_bytes = gpu_exchange_bytes
+        self._scope = scope
+        self._gpu: GpuExchange | None = None
+        """Contributions and sends staged on this rank's GPU (:mod:`nccl_ext.exchange.ipc`), or None."""
+        self._recv_on: dict[int, torch.device] = {}
+        """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
+        self._recv_issue: dict[int, tuple] = {}
+        """op id -> (event, program stream) of a pending recv whose result the GPU exchange writes."""
+        self.mirrored_ops = 0
+        self.staged_ops = 0
+        """Collectives computed by the coordinator whose contribution and result went through shared memory."""
+        self.exchanged_ops = 0
+        """Collectives among captured ranks only, computed by their members (:meth:`_exchanged`)."""
+        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0,
+                       "x_until_complete": 0.0, "x_to_reader": 0.0}
+        """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
+        close; ``capture.json``'s ``rank_busy_s``): where a capture's time goes on the rank side.
+        Of its exchanged collectives: from sending its contribution's location until the
+        coordinator saw every member's (``x_until_complete``), and from there until this rank's
+        reader had the answer (``x_to_reader``)."""
+        self._x_sent: dict[int, float] = {}
+        self._send(("hello", rank, os.getpid()))
+        self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
+        self._reader.start()
+        self._await_slot(f"rank {rank}: waiting for a first capture slot")
+
+    @property
+    def captured(self) -> frozenset[int] | None:
+        """The ranks a folded capture runs (None: every rank runs)."""
+        return self._captured
+
+    # -- context switching ----------------------------------------------------------------
+    def _await_slot(self, what: str) -> None:
+        t0 = time.monotonic()
+        while not self._go.acquire(timeout=0.5):
+            if self._closed.is_set():
+                raise RuntimeError(f"{what}: the capture coordinator closed the connection")
+            # the coordinator's heartbeat says this rank is still queued (ranks of payload=none run
+            # one after another, so a rank may wait longer than one op's deadline for its turn)
+            if time.monotonic() - max(t0, self._alive) > self.timeout_s:
+                raise CommDeadlineError(
+                    f"deadline exceeded: {what} ({self.timeout_s:g}s; the coordinator never resumed this rank; "
+                    "raise comm.timeout_s= or capture.slots=)"
+                )
+        self.parked_s += time.monotonic() - t0
+
+    def park(self, pending: Pending):
+        if pending.op_id < 0 or self._unparked:
+            return None
+        self._send(("park", pending.op_id))
+        what = f"{pending.what}: resuming after the op completed"
+        return lambda: self._await_slot(what)
+
+    # -- sending --------------------------------------------------------------------------
+    def _send(self, header, tensors=()) -> None:
+        t0 = time.perf_counter()
+        messages = wire.frames(header, list(tensors))  # outside the lock: a GPU tensor's copy may wait
+        with self._send_lock:
+            wire.send_frames(self._conn, messages)
+        self.busy_s["send"] += time.perf_counter() - t0
+
+    def _span(self, until: float | None = None) -> tuple[float, float, float]:
+        return self._clock.lap(until)
+
+    def _new_pending(self, what: str) -> tuple[int, Pending]:
+        with self._pending_lock:
+            op_id = self._next_id
+            self._next_id += 1
+            p = Pending(what, self.timeout_s, op_id)
+            self._pending[op_id] = p
+        return op_id, p
+
+    def register_group(self, group: GroupInfo) -> None:
+        self._send(("group", group.key, group.ranks, group.occurrence, group.desc))
+
+    def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
+        self._check_deferred()
+        what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
+        if self.synthesize and not synth.carried(call, self.carry_bytes):
+            return self._synthesized(group, seq, call, what)
+        if not self._scratch and self._captured is not None and call.tensors and call.tensors[0].is_cuda:
+            # before the program's memory grows, so no peak is measured without it
+            self._scratch_on(call.tensors[0].device)
+            if self._exchange is not None:
+                self._device_fold = DeviceFold(call.tensors[0].device)
+                if self._gpu_bytes > 0:
+                    self._gpu = start_gpu_exchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
+                                                   self._xread, self._scope)
+                    if self._gpu is not None:
+                        self._start_flags(self._gpu.device, self._gpu.fold.stream)
+        keep = self._mirrored.get(group.key)
+        if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
+            return self._mirrored_op(group, seq, call, what, keep)
+        if self._fold_exchange and call.tensors and \
+                folded.exchangeable(call.kind, call.reduce, group.ranks, self._captured, EXCHANGE_MAX_MEMBERS):
+            return self._exchanged(group, seq, call, what, folded=True)
+        if self._exchange is not None and call.kind is not Collective.BARRIER and \
+                group.size <= EXCHANGE_MAX_MEMBERS and (self._captured is None or self._captured.issuperset(group.ranks)):
+            return self._exchanged(group, seq, call, what)
+        op_id, p = self._new_pending(what)
+        t, wall, cpu = self._span()
+        tensors, contributes = call.tensors, call.tensors is not None
+        if (tensors is None and call.standin is not None and self._captured is not None
+                and group.ranks[call.root] not in self._captured):
+            tensors, contributes = call.standin, "standin"
+        self._from_host(p, call)
+        header = ("coll", op_id, group.key, seq, call.api, str(call.kind),
+                  None if call.reduce is None else str(call.reduce), call.root,
+                  contributes, self.unit, t, wall, cpu)
+        if self._exchange is not None and contributes is True and tensors and \
+                sum(x.numel() * x.element_size() for x in tensors) >= STAGED_MIN_BYTES:
+            self._open_exchange()
+            t0 = time.perf_counter()
+            gen, descs, self._regions[op_id] = self._arena.put(list(tensors))
+            self.busy_s["stage"] += time.perf_counter() - t0
+            self.staged_ops += 1
+            self._send(("scoll", *header[1:], (gen, descs)))
+            return p
+        self._send(header, tensors or ())
+        return p
+
+    def _mirrored_op(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, keep: bool) -> Pending:
+        """A folded group's collective whose every member contributes this rank's data: computed
+        here with the coordinator's arithmetic (:mod:`nccl_ext.core.mirrored`); the coordinator gets
+        the event's metadata, and where the trace keeps this rank's data (``keep``: a sandbox
+        rank) where its contribution (staged before an in-place reduction changes it) and its
+        result lie in the arena; the regions are freed when the coordinator has read them."""
+        t, wall, cpu = self._span()
+        mine = call.tensors or ()
+        device = next((x.device for x in (*mine, *(call.outputs or ()), *(call.standin or ()))), torch.device("cpu"))
+        kept = None
+        if keep:
+            self._open_exchange()
+            with self._pending_lock:
+                op_id = self._next_id
+                self._next_id += 1
+            t0 = time.perf_counter()
+            regions, contribution = [], None
+            if mine:
+                gen, descs, region = self._arena.put(list(mine))
+                regions.append(region)
+                contribution = (gen, descs)
+            self.busy_s["stage"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = mirrored.results(call, group.size, group.group_rank(self.rank), self._scratch_on(device))
+        self.busy_s["mirror_compute"] += time.perf_counter() - t0
+        if keep:
+            t0 = time.perf_counter()
+            by_id = {id(x): i for i, x in enumerate(mine)}
+            if call.kind in (Collective.ALL_GATHER, Collective.ALL_TO_ALL):  # pieces of the contribution
+                result = ("c", [by_id[id(x)] for x in out])
+            elif out:
+                gen, descs, region = self._arena.put(out)
+                regions.append(region)
+                result = ("r", gen, descs)
+            else:
+                result = None
+            self.busy_s["stage"] += time.perf_counter() - t0
+            self._regions[op_id] = regions
+            kept = (op_id, contribution, result)
+        self._send(("lcoll", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
+                    call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
+                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine), kept))
+        self.mirrored_ops += 1
+        return Pending.done(what, out)
+
+    def _scratch_on(self, device: torch.device) -> torch.Tensor:
+        """The slice buffer of in-place mirrored reductions on ``device``: outside the program's
+        memory figures (host: untracked; device: published like the device path's pool)."""
+        buf = self._scratch.get(device)
+        if buf is None:
+            if device.type == "cpu":
+                buf = wire.untracked_empty((MIRROR_SCRATCH_BYTES,), torch.uint8)
+            else:
+                from nccl_ext.core.device_memory import allocate_outside
+
+                buf = allocate_outside(device, MIRROR_SCRATCH_BYTES)
+            self._scratch[device] = buf
+        return buf
+
+    def _synthesized(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
+        t, wall, cpu = self._span()
+        mine = call.tensors or ()
+        self._send(("meta", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
+                    call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
+                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine)))
+        self.synthesized += 1
+        return Pending.done(what, synth.results(call, group.size, group.group_rank(self.rank)))
+
+    def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
+        self._check_deferred()
+        t, wall, cpu = self._span()
+        if self.synthesize:
+            self._send(("psend", group.key, dst, tag, seq, self.unit, t, wall, cpu, list(tensor.shape),
+                        wire.dtype_name(tensor.dtype), tensor.numel() * tensor.element_size()))
+            return Pending.done("send")
+        if self._exchange is not None and (self._captured is None or dst in self._captured):
+            # staged in this rank's arena; the receiver reads it there (the coordinator names where)
+            # and the region is freed once it has
+            self._open_exchange()
+            with self._pending_lock:
+                op_id = self._next_id
+                self._next_id += 1
+            t0 = time.perf_counter()
+            gpu = self._gpu if self._gpu is not None and tensor.device == self._gpu.device else None
+            location = self._stage(op_id, [tensor], gpu, (self.rank, dst))
+            self.busy_s["stage"] += time.perf_counter() - t0
+            self._send(("xsend", op_id, group.key, dst, tag, seq, self.unit, t, wall, cpu, location))
+            return Pending.done("send")
+        self._send(("send", -1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
+        return Pending.done("send")
+
+    def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
+        self._check_deferred()
+        what = f"rank {self.rank}: recv from rank {src} tag {tag} on group {group.key} seq {seq}"
+        if self.synthesize:
+            t, wall, cpu = self._span()
+            self._send(("precv", group.key, src, tag, seq, self.unit, t, wall, cpu, list(like.shape),
+                        wire.dtype_name(like.dtype), like.numel() * like.element_size()))
+            self.synthesized += 1
+            return Pending.done(what, [synth.fill(like)])
+        op_id, p = self._new_pending(what)
+        t, wall, cpu = self._span()
+        if like.is_cuda:
+            self._recv_on[op_id] = like.device
+            if self._gpu is not None and like.device == self._gpu.device:
+                self._gpu.peers.meet((src,))
+                self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
+                self._gpu_op(op_id, p, deferrable=False)
+        self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
+        return p
+
+    def returned(self) -> None:
+        # on CUDA the op's trip to the coordinator is not the program's compute (NCCL enqueues and
+        # returns); on CPU it stays in the span, as in emulation (nccl_ext/core/spans.py:SpanRecorder)
+        if torch.cuda.is_initialized():
+            self._clock.skip()
+
+    def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
+        """Record where the rank blocked on an op (or found it done) — the dependency the
+        global replay needs to tell overlapped communication from exposed waits."""
+        t, wall, cpu = self._span(until=t0)
+        if t1 is not None:
+            self._clock.resume(t1)
+        self._send(("wait", ref, self.unit, t, wall, cpu, t0, t1))
+
+    def report_memory(self, summary: dict) -> None:
+        self._send(("memory", self.rank, summary))
+
+    def marker(self, name: str) -> None:
+        t, wall, cpu = self._span()
+        self._send(("marker", name, self.unit, t, wall, cpu))
+        if name == "step":
+            if self.unit + 1 == DEFER_FROM_STEP:
+                self._before_deferring()
+            self.unit += 1
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._gpu is not None:  # the reads of ops whose folds are still running on the GPU
+            self._gpu.close(self.timeout_s)
+        if self._deferred_error is not None:  # no op came after it to raise it
+            print(f"prism-launch: rank {self.rank}: an op failed after the program went on past its wait: "
+                  f"{self._deferred_error}", file=sys.stderr, flush=True)
+        try:
+            folds = self._device_fold
+            self._send(("stats", self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
+                                             "deferred_waits": self.deferred_waits,
+                                             "staged_ops": self.staged_ops,
+                                             "device_folds": folds.device_ops if folds else 0,
+                                             "host_folds": folds.host_ops if folds else 0,
+                                             "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
+                                             "left_pageable": ((self._peers.left_pageable if self._peers else 0)
+                                                               + (self._arena.left_pageable if self._arena else 0)),
+                                             "exchanged_ops": self.exchanged_ops,
+                                             "folded_exchanged_ops": self.folded_exchanged_ops,
+                                             "gpu_staged": self._gpu.ops if self._gpu else 0,
+                                             "gpu_full": self._gpu.arena.full if self._gpu else 0,
+                                             "peers_opened_late": self._gpu.peers.opened_late if self._gpu else 0,
+                                             "fold_finish": round(folds.finish_s, 3) if folds else 0.0,
+                                             "thread_cpu_s": thread_cpu_seconds(),
+                                             **{k: round(v, 3) for k, v in self.busy_s.items()}}))
+            self._send(("bye", self.rank))
+        except OSError:
+            pass
+        # the reader polls every 0.1 s: end it (and drop the tensors it last received) before
+        # Python finalizes (nccl_ext/core/threads.py)
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5.0)
+        if self._arena is not None:
+            self._arena.close()
+            self._peers.close()
+
+    # -- receiving ------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                ready = self._conn.poll(0.1)
+            except (OSError, EOFError):
+                ready = False
+                self._fail_all("the capture coordinator closed the connection")
+                return
+            if ready:
+                try:
+                    header, tensors = wire.recv(self._conn)
+                except (OSError, EOFError):
+                    self._fail_all("the capture coordinator closed the connection")
+                    return
+                kind = header[0]
+                self._alive = time.monotonic()
+                if kind == "go":
+                    self._go.release()
+                    continue
+                if kind == "alive":
+                    continue
+                if kind == "free":
+                    self._unparked = True
+                    continue
+                if kind == "mirror":
+                    self._mirrored[header[1]] = header[2]
+                    continue
+                if kind == "xok":
+                    sent = self._x_sent.pop(header[1], None)
+                    if sent is not None and len(header) > 3:
+                        self.busy_s["x_until_complete"] += max(0.0, header[3] - sent)
+                        self.busy_s["x_to_reader"] += max(0.0, self._alive - header[3])
+                    self._compute_exchanged(header[1], header[2], header[4] if len(header) > 4 else None)
+                    continue
+                if kind == "sok":
+                    self._receive_result(header[1], header[2])
+                    continue
+                if kind == "xrecv":
+                    self._receive_exchanged(header[1], header[2])
+                    continue
+                if kind == "xfree":
+                    region = self._regions.pop(header[1], None)
+                    kept = self._kept.pop(header[1], None)
+                    if kept is not None:
+                        self._arena.free(kept[1])
+                    if region is not None and region[0] == "gpu":
+                        self._gpu.free(region[1], self._arena)
+                    elif region is not None and self._arena is not None:
+                        for r in region if isinstance(region, list) else [region]:
+                            self._arena.free(r)
+                    continue
+                op_id = header[1]
+                self._recv_on.pop(op_id, None)
+                with self._pending_lock:
+                    p = self._pending.pop(op_id, None)
+                if p is None:
+                    continue
+                if kind == "ok":
+                    p.complete(tensors)
+                else:
+                    p.fail(CommDeadlineError(header[2]) if kind == "deadline" else RuntimeError(header[2]))
+            now = time.monotonic()
+            with self._pending_lock:
+                pend = list(self._pending.values())
+            for p in pend:
+                p.check_deadline(now)
+
+    def _fail_all(self, why: str) -> None:
+        self._closed.set()
+        with self._pending_lock:
+            pend, self._pending = list(self._pending.values()), {}
+        for p in pend:
+            p.fail(RuntimeError(f"{p.what}: {why}"))
+
+
+def _short(ranks: tuple[int, ...]) -> str:
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"

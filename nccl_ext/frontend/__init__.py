@@ -1,0 +1,1 @@
+"""What torch.distributed sees: the prism process group and its installation."""
