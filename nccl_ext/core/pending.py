@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nccl_ext.core.errors import CommDeadlineError
+
 
 LIMIT_KEY = "comm.timeout_s"
 """The config key of every communication deadline (the plan's ``timeout_s``)."""
@@ -25,13 +27,6 @@ def short_ranks(ranks) -> str:
     """A rank list as messages print it (first ranks and the last of a long list)."""
     ranks = list(ranks)
     return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"
-
-
-class CommDeadlineError(RuntimeError):
-    """A communication op did not complete before its deadline, or within the caller's own
-    timeout (``Work.wait(timeout)``, ``monitored_barrier(timeout=)``). The message names the
-    logical rank, the group, the op and its sequence number (the op's ``what``), what it was
-    still waiting for, the limit and how to raise it."""
 
 
 class Pending:

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from nccl_ext.core.errors import DeviceFlagsUnavailable
+
 SLOTS = 4096
 """Flags per rank (ops deferred at once stay far below: :data:`~nccl_ext.capture.deferred_waits.MAX_DEFERRED`)."""
 
@@ -59,10 +61,6 @@ _lib = None
 _lib_lock = threading.Lock()
 _user_env: dict[str, bytes | None] = {}
 _prepared = False
-
-
-class DeviceFlagsUnavailable(RuntimeError):
-    """The driver cannot wait on flags here (no ``libcuda``, no stream memory operations)."""
 
 
 def prepare_context() -> None:

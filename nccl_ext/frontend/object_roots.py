@@ -24,11 +24,9 @@ from collections.abc import Callable
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from nccl_ext.core.errors import UncapturedRootError
+
 _NAMES = ("broadcast_object_list", "scatter_object_list")
-
-
-class UncapturedRootError(RuntimeError):
-    """An object collective rooted at a logical rank that the folded capture does not run."""
 
 
 def _root(fn: Callable, name: str, args: tuple, kwargs: dict) -> int:
