@@ -3,17 +3,29 @@
 A message is a picklable header followed by the raw bytes of each tensor, so tensors
 never go through torch's shared-memory pickler (which needs fd passing) and bfloat16
 or zero-element tensors round-trip exactly.
+
+A reader calls :func:`recv` once ``poll`` says bytes are there; the rest of the message then
+has a deadline (:data:`REST_TIMEOUT_S`, or the caller's ``comm.timeout_s``): a peer that sent
+part of a message and stalled fails the read with :class:`WireDeadlineError` instead of
+holding the reader for good.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import pickle
+import select
+import struct
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import torch
+
+from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -149,12 +161,30 @@ def send_frames(conn: Connection, messages: list) -> None:
         conn.send_bytes(m)
 
 
-def recv(conn: Connection) -> tuple[Any, list[torch.Tensor]]:
-    header, descs, packed, repeats = pickle.loads(conn.recv_bytes())
+REST_TIMEOUT_S = 300.0
+"""How long the rest of a message may take once its first bytes are there, where the caller
+passes no ``timeout_s`` (``comm.timeout_s``'s default; readers that know the run's pass it).
+A sender writes a message's frames back to back from host memory (:func:`frames`), so a
+message that stops part way is a sender that stopped, not one that computes."""
+
+
+class WireDeadlineError(CommDeadlineError, TimeoutError):
+    """The rest of a message did not arrive by its deadline. Also an ``OSError``: the connection
+    is unusable past a partial message, and readers treat it as a connection that broke."""
+
+
+def recv(conn: Connection, timeout_s: float | None = REST_TIMEOUT_S, what: str = "a peer's message"
+         ) -> tuple[Any, list[torch.Tensor]]:
+    """The next message on ``conn`` (its header and tensors), whole within ``timeout_s`` of the
+    call (None: no deadline; for a reader that blocks on purpose until a message comes). Call
+    it once ``conn.poll()`` says bytes are there; ``what`` names the message and its sender in
+    the :class:`WireDeadlineError` a stalled sender raises."""
+    read = _Reader(conn, timeout_s, what)
+    header, descs, packed, repeats = pickle.loads(read.frame())
     if not packed:
-        out = [_recv_tensor(conn, d) for d in descs]
+        out = [_recv_tensor(read, d) for d in descs]
     else:
-        data, out, at = memoryview(conn.recv_bytes()), [], 0
+        data, out, at = memoryview(read.frame()), [], 0
         for d in descs:
             n = numel(d.shape) * dtype_from_name(d.dtype).itemsize
             out.append(tensor_from_bytes(d, data[at:at + n]))
@@ -164,16 +194,72 @@ def recv(conn: Connection) -> tuple[Any, list[torch.Tensor]]:
     return header, out if repeats is None else [out[i] for i in repeats]
 
 
-def _recv_tensor(conn: Connection, desc: TensorDesc) -> torch.Tensor:
-    """The next message's bytes read straight into the tensor's own buffer (its size is known
+class _Reader:
+    """Reads the frames of one message (``multiprocessing.connection``'s framing, as of CPython
+    3.8-3.13: a big-endian ``!i`` length, ``-1`` then a ``!Q`` length past 2 GiB) straight from
+    the connection's descriptor, each read only once ``poll`` says bytes are there, so every
+    read ends by the message's deadline. The connection's own reads are unbuffered
+    (``os.read``): reading its descriptor here keeps its stream in step."""
+
+    def __init__(self, conn: Connection, timeout_s: float | None, what: str):
+        self.fd = conn.fileno()
+        self.timeout_s, self.what = timeout_s, what
+        self.t0 = time.monotonic()
+        self.deadline = None if timeout_s is None else self.t0 + timeout_s
+        self.got = 0
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+
+    def frame(self) -> bytearray:
+        buf = bytearray(self.frame_size())
+        self.into(memoryview(buf))
+        return buf
+
+    def frame_size(self) -> int:
+        head = bytearray(4)
+        self.into(memoryview(head))
+        (size,) = struct.unpack("!i", head)
+        if size == -1:
+            head = bytearray(8)
+            self.into(memoryview(head))
+            (size,) = struct.unpack("!Q", head)
+        return size
+
+    def into(self, buf: memoryview) -> None:
+        at = 0
+        while at < len(buf):
+            while self.deadline is not None and not self._poll.poll(0):
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise self._late(self.got + at, len(buf) - at)
+                self._poll.poll(math.ceil(left * 1000))
+            n = os.readv(self.fd, [buf[at:]])
+            if n == 0:
+                if at == 0 and self.got == 0:
+                    raise EOFError
+                raise OSError(f"prism wire: {self.what}: the connection ended inside a message "
+                              f"({self.got + at} bytes of it read)")
+            at += n
+        self.got += at
+
+    def _late(self, arrived: int, missing: int) -> WireDeadlineError:
+        return WireDeadlineError(
+            f"deadline exceeded: {self.what}: {arrived} bytes of the message arrived and then nothing for "
+            f"{time.monotonic() - self.t0:.1f} s (still {missing} bytes of a frame to come; the sender "
+            f"stopped part way through it) ({LIMIT_KEY}={self.timeout_s:g}; raise it with {LIMIT_KEY}= "
+            "if the sender is only slow)")
+
+
+def _recv_tensor(read: _Reader, desc: TensorDesc) -> torch.Tensor:
+    """The next frame's bytes read straight into the tensor's own buffer (its size is known
     from ``desc``): one copy fewer than reading them into ``bytes`` first."""
     dtype = dtype_from_name(desc.dtype)
     nbytes = numel(desc.shape) * dtype.itemsize
-    if nbytes == 0:
-        conn.recv_bytes()
-        return torch.empty(desc.shape, dtype=dtype)
-    buf = bytearray(nbytes)
-    got = conn.recv_bytes_into(buf)
+    got = read.frame_size()
     if got != nbytes:
         raise ValueError(f"prism wire: a {desc.dtype}{list(desc.shape)} tensor needs {nbytes} bytes, got {got}")
+    if nbytes == 0:
+        return torch.empty(desc.shape, dtype=dtype)
+    buf = bytearray(nbytes)
+    read.into(memoryview(buf))
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(desc.shape)
