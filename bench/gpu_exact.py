@@ -2,15 +2,15 @@
 TP2·PP2 job and the MoE PP2·EP2 job at 1,024 ranks, sandbox rank 1023, ``capture.payload=exact``
 (only what the sandbox consumes is stored), capture then emulation.
 
-    source .mlm/activate.sh && python bench/gpu_exact.py [--jobs dense,moe] [--slots N] [--out r.json]
+    source .mlm/activate.sh && python bench/gpu_exact.py [--jobs dense,moe] [--slots N] [--measure-full] [--out r.json]
 
-Prints per job: the trace's size (all files, and tensor files alone) against a ``full`` trace of
-the same job measured before (14.6 GB of tensors for the dense job's 8 steps, 26.5 GB for the
-MoE job's 6), capture wall time, Megatron's own time per iteration on rank 1023 while capturing
+Prints per job: the trace's size (all files, and tensor files alone) and, with ``--measure-full``,
+the tensor bytes of a ``capture.payload=full`` capture of the same job measured in the same run
+and the exact trace's share of them, capture wall time, Megatron's own time per iteration on rank 1023 while capturing
 against its time per iteration in the emulation (the job's step on this GPU), the sandbox's
 losses against the capture's, divergences by kind (value / tolerance / host scalar), the
 sandbox's GPU peak and the predicted iteration time. Exits 1 when a phase fails, a figure is
-missing, the losses differ or a value divergence is reported.
+missing (printed as MISSING), the losses differ or a value divergence is reported.
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from gpu_lean import iteration_ms, need, prism  # noqa: E402
+from figures import IS_TRUE, Figure, equals, report  # noqa: E402
+from gpu_lean import iteration_ms, prism  # noqa: E402
 from upstream import MODEL_84M, pretrain_gpt  # noqa: E402
 
 MODEL = MODEL_84M
-JOBS = {  # name: (parallel layout flags, model-parallel ranks per replica, steps, full trace's tensor bytes)
-    "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4, 8, 14.6e9),
+JOBS = {  # name: (parallel layout flags, model-parallel ranks per replica, steps)
+    "dense": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4, 8),
     # no tensor parallelism: megatron-core's local layer norm refuses sequence parallelism on CUDA,
     # and tensor-parallel MoE layers need it; no linear biases: with one tensor-parallel rank the
     # experts' in-place bias add on their reduction's output is refused by autograd (under torchrun too)
     "moe": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--num-experts", "4",
-             "--moe-router-topk", "2", "--disable-bias-linear"], 2, 6, 26.5e9),
+             "--moe-router-topk", "2", "--disable-bias-linear"], 2, 6),
 }
 
 
@@ -146,17 +147,17 @@ def step_timeline(trace: Path, since_unit: int, show_unit: int, show_ranks: tupl
 
 def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None, timeout: float,
             stacks: Path | None = None, capture_only: bool = False, gpu_util: bool = False,
-            overrides: tuple[str, ...] = ()) -> dict:
-    layout, mp, steps, full_bytes = JOBS[name]
+            overrides: tuple[str, ...] = (), payload: str = "exact") -> dict:
+    layout, mp, steps = JOBS[name]
     dp = world // mp
     job = [*MODEL, *layout, "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(steps)]
     sandbox = world - 1  # Megatron prints its iteration line on the last rank only
     work = Path(tempfile.mkdtemp(prefix=f"prism-exact-{name}-"))
     trace = work / "trace"
     base = ["--nnodes", str(world // 8), "--nproc-per-node", "8", f"device={DEVICE}", f"sandbox.ranks=[{sandbox}]",
-            f"trace.dir={trace}", f"cluster={cluster}", "capture.payload=exact",
+            f"trace.dir={trace}", f"cluster={cluster}", f"capture.payload={payload}",
             *([f"capture.slots={slots}"] if slots is not None else []), *overrides]
-    res: dict = {"job": name, "world": world, "steps": steps, "sandbox": sandbox, "full_tensor_bytes": full_bytes}
+    res: dict = {"job": name, "world": world, "steps": steps, "sandbox": sandbox, "payload_policy": payload}
     try:
         util = GpuUtil() if gpu_util else None
         try:
@@ -189,10 +190,11 @@ def run_job(name: str, script: Path, world: int, cluster: str, slots: int | None
         res["emulate_ms_per_iteration"] = iteration_ms(logs[0]) if logs else []
         res["losses"], res["captured_losses"] = me.get("losses"), me.get("captured_losses")
         res["losses_match_capture"] = me.get("losses_match_capture")
-        res["divergence_counts"] = me.get("divergence_counts") or {}
+        res["divergence_counts"] = me.get("divergence_counts")
         res["divergences"] = (me.get("divergences") or [])[:5]
         res["sandbox_peak_bytes"] = me.get("peak_memory_bytes")
-        res["predicted_iteration_ms"] = need(rep["predicted"].get("iteration_time_s"), "predicted iteration") * 1e3
+        it = rep["predicted"].get("iteration_time_s")
+        res["predicted_iteration_ms"] = None if it is None else it * 1e3
         res["payload"] = rep.get("payload")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -244,33 +246,57 @@ def show_util(r: dict) -> None:
               f"{[round(statistics.mean(tail[i:i + 5])) for i in range(0, len(tail), 5)]}")
 
 
-def show(r: dict) -> list[str]:
-    """Print one job's figures; returns what fails it."""
-    cap, emu = median_after_first(r["capture_ms_per_iteration"]), median_after_first(r["emulate_ms_per_iteration"])
-    ratio = None if not (cap and emu) else cap / emu
-    c = r["divergence_counts"]
-    print(f"{r['job']}: {r['captured_ranks']} captured ranks x {r['steps']} steps; trace {r['trace_bytes'] / 1e9:.2f} GB "
-          f"(tensors {r['tensor_bytes'] / 1e9:.2f} GB = {r['tensor_bytes'] / r['full_tensor_bytes']:.3f} of the full "
-          f"trace's {r['full_tensor_bytes'] / 1e9:.1f} GB)")
-    print(f"  capture {r['capture_s']:.0f}s ({r['capture_stats']}); Megatron per iteration in capture "
+def figures(r: dict) -> list[Figure]:
+    """One job's figures: sizes (and the exact trace's share of a full capture's tensors, when
+    ``full_tensor_bytes`` was measured), times, the sandbox's losses equal to the capture's, no
+    value divergence, its GPU peak and the prediction. ``divergence_counts`` absent: missing;
+    present, a kind it does not name had none."""
+    j, c = r["job"], r.get("divergence_counts")
+    cap, emu = median_after_first(r.get("capture_ms_per_iteration") or []), \
+        median_after_first(r.get("emulate_ms_per_iteration") or [])
+    full = r.get("full_tensor_bytes")
+    out = [Figure(f"{j} trace GB", None if r.get("trace_bytes") is None else r["trace_bytes"] / 1e9, fmt=".2f"),
+           Figure(f"{j} tensors GB", None if r.get("tensor_bytes") is None else r["tensor_bytes"] / 1e9, fmt=".2f")]
+    if "full_tensor_bytes" in r:
+        out += [Figure(f"{j} full capture's tensors GB", None if full is None else full / 1e9, fmt=".1f"),
+                Figure(f"{j} exact / full tensors", None if not (full and r.get("tensor_bytes") is not None)
+                       else r["tensor_bytes"] / full, fmt=".3f")]
+    out += [Figure(f"{j} capture s", r.get("capture_s"), fmt=".0f"),
+            Figure(f"{j} capture / job step (medians after the first)", None if not (cap and emu) else cap / emu,
+                   fmt=".1f"),
+            Figure(f"{j} losses match the capture", r.get("losses_match_capture"), IS_TRUE),
+            Figure(f"{j} value divergences", None if c is None else c.get("value", 0), equals(0)),
+            Figure(f"{j} tolerance divergences", None if c is None else c.get("tolerance", 0)),
+            Figure(f"{j} host scalar divergences", None if c is None else c.get("host_scalar", 0)),
+            Figure(f"{j} sandbox GPU peak bytes", r.get("sandbox_peak_bytes")),
+            Figure(f"{j} predicted iteration ms", r.get("predicted_iteration_ms"), fmt=".1f"),
+            Figure(f"{j} emulation s", r.get("emulate_s"), fmt=".0f")]
+    return out
+
+
+def show(r: dict) -> list[Figure]:
+    """Print one job's figures; returns them (:func:`figures`) for the exit code."""
+    figs = figures(r)
+    f = {x.name.removeprefix(f"{r['job']} "): x.shown() for x in figs}
+    full = f.get("full capture's tensors GB")
+    share = f"; = {f['exact / full tensors']} of the full capture's {full} GB" if full is not None else ""
+    print(f"{r['job']}: {r['captured_ranks']} captured ranks x {r['steps']} steps; trace {f['trace GB']} GB "
+          f"(tensors {f['tensors GB']} GB{share})")
+    ratio = f["capture / job step (medians after the first)"]
+    print(f"  capture {f['capture s']}s ({r['capture_stats']}); Megatron per iteration in capture "
           f"{[round(x) for x in r['capture_ms_per_iteration']]} ms, in emulation "
-          f"{[round(x) for x in r['emulate_ms_per_iteration']]} ms; capture / job step (medians after the first) "
-          f"{'-' if ratio is None else f'{ratio:.1f}x'}")
+          f"{[round(x) for x in r.get('emulate_ms_per_iteration') or []]} ms; capture / job step (medians after the "
+          f"first) {ratio if ratio == 'MISSING' else ratio + 'x'}")
     show_blocked(r, 6)
     show_util(r)
     show_timeline(r)
-    print(f"  losses match the capture: {r['losses_match_capture']} ({len(r['losses'] or [])} steps); divergences by "
-          f"kind: value {c.get('value', 0)}, tolerance {c.get('tolerance', 0)}, host scalar {c.get('host_scalar', 0)}; "
-          f"sandbox GPU peak {r['sandbox_peak_bytes']} B; predicted {r['predicted_iteration_ms']:.1f} ms; "
-          f"emulation {r['emulate_s']:.0f}s")
-    bad = []
-    if r["losses_match_capture"] is not True:
-        bad.append(f"{r['job']}: sandbox losses differ from the capture's")
-    if c.get("value", 0):
-        bad.append(f"{r['job']}: {c['value']} value divergence(s): {r['divergences'][:2]}")
-    if r["sandbox_peak_bytes"] is None:
-        bad.append(f"{r['job']}: no sandbox peak")
-    return bad
+    print(f"  losses match the capture: {f['losses match the capture']} ({len(r.get('losses') or [])} steps); "
+          f"divergences by kind: value {f['value divergences']}, tolerance {f['tolerance divergences']}, host scalar "
+          f"{f['host scalar divergences']}; sandbox GPU peak {f['sandbox GPU peak bytes']} B; predicted "
+          f"{f['predicted iteration ms']} ms; emulation {f['emulation s']}s")
+    if r.get("divergences"):
+        print(f"  first divergences: {r['divergences'][:2]}")
+    return figs
 
 
 def main() -> int:
@@ -288,6 +314,8 @@ def main() -> int:
                     help="a further prism-launch override for both phases (repeatable)")
     ap.add_argument("--gpu-util", action="store_true", help="sample nvidia-smi's GPU utilization during the captures")
     ap.add_argument("--capture-only", action="store_true", help="capture and print its figures; no emulation")
+    ap.add_argument("--measure-full", action="store_true",
+                    help="also capture each job with capture.payload=full and print the exact trace's share of its tensors")
     a = ap.parse_args()
     script = pretrain_gpt(a.mlm)
     if script is None:
@@ -296,21 +324,23 @@ def main() -> int:
 
     print(f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}; "
           f"upstream pretrain_gpt.py, {a.world} ranks, payload exact, cluster {a.cluster}", flush=True)
-    results, bad = [], []
+    results, figs = [], []
     try:
         for name in a.jobs.split(","):
             results.append(run_job(name, script, a.world, a.cluster, a.slots, a.timeout, a.stacks, a.capture_only,
                                    a.gpu_util, tuple(a.set)))
+            if a.measure_full:
+                full = run_job(name, script, a.world, a.cluster, a.slots, a.timeout, capture_only=True,
+                               overrides=tuple(a.set), payload="full")
+                results[-1]["full_tensor_bytes"] = full.get("tensor_bytes")
             if a.capture_only:
                 show_capture(results[-1])
             else:
-                bad += show(results[-1])
+                figs += show(results[-1])
     finally:
         if a.out:
             Path(a.out).write_text(json.dumps(results, indent=1, default=str))
-    for b in bad:
-        print(f"FAIL: {b}", file=sys.stderr)
-    return 1 if bad else 0
+    return report(figs) if figs else 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Prints: the trace's size (and per rank-step), capture wall time and seconds per 
 time over iterations), the admission by memory (peaks measured, most ranks on the card at
 once), the launcher's host peak, the sandbox's GPU peak, the predicted iteration time on
 ``--cluster`` and the OOM verdict at its memory (80 GiB for h100_ib). Exits non-zero when a
-phase fails or a figure is missing.
+phase fails or a figure is missing (printed as MISSING, never as a default).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from figures import Figure, report  # noqa: E402
 from upstream import pretrain_gpt  # noqa: E402
-
 
 
 SHAPES = {  # layers, hidden, heads, query groups, FFN, vocab
@@ -107,6 +107,33 @@ def need(value, what: str):
     return value
 
 
+def figures(res: dict) -> list[Figure]:
+    """Every figure the bench prints, from its results (``res``); the OOM verdict is a figure
+    too: the ranks that would not fit, or "none" when the report says none (not when it is silent)."""
+    adm = res.get("admission") or {}
+    peaks = sorted({round(v / 2**30, 2) for v in (adm.get("measured_peaks") or {}).values()})
+    oom = res.get("oom_ranks")
+    return [Figure("trace bytes", res.get("trace_bytes")),
+            Figure("captured ranks", res.get("captured_ranks")),
+            Figure("trace KiB per rank-step", None if res.get("trace_bytes_per_rank_step") is None
+                   else res["trace_bytes_per_rank_step"] / 1024, fmt=".1f"),
+            Figure("capture s", res.get("capture_s"), fmt=".0f"),
+            Figure("capture s per iteration", res.get("capture_wall_s_per_iteration"), fmt=".1f"),
+            Figure("Megatron ms per iteration in capture", res.get("capture_megatron_ms_per_iteration")),
+            Figure("most ranks on the card at once", adm.get("max_admitted")),
+            Figure("measured peaks GiB", peaks),
+            Figure("launcher host peak GiB", None if res.get("launcher_peak_rss_bytes") is None
+                   else res["launcher_peak_rss_bytes"] / 2**30, fmt=".2f"),
+            Figure("emulation s", res.get("emulate_s"), fmt=".0f"),
+            Figure("sandbox GPU peak GiB", None if res.get("sandbox_peak_bytes") is None
+                   else res["sandbox_peak_bytes"] / 2**30, fmt=".3f"),
+            Figure("Megatron ms per iteration in emulation", res.get("emulate_megatron_ms_per_iteration")),
+            Figure("predicted iteration ms", res.get("predicted_iteration_ms"), fmt=".1f"),
+            Figure("largest rank peak GiB", None if res.get("max_rank_peak_bytes") is None
+                   else res["max_rank_peak_bytes"] / 2**30, fmt=".2f"),
+            Figure("OOM ranks at the cluster's memory", None if oom is None else (oom[:8] or "none"))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=list(SHAPES), default="llama8b")
@@ -176,22 +203,30 @@ def main() -> int:
         if a.out:
             Path(a.out).write_text(json.dumps(res, indent=1, default=str))
         shutil.rmtree(work, ignore_errors=True)
-    gib = 2**30
-    adm = res.get("admission") or {}
-    print(f"trace: {res['trace_bytes'] / 2**20:.2f} MiB for {res['captured_ranks']} captured ranks x {a.iters} steps "
-          f"({res['trace_bytes_per_rank_step'] / 1024:.1f} KiB per rank-step)")
-    print(f"capture: {res['capture_s']:.0f}s wall; {res['capture_wall_s_per_iteration']:.1f}s of capture per "
-          f"iteration (all {res['captured_ranks']} ranks); Megatron's own time per iteration on rank {sandbox}: "
-          f"{', '.join(f'{x:.0f}' for x in res['capture_megatron_ms_per_iteration'])} ms; "
-          f"most ranks on the card at once {adm.get('max_admitted')}, measured peaks "
-          f"{sorted({round(v / gib, 2) for v in (adm.get('measured_peaks') or {}).values()})} GiB")
-    print(f"launcher host peak: {res['launcher_peak_rss_bytes'] / gib:.2f} GiB")
-    print(f"emulation: {res['emulate_s']:.0f}s; sandbox rank {sandbox} GPU peak {res['sandbox_peak_bytes'] / gib:.3f} GiB; "
-          f"Megatron's time per iteration {', '.join(f'{x:.0f}' for x in res['emulate_megatron_ms_per_iteration'])} ms")
-    print(f"predicted iteration time on {a.cluster}: {res['predicted_iteration_ms']:.1f} ms ({res['calibration'] or 'bare capture spans'}); "
-          f"largest rank peak {res['max_rank_peak_bytes'] / gib:.2f} GiB; OOM ranks at the cluster's memory: "
-          f"{res['oom_ranks'][:8] if res['oom_ranks'] else 'none'}")
-    return 0
+    f = {x.name: x.shown() for x in figures(res)}
+    oom = f["OOM ranks at the cluster's memory"]
+    print(f"trace: {_mib(res.get('trace_bytes'))} MiB for {f['captured ranks']} captured ranks x {a.iters} steps "
+          f"({f['trace KiB per rank-step']} KiB per rank-step)")
+    print(f"capture: {f['capture s']}s wall; {f['capture s per iteration']}s of capture per "
+          f"iteration (all {f['captured ranks']} ranks); Megatron's own time per iteration on rank {sandbox}: "
+          f"{_ms(res.get('capture_megatron_ms_per_iteration'))} ms; "
+          f"most ranks on the card at once {f['most ranks on the card at once']}, measured peaks "
+          f"{f['measured peaks GiB']} GiB")
+    print(f"launcher host peak: {f['launcher host peak GiB']} GiB")
+    print(f"emulation: {f['emulation s']}s; sandbox rank {sandbox} GPU peak {f['sandbox GPU peak GiB']} GiB; "
+          f"Megatron's time per iteration {_ms(res.get('emulate_megatron_ms_per_iteration'))} ms")
+    print(f"predicted iteration time on {a.cluster}: {f['predicted iteration ms']} ms "
+          f"({res.get('calibration') or 'bare capture spans'}); largest rank peak {f['largest rank peak GiB']} GiB; "
+          f"OOM ranks at the cluster's memory: {oom}")
+    return report(figures(res))
+
+
+def _mib(b) -> str:
+    return "MISSING" if b is None else f"{b / 2**20:.2f}"
+
+
+def _ms(xs) -> str:
+    return ", ".join(f"{x:.0f}" for x in xs) if xs else "MISSING"
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ ballast each; (2) with ``--ballast-gib`` each, so the ranks together need more t
 holds, ``capture.park=cuda_checkpoint`` and ``capture.resident`` ranks on the device at once.
 Prints capture times, checkpoint/restore counts and seconds, the card's size against the
 ranks' total, and whether every rank's printed results are bit-identical between the two.
+Exits 1 when a capture fails, a figure is missing, the ranks fit on the card without parking,
+the results differ or a rank's ballast did not survive a resume.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import IS_TRUE, Figure, Goal, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "bench" / "workers" / "gpu_park.py"
@@ -40,7 +45,27 @@ def capture(work: Path, name: str, ranks: int, ballast: float, extra: list[str])
     return {"stats": stats, "lines": lines}
 
 
-def main() -> None:
+def figures(card_gib: float | None, ranks: int, ballast_gib: float, base: dict, parked: dict) -> list[Figure]:
+    """The figures of the two captures: the parked ranks must need more than the card holds
+    (else parking was not exercised), every rank's results bit-identical to the unparked
+    capture's, and every rank's ballast intact after each resume (no lines: missing, not true)."""
+    lines = [ln for v in parked["lines"].values() for ln in v]
+    same = all(base["lines"].get(k) == parked["lines"].get(k) and base["lines"].get(k) for k in range(ranks))
+    p, b = parked["stats"], base["stats"]
+    need = ranks * ballast_gib
+    return [Figure("card GiB", card_gib, fmt=".1f"),
+            Figure("ranks' ballast GiB", need, None if card_gib is None else Goal(f"> card's {card_gib:.1f}",
+                                                                                lambda v: v > card_gib), ".0f"),
+            Figure("unparked capture s", b.get("wall_s"), fmt=".1f"),
+            Figure("parked capture s", p.get("wall_s"), fmt=".1f"),
+            Figure("parked resumes", p.get("resumes")),
+            Figure("parking", p.get("parking")),
+            Figure("results bit-identical to the unparked capture", same, IS_TRUE),
+            Figure("ballast intact after every resume",
+                   all("ballast_intact True" in ln for ln in lines) if lines else None, IS_TRUE)]
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--ballast-gib", type=float, default=19.0)
@@ -53,15 +78,16 @@ def main() -> None:
     base = capture(work, "unparked", a.ranks, 1.0, ["capture.park=none", f"capture.slots={a.ranks}"])
     parked = capture(work, "parked", a.ranks, a.ballast_gib,
                      ["capture.park=cuda_checkpoint", "capture.slots=1", f"capture.resident={a.resident}"])
-    same = all(base["lines"][k] == parked["lines"][k] and base["lines"][k] for k in range(a.ranks))
-    intact = all("ballast_intact True" in ln for v in parked["lines"].values() for ln in v)
-    p = parked["stats"]
+    figs = {f.name: f for f in figures(card, a.ranks, a.ballast_gib, base, parked)}
     print(f"card: {card:.1f} GiB; ranks: {a.ranks} x {a.ballast_gib:g} GiB ballast = {a.ranks * a.ballast_gib:.0f} GiB")
-    print(f"unparked capture (1 GiB each, all resident): {base['stats']['wall_s']:.1f}s")
-    print(f"parked capture: {p['wall_s']:.1f}s, slots 1, resident {a.resident}, resumes {p['resumes']}, "
-          f"parking {json.dumps(p['parking'])}")
-    print(f"results bit-identical to the unparked capture: {same}; ballast intact after every resume: {intact}")
+    print(f"unparked capture (1 GiB each, all resident): {figs['unparked capture s'].shown()}s")
+    print(f"parked capture: {figs['parked capture s'].shown()}s, slots 1, resident {a.resident}, resumes "
+          f"{figs['parked resumes'].shown()}, parking "
+          f"{'MISSING' if figs['parking'].missing else json.dumps(figs['parking'].value)}")
+    print(f"results bit-identical to the unparked capture: {figs['results bit-identical to the unparked capture'].shown()}; "
+          f"ballast intact after every resume: {figs['ballast intact after every resume'].shown()}")
+    return report(figs.values())
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Each bench's figure check (bench/figures.py and the ``figures`` function of every bench that
+uses it): a figure not measured or missing its goal gives a non-zero exit code and is printed
+as MISSING / MISSED, never as a default — and complete, passing figures give 0."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import capture_scale  # noqa: E402
+import deepspeed_fidelity  # noqa: E402
+import gpu_exact  # noqa: E402
+import gpu_lean  # noqa: E402
+import gpu_park  # noqa: E402
+import gpu_upstream  # noqa: E402
+from figures import IS_TRUE, NONE_LISTED, Figure, at_most, exit_code, problems, table  # noqa: E402
+
+
+def test_a_missing_value_prints_missing_and_fails():
+    for absent in (None, float("nan"), []):
+        f = [Figure("ok", 1.0), Figure("absent", absent)]
+        assert exit_code(f) == 1 and "MISSING" in table(f) and "absent" in problems(f)[0]
+    assert exit_code([Figure("zero is a value", 0), Figure("no OOM", [], NONE_LISTED)]) == 0
+
+
+def test_a_missed_goal_is_marked_and_fails():
+    f = [Figure("max running", 3, at_most(2)), Figure("same", False, IS_TRUE)]
+    assert exit_code(f) == 1 and table(f).count("MISSED") == 2 and len(problems(f)) == 2
+    assert exit_code([Figure("max running", 2, at_most(2)), Figure("same", True, IS_TRUE)]) == 0
+    assert exit_code([Figure("not comparable", "n/a", at_most(2))]) == 1
+
+
+def _scale(**change):
+    row = {"n": 8, "slots": 2, "wall_s": 10.0, "capture_s": 9.0, "resumes": 0, "max_running": 2, "peak_mb": 300.0,
+           "trace_mb": 1.5, **change}
+    return capture_scale.figures([row], same=True, check=8)
+
+
+def _ds(**change):
+    row = {"recipe": "zero1", "torchrun_s": 5.0, "capture_s": 6.0, "max_rel_diff_torchrun_vs_capture": 0.0,
+           "emulate": {"[5]": (True, 3.0)}, **change}
+    return deepspeed_fidelity.figures([row])
+
+
+def _upstream(**change):
+    res = {"capture_s": 100.0, "trace_bytes": 10,
+           "default": {"predicted_iteration_ms": 50.0, "losses_match_capture": True, "divergences": 0,
+                       "sandbox_peak_bytes": 1},
+           "asked_2_per_slice": {"predicted_iteration_ms": 51.0, "losses_match_capture": True, "divergences": 0,
+                                 "sandbox_peak_bytes": 1, "notice": ["ranks would share a device: cut to 1"]},
+           "ratio_asked_2_per_slice": 1.02}
+    for k, v in change.items():
+        if "." in k:
+            label, key = k.split(".")
+            res[label] = {**res[label], key: v}
+        else:
+            res[k] = v
+    return gpu_upstream.figures(res)
+
+
+def _lean(**change):
+    res = {"trace_bytes": 2**20, "captured_ranks": 32, "trace_bytes_per_rank_step": 1024.0, "capture_s": 100.0,
+           "capture_wall_s_per_iteration": 30.0, "capture_megatron_ms_per_iteration": [900.0, 800.0],
+           "admission": {"max_admitted": 4, "measured_peaks": {"0": 2**30}}, "launcher_peak_rss_bytes": 2**30,
+           "emulate_s": 50.0, "sandbox_peak_bytes": 2**30, "emulate_megatron_ms_per_iteration": [700.0],
+           "predicted_iteration_ms": 1200.0, "max_rank_peak_bytes": 2**31, "oom_ranks": [], **change}
+    return gpu_lean.figures(res)
+
+
+def _exact(**change):
+    res = {"job": "dense", "trace_bytes": 10**9, "tensor_bytes": 10**8, "full_tensor_bytes": 10**10, "capture_s": 100.0,
+           "capture_ms_per_iteration": [900.0, 800.0, 800.0], "emulate_ms_per_iteration": [100.0, 90.0, 90.0],
+           "losses_match_capture": True, "divergence_counts": {"tolerance": 1}, "sandbox_peak_bytes": 5,
+           "predicted_iteration_ms": 80.0, "emulate_s": 60.0, **change}
+    return gpu_exact.figures(res)
+
+
+CASES = {  # bench: (complete figures, a missing one, a failing one)
+    "capture_scale": (_scale, {"peak_mb": None}, {"max_running": 3}),
+    "deepspeed_fidelity": (_ds, {"max_rel_diff_torchrun_vs_capture": None}, {"emulate": {"[5]": (False, 3.0)}}),
+    "gpu_upstream": (_upstream, {"default.losses_match_capture": None}, {"ratio_asked_2_per_slice": 2.5}),
+    "gpu_lean": (_lean, {"oom_ranks": None}, {"capture_megatron_ms_per_iteration": []}),
+    "gpu_exact": (_exact, {"full_tensor_bytes": None}, {"divergence_counts": {"value": 2}}),
+}
+
+
+@pytest.mark.parametrize("bench", list(CASES))
+def test_each_bench_fails_on_a_missing_or_a_failing_figure(bench):
+    build, missing, failing = CASES[bench]
+    assert exit_code(build()) == 0, problems(build())
+    assert exit_code(build(**missing)) != 0 and "MISSING" in table(build(**missing))
+    assert exit_code(build(**failing)) != 0
+
+
+def test_gpu_park_fails_when_parking_was_not_needed_or_a_ballast_broke():
+    base = {"stats": {"wall_s": 5.0}, "lines": {0: ["R0 x ballast_intact True"], 1: ["R1 y ballast_intact True"]}}
+    parked = {"stats": {"wall_s": 9.0, "resumes": 4, "parking": {"checkpoints": 4}}, "lines": base["lines"]}
+    assert exit_code(gpu_park.figures(30.0, 2, 19.0, base, parked)) == 0
+    assert exit_code(gpu_park.figures(80.0, 2, 19.0, base, parked)) != 0  # 38 GiB fit on an 80 GiB card
+    assert exit_code(gpu_park.figures(None, 2, 19.0, base, parked)) != 0
+    broken = {**parked, "lines": {0: ["R0 x ballast_intact False"], 1: base["lines"][1]}}
+    assert exit_code(gpu_park.figures(30.0, 2, 19.0, {**base, "lines": broken["lines"]}, broken)) != 0
+    silent = {**parked, "lines": {0: [], 1: []}}
+    assert "MISSING" in table(gpu_park.figures(30.0, 2, 19.0, {**base, "lines": silent["lines"]}, silent))
+    assert exit_code(gpu_park.figures(30.0, 2, 19.0, base, {**parked, "stats": {"wall_s": 9.0}})) != 0
+
+
+def test_gpu_exact_reports_no_share_of_a_full_trace_it_did_not_measure():
+    names = [f.name for f in _exact(full_tensor_bytes=None)]
+    assert "dense exact / full tensors" in names
+    assert not any("full" in f.name for f in gpu_exact.figures({"job": "dense", "tensor_bytes": 1}))
+    assert not hasattr(gpu_exact, "FULL_TENSOR_BYTES") and all(len(v) == 3 for v in gpu_exact.JOBS.values())
+
+
+def test_deepspeed_fidelity_compares_values_or_says_none_were():
+    assert deepspeed_fidelity.max_rel_diff([[]], [[]]) is None
+    assert deepspeed_fidelity.max_rel_diff([[{"loss": 2.0}]], [[{"loss": 1.0}]]) == pytest.approx(1.0)
