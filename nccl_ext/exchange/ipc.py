@@ -33,6 +33,9 @@ from collections import deque
 import torch
 
 from nccl_ext.core import wire
+from nccl_ext.core.atomic import atomic_write
+from nccl_ext.core.errors import CommDeadlineError
+from nccl_ext.core.pending import LIMIT_KEY
 from nccl_ext.exchange.arena import _aligned, _Segment
 
 DEVICE_TAG = "cuda"
@@ -40,6 +43,10 @@ DEVICE_TAG = "cuda"
 
 EVENTS = 512
 """Interprocess events per rank: one per staged region still in use."""
+
+GATE_TIMEOUT_S = 300.0
+"""Deadline of an op's wait at the :class:`EventGate` for its peers' stagings where the rank
+passes none (``comm.timeout_s``'s default)."""
 
 
 def handle_path(directory: str, rank: int) -> str:
@@ -84,10 +91,7 @@ class DeviceArena:
         self.full = 0
         """Stagings that did not fit (those went through the host arena)."""
         path = handle_path(directory, rank)
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(shared)
-        os.replace(tmp, path)  # a peer opens it only once a location names this rank
+        atomic_write(path, shared)  # a peer opens it only once a location names this rank
 
     def put(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream, also=None):
         """Copy ``tensors`` (on this GPU) into one region on ``stream``, call ``also()`` (further
@@ -229,26 +233,41 @@ def _has_run(event) -> bool:
 
 class EventGate:
     """Calls each ``then()`` once all of its events have completed, polled from a thread of its
-    own (in the order they were put, among those ready at once); errors are said on stderr."""
+    own (in the order they were put, among those ready at once); errors are said on stderr.
+
+    Each item has a deadline (``timeout_s``: the run's ``comm.timeout_s``): a peer whose staging
+    never runs on its GPU (its process stopped, or its stream waits for good) does not keep the
+    gate polling for it. Past the deadline the item is dropped and ``late(error)`` — or stderr —
+    hears a :class:`CommDeadlineError` naming the op and the peers it waited for; the op itself,
+    whose fold was never queued, fails by its own deadline at the program's wait."""
 
     POLL_S = 50e-6
+    """Poll interval while an item waits (a fold queued late holds the folds behind it)."""
+    IDLE_POLL_S = 1e-3
+    """Poll interval once nothing became ready for :attr:`BACK_OFF_S`: a peer that is that late
+    is not a matter of microseconds, and polling every 50 µs would take a core from the program."""
+    BACK_OFF_S = 0.01
 
-    def __init__(self, device: torch.device | None, name: str):
-        self._items: list[tuple[list, object]] = []
+    def __init__(self, device: torch.device | None, name: str, timeout_s: float = GATE_TIMEOUT_S):
+        self._items: list[tuple] = []
         self._cv = threading.Condition()
         self._closed = False
+        self.timeout_s = timeout_s
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
         self._thread.start()
 
-    def put(self, events: list, then) -> None:
+    def put(self, events: list, then, what: str = "", late=None) -> None:
+        """Call ``then()`` once ``events`` have run; ``what`` names the op and the peers whose
+        events these are in the deadline's error, which ``late(error)`` hears if given."""
         with self._cv:
-            self._items.append((events, then))
+            self._items.append((events, then, time.monotonic() + self.timeout_s, what, late))
             self._cv.notify()
 
     def _run(self, device) -> None:
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
+        idle_since = None
         while True:
             with self._cv:
                 while not self._items and not self._closed:
@@ -256,20 +275,43 @@ class EventGate:
                 if not self._items:
                     return
                 items = list(self._items)
+            now = time.monotonic()
             ready = [item for item in items if all(_has_run(e) for e in item[0])]
-            if not ready:
-                time.sleep(self.POLL_S)
+            expired = [item for item in items if item not in ready and now > item[2]]
+            if not ready and not expired:
+                idle_since = idle_since or now
+                time.sleep(self.POLL_S if now - idle_since < self.BACK_OFF_S else self.IDLE_POLL_S)
                 continue
+            idle_since = None
             with self._cv:
-                for item in ready:
+                for item in ready + expired:
                     self._items.remove(item)
-            for _events, then in ready:
+            for item in expired:
+                self._expire(item)
+            for item in ready:
                 try:
-                    then()
+                    item[1]()
                 except BaseException as e:  # noqa: BLE001 - the op's deadline names it; this says why
                     self.error = self.error or e
                     print(f"prism-launch: {self._thread.name}: queuing a fold failed: {type(e).__name__}: {e}",
                           file=sys.stderr, flush=True)
+
+    def _expire(self, item) -> None:
+        events, _then, _deadline, what, late = item
+        waiting = sum(not _has_run(e) for e in events)
+        error = CommDeadlineError(
+            f"deadline exceeded: {what or 'an exchanged op'}: {waiting} of its peers' stagings had not run on their "
+            f"GPUs after {self.timeout_s:g} s, so its fold was never queued (a peer's stream waits for good, or "
+            f"its process stopped: see the peers' logs) ({LIMIT_KEY}={self.timeout_s:g}; raise it with "
+            f"{LIMIT_KEY}= if the peers are only slow)")
+        self.error = self.error or error
+        if late is not None:
+            try:
+                late(error)
+                return
+            except BaseException as e:  # noqa: BLE001 - said below with the deadline's error
+                error = RuntimeError(f"{error} (and telling the op failed: {type(e).__name__}: {e})")
+        print(f"prism-launch: {self._thread.name}: {error}", file=sys.stderr, flush=True)
 
     def close(self, timeout_s: float) -> None:
         """Stop once what is queued has run (at most ``timeout_s``; a peer that never staged
@@ -294,14 +336,16 @@ class GpuExchange:
     (:meth:`stage`), computes its results from its peers' regions on the fold's stream
     (:meth:`complete`), and reports each op read once that fold has run (``read(op_id)``)."""
 
-    def __init__(self, directory: str, rank: int, fold, nbytes: int, read, scope: frozenset[int] | None):
+    def __init__(self, directory: str, rank: int, fold, nbytes: int, read, scope: frozenset[int] | None,
+                 timeout_s: float = GATE_TIMEOUT_S):
+        self.rank = rank
         self.fold = fold
         """The rank's :class:`~nccl_ext.exchange.device_reduce.DeviceFold` (its stream and scratch)."""
         self.device = fold.device
         self.arena = DeviceArena(directory, rank, self.device, nbytes)
         self.peers = DevicePeers(directory, self.device)
         self.retirer = Retirer(read, name=f"prism-gpu-exchange-{rank}")
-        self.gate = EventGate(self.device, name=f"prism-gpu-gate-{rank}")
+        self.gate = EventGate(self.device, name=f"prism-gpu-gate-{rank}", timeout_s=timeout_s)
         self.scope = scope
         self.ops = 0
         """Ops whose contribution or send was staged on the GPU."""
@@ -352,7 +396,7 @@ class GpuExchange:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def when_staged(self, locations, then, gated: bool) -> None:
+    def when_staged(self, locations, then, gated: bool, what: str = "", late=None) -> None:
         """Call ``then()`` (which queues a fold); ``gated``: once the peers' stagings at
         ``locations`` (rank first) have run on their GPUs — at once where they have, else from the
         gate's thread —, so the fold's stream never waits on the GPU for a peer. One stream folds
@@ -362,12 +406,15 @@ class GpuExchange:
         between, as NCCL allows (it runs each group's kernels on a stream of their own). Gated
         where the program's waits go to the GPU (:mod:`nccl_ext.capture.deferred_waits`, from the
         program's third step): there the program's host does not stop at a wait. Else the rank's host blocks at each wait until its
-        result is queued, and a gate would make that wait for the peers' GPUs as well."""
-        events = [self.peers.event(loc[0], loc[3]) for loc in locations if is_device_location(loc)] if gated else ()
+        result is queued, and a gate would make that wait for the peers' GPUs as well. ``what``
+        (the op) and ``late``: as :meth:`EventGate.put`'s, past the gate's deadline."""
+        device = [loc for loc in locations if is_device_location(loc)] if gated else []
+        events = [self.peers.event(loc[0], loc[3]) for loc in device]
         if all(_has_run(e) for e in events):
             then()
         else:
-            self.gate.put(events, then)
+            peers = f"ranks {sorted({loc[0] for loc in device})[:16]}"
+            self.gate.put(events, then, f"rank {self.rank}: {what or 'an exchanged op'} (waiting for {peers})", late)
 
     def own_views(self, descs) -> list[torch.Tensor]:
         """This rank's own staged pieces (its ``descs``) in its device buffer: ordered before the
@@ -443,12 +490,12 @@ class GpuExchange:
 
 
 def start_gpu_exchange(directory: str, rank: int, fold, nbytes: int, read,
-                       scope: frozenset[int] | None) -> GpuExchange | None:
+                       scope: frozenset[int] | None, timeout_s: float = GATE_TIMEOUT_S) -> GpuExchange | None:
     """This rank's :class:`GpuExchange`, or None — said once on stderr — where its buffer cannot
     be shared (no CUDA IPC on this device or allocator): its contributions then go through the
     host arena, as with ``capture.gpu_exchange_mib=0``."""
     try:
-        return GpuExchange(directory, rank, fold, nbytes, read, scope)
+        return GpuExchange(directory, rank, fold, nbytes, read, scope, timeout_s)
     except Exception as e:  # noqa: BLE001 - any failure to share leaves the host path, which always works
         import sys
 
