@@ -63,10 +63,23 @@ def _report(e: BaseException, cfg) -> int:
     return 1
 
 
+def _help_config(argv: list[str]) -> int | None:
+    """``--help-config [SECTION]``: the configuration reference (:mod:`prism_launch.config.reference`)."""
+    if not argv or argv[0] != "--help-config":
+        return None
+    from prism_launch.config import reference
+
+    return reference.main(argv[1:2] or [""])  # no section: every field, as text
+
+
 def main(argv: list[str] | None = None) -> int:
     from prism_launch.launch.args import parse
 
-    args = parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    shown = _help_config(argv)
+    if shown is not None:
+        return shown
+    args = parse(argv)
     previous = {s: signal.signal(s, _on_signal) for s in _SIGNALS}
     cfg = None
     try:

@@ -13,7 +13,8 @@ class TraceConfig:
     """Trace directory. Default: ``prism_traces/<script>-<fingerprint>`` under the working directory."""
     ignore_args: list[str] = field(default_factory=list)
     """The recipe's own output-only flags (``--out``): their values do not key the trace, like
-    the integrations' (Megatron-LM's ``--save``, ``--tensorboard-dir``, ``--wandb-*`` …)."""
+    the integrations' (Megatron-LM's ``--save``, ``--tensorboard-dir``, ``--wandb-*``; DeepSpeed
+    recipes' ``--output_dir``, ``--logging_dir``, ``--run_name`` …). Their presence still counts."""
 
     def validate(self) -> None:
         bad = [a for a in self.ignore_args if not a.startswith("-") or "=" in a]
@@ -83,13 +84,16 @@ class CaptureConfig:
     payload: Payload = Payload.auto
     """What the trace records of the tensors ranks exchange (see :class:`Payload`)."""
     payload_budget_gib: float = 32.0
-    """``payload=auto``: the most tensor data an exact trace may hold before the capture
-    switches to ``none`` (also capped by the free space at the trace directory, less 10%)."""
+    """``payload=auto``: the most tensor data a ``full`` or ``exact`` trace may hold before the
+    capture records again with the next policy (``capture.payload=auto``'s order); also capped by the
+    free space at the trace directory, less 10%."""
     exchange: bool = True
-    """``payload=exact``/``full``: a collective whose members are all captured passes through shared
-    memory (``/dev/shm``): each member stages its contribution there and computes its own result from
-    its peers' (the same fold, in group-rank order); the coordinator gets where they lie and reads
-    only what the trace records. ``false``: every contribution goes to the coordinator and back."""
+    """``payload=exact``/``full``: a collective on a group of at most 8 members, all captured, passes
+    through shared memory (``/dev/shm``): each member stages its contribution there and computes its
+    own result from its peers' (the same fold, in group-rank order); the coordinator gets where they
+    lie and reads only what the trace records. Sends between captured ranks, and contributions of
+    64 KiB or more to collectives the coordinator computes (and their results), pass there too.
+    ``false``: every contribution goes to the coordinator and back."""
     gpu_exchange_mib: int = 512
     """``exchange`` on CUDA: each captured rank's buffer on its GPU (outside its memory figures)
     where its contributions and sends stay: its peers read them there by CUDA IPC, ordered by
@@ -99,20 +103,28 @@ class CaptureConfig:
     that does not fit goes through the host arena. 0: every contribution through the host arena."""
     spill_mib: float = 64.0
     """``payload=exact``/``full``: distinct tensors the launcher holds before writing them into the
-    trace's next spill file (its memory for tensors, whatever the number of steps)."""
+    trace's next spill file in its staging directory (its memory for tensors, whatever the number
+    of steps). Identical tensors are stored once."""
     carry_bytes: int = 64 * 1024
     """``payload=none``: broadcasts and scatters up to this size keep their real payload."""
     gpu_waits: bool | None = None
     """On CUDA, with the GPU exchange: a wait on a collective that the exchange computes returns
     at once, the program's stream waiting for the op on the GPU (CUDA stream memory operations),
-    as over NCCL, once no captured rank is parked, from the program's third step on (the
-    captured ranks' contexts then load every kernel up front); false: the rank blocks until its
-    peers have arrived. Unset (default): on where an integration vouches for the recipe and none
-    speaks against it (Megatron-LM recipes without ``--num-experts``; the launcher says which and
-    why). A program that copies to pageable host memory right behind such a wait (Megatron's MoE
-    token dispatchers) stops there; a deferred op not written by ``comm.timeout_s`` fails by
-    name. On the H200, upstream ``pretrain_gpt.py``'s dense TP2·PP2 job captures at 1.7–2.2x
-    its emulated step with them, 2.8–3.9x without."""
+    as over NCCL, once no captured rank is parked, from the program's third step on (no wait is
+    deferred in its first two steps); false: the rank blocks until its peers have arrived. With
+    them the captured ranks' CUDA contexts get 32 hardware queues and load every kernel up front
+    (the program's ``os.environ`` keeps its own ``CUDA_DEVICE_MAX_CONNECTIONS`` and
+    ``CUDA_MODULE_LOADING``), and no host memory is unlocked once waits may be deferred. A
+    failure of such an op is raised by the rank's next op; a deferred op whose results are not
+    written within 60 s of its wait (or by ``comm.timeout_s``) fails by name, the rank tells the
+    coordinator, and no wait is deferred after it.
+
+    Unset (default): on where an integration vouches for the recipe and none speaks against it
+    (Megatron-LM recipes, ``--num-layers``, without ``--num-experts``); the launcher prints its
+    choice and why, and where a rank's waits then stop it captures once more without them,
+    saying so. A program that copies to pageable host memory right behind such a wait stops
+    there (the copy holds the CUDA driver's lock that the wait's fold needs): Megatron's MoE
+    token dispatchers do, so MoE recipes capture without. Measured speeds: docs/benchmarks.md."""
     fold_exchange: bool = True
     """Folded ``exact``/``full`` captures with ``exchange``: a SUM/AVG all-reduce or reduce-scatter on
     a folded group of more than 64 members with 2 to 8 captured ones (a data-parallel gradient

@@ -39,7 +39,7 @@ class DataPath(StrEnum):
     device = "device"
     """Ops whose other members are all virtual complete on the sandbox's device: the virtual
     members' recorded data prefetched into a device pool, folded there with the live tensor
-    (``nccl_ext/device_path.py``). Also runs on CPU (the "device" is host memory)."""
+    (``nccl_ext/device_path/``). Also runs on CPU (the "device" is host memory)."""
     host = "host"
     """Every op folds on the host from the live tensor (copied there) and the recorded peers."""
 
@@ -62,6 +62,8 @@ class PrefetchMode(StrEnum):
 @dataclass(kw_only=True, slots=True)
 class PrefetchConfig:
     mode: PrefetchMode = PrefetchMode.stream
+    """How the device data path moves the virtual members' recorded data to the device ahead of
+    the ops that consume it."""
     pool_mib: int = 512
     """Device pool size (raised to twice the largest op when that does not fit)."""
     grow: bool = True
@@ -100,7 +102,9 @@ class EmulateConfig:
     """Multiplier on recorded waits (e.g. 0 to disable, 0.5 to halve)."""
     strict: bool = False
     """A ``value`` divergence (live data beyond the tolerance of the recorded; ``nccl_ext/replay/divergence.py``)
-    is an error instead of a warning. Divergences within tolerance and host scalars never are."""
+    is an error instead of a warning. Divergences are reported by kind: ``value``; ``tolerance``
+    (non-deterministic kernels within ``divergence_rtol``); ``host_scalar`` (small contributions
+    from ``host_scalar_sites``: wall-clock times, counters). The last two are never errors."""
     divergence_rtol: float | None = None
     """Tolerance under which a mismatching floating contribution counts as a non-deterministic
     kernel's (kind ``tolerance``), relative to the recorded tensor's magnitude; null: by dtype

@@ -11,7 +11,8 @@ class CompatConfig:
     integrations: list[str] = field(default_factory=lambda: ["cpu", "megatron"])
     """Integrations (names in the registry, :mod:`prism_launch.config.registry`) whose compatibility
     layer is activated in every rank when ``device=cpu`` (and on CUDA for those whose registry
-    entry says so: DeepSpeed's)."""
+    entry says so: DeepSpeed's). ``deepspeed`` joins by default when the script's arguments carry
+    ``--deepspeed_config``/``--deepspeed``; it touches nothing until the script imports DeepSpeed."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -20,12 +21,19 @@ class FlagNames:
     default (Megatron-LM's names, e.g. ``--tensor-model-parallel-size``)."""
 
     tp: str | None = None
+    """Flag for ``target.parallel.tp`` (Megatron-LM: ``--tensor-model-parallel-size``)."""
     pp: str | None = None
+    """Flag for ``target.parallel.pp`` (Megatron-LM: ``--pipeline-model-parallel-size``)."""
     ep: str | None = None
+    """Flag for ``target.parallel.ep`` (Megatron-LM: ``--expert-model-parallel-size``)."""
     cp: str | None = None
+    """Flag for ``target.parallel.cp`` (Megatron-LM: ``--context-parallel-size``)."""
     etp: str | None = None
+    """Flag for ``target.parallel.etp`` (Megatron-LM: ``--expert-tensor-parallel-size``)."""
     micro_batch_size: str | None = None
+    """Flag for ``target.parallel.micro_batch_size`` (Megatron-LM: ``--micro-batch-size``)."""
     global_batch_size: str | None = None
+    """Flag for ``target.parallel.global_batch_size`` (Megatron-LM: ``--global-batch-size``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,6 +45,7 @@ class IntegrationConfig:
     """The integration whose renderer writes ``target.parallel`` into the script's arguments:
     ``megatron`` (flags), ``deepspeed`` (a rendered JSON config), or ``none``."""
     flags: FlagNames = field(default_factory=FlagNames)
+    """The recipe's own flag names, where they are not Megatron-LM's (``integration.flags.tp=--tp``)."""
     render_dir: str | None = None
     """Where rendered files (DeepSpeed configs) go. Default: the run's output dir (a sweep
     point's directory; ``prism_rendered/`` for a single run)."""

@@ -40,8 +40,10 @@ class CapturePlan:
     """Directory of the shared-memory exchange (``payload`` exact/full: contributions to groups whose
     members are all captured are staged there and read by the peers; None: through the coordinator)."""
     payload: str = "exact"
-    """``exact`` (every contribution goes to the coordinator) or ``none`` (results synthesized
-    on the rank; only metadata and carried broadcasts go to the coordinator)."""
+    """The capture's resolved ``capture.payload`` policy (never ``auto``): ``exact`` or ``full``
+    (contributions reach the coordinator, or the exchange where ``exchange`` is set; ``exact``
+    keeps only what ``scope``'s ranks consume), or ``none`` (results synthesized on the rank;
+    only metadata and carried broadcasts go to the coordinator)."""
     carry_bytes: int = 0
     """``payload=none``: broadcasts up to this size keep their real payload."""
     switch_interval_us: int = 0
@@ -59,12 +61,20 @@ class CapturePlan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrefetchPlan:
+    """``emulate.prefetch`` in bytes, for the device data path."""
+
     mode: str
+    """``emulate.prefetch.mode``."""
     pool_bytes: int
+    """``emulate.prefetch.pool_mib`` in bytes."""
     grow: bool
+    """``emulate.prefetch.grow``."""
     reserve_bytes: int
+    """``emulate.prefetch.reserve_gib`` in bytes."""
     threads: int
+    """``emulate.prefetch.threads``."""
     host_tier_bytes: int
+    """``emulate.prefetch.host_tier_gib`` in bytes (0: no host tier)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,21 +82,31 @@ class EmulatePlan:
     """What a sandbox rank (and the assistant) needs to replay the virtual ranks."""
 
     trace_dir: str
+    """The trace being replayed."""
     sandbox: tuple[int, ...]
     """Every sandbox rank of the run, in order (all nodes)."""
     timing: str
+    """``emulate.timing``: when virtual members arrive."""
     time_scale: float
+    """``emulate.time_scale``: multiplier on replayed waits."""
     strict: bool
+    """``emulate.strict``: a ``value`` divergence is an error."""
     check: bool
+    """``emulate.check_divergence``: compare live contributions with the recorded ones."""
     data_path: str
     """``device`` or ``host`` (resolved)."""
     prefetch: PrefetchPlan
+    """The device data path's prefetching."""
     pruned: bool
+    """``emulate.pruned_rings``."""
     ring_backend: str
+    """``emulate.ring_backend``: ``gloo`` or ``nccl``."""
     ring_tags: bool
+    """``emulate.ring_tags``: ring messages matched by tag as well as order."""
     assistant: bool
     """An assistant process serves the virtual ranks (it is the last physical rank)."""
     window: int
+    """``emulate.window``: ops per sandbox rank the assistant may stream ahead."""
     store: str | None = None
     """``host:port`` of the TCPStore the physical processes rendezvous through (None: one process)."""
     schedule_file: str | None = None
@@ -96,12 +116,16 @@ class EmulatePlan:
     divergence_rtol: float | None = None
     """``emulate.divergence_rtol`` (None: by dtype)."""
     host_scalar_sites: tuple[str, ...] = ()
+    """``emulate.host_scalar_sites``."""
     host_scalar_max_elements: int = 64
+    """``emulate.host_scalar_max_elements``."""
     assistant_summary: str | None = None
+    """Where the assistant writes its streaming statistics (None: no assistant)."""
     payload: str = "exact"
     """The trace's payload policy (its manifest's): ``none`` synthesizes every result on the
     sandbox's device (no assistant, no device data path)."""
     carry_bytes: int = 0
+    """``payload=none``: broadcasts up to this size carry their recorded payload."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,10 +143,13 @@ class RankPlan:
     local_ranks: tuple[int, ...] = ()
     """The logical ranks this launcher starts, in device-slot order."""
     memory_track: bool = True
+    """``memory.track``: allocator-level accounting in every rank."""
     memory_limit_bytes: int = 0
     """The target's memory cap on sandbox allocators (0: none)."""
     memory_cpu_hook: bool = True
+    """``memory.cpu_hook``: count CPU allocations with the native hook."""
     memory_cache_dir: str | None = None
+    """``memory.cache_dir``: where the built hook is cached (None: the default)."""
     memory_dir: str | None = None
     """``mode=real``: the run's log directory, where each rank writes its allocator summary
     (:meth:`prism_launch.trace.layout.RankLogs.memory`)."""
@@ -131,7 +158,9 @@ class RankPlan:
     hook: bool = False
     """``--no-python``: the first Python interpreter of the command becomes the rank."""
     capture: CapturePlan | None = None
+    """A captured rank's (or group discovery's) connection; None outside capture."""
     emulate: EmulatePlan | None = None
+    """A sandbox rank's (or the assistant's) replay; None outside emulation."""
 
     # -- per-rank values ------------------------------------------------------------------
     def device_slot(self, rank: int | None) -> int:

@@ -35,13 +35,20 @@ ENTRY_POINT_GROUP = "prism_launch.integrations"
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Integration:
     name: str
+    """The name the config uses (``integration.kind``, ``compat.integrations``, ``integration.moe``)."""
     compat: str | None = None
+    """Module whose ``install()`` every rank runs when the compatibility layer is active."""
     renderer: str | None = None
+    """Module whose ``render(cfg, script_args, out_dir)`` writes ``target.parallel``/``script.args``
+    into the script's arguments."""
     moe: str | None = None
+    """Module that finds MoE token dispatches in a trace (``dispatches``/``describe``)."""
     waits: str | None = None
+    """Module whose ``gpu_waits(script_args)`` vouches for or against ``capture.gpu_waits``."""
     compat_devices: tuple[str, ...] = ("cpu",)
     """The devices (``cpu``, ``cuda``) on which the ``compat`` module is activated."""
     recipe_flags: tuple[str, ...] = ()
+    """Script flags that mark a recipe of this kind (its compat layer then joins by default)."""
     warm_imports: tuple[str, ...] = ()
     """Modules a recognised recipe needs, imported once in the launcher before ranks are forked."""
     output_args: tuple[str, ...] = ()

@@ -26,25 +26,45 @@ which loads only its plan from this package, never imports Hydra or OmegaConf.""
 @dataclass(kw_only=True, slots=True)
 class PrismConfig:
     mode: Mode = Mode.auto
-    """real | capture | emulate | auto."""
+    """What the run does: ``auto`` captures when no matching trace exists, then emulates (and on
+    CUDA calibrates in between, see ``calibrate.in_auto``)."""
     device: Device | None = None
-    """cpu | cuda; default cuda when available."""
+    """Where the ranks compute. Default: ``cuda`` when a GPU is available, else ``cpu``. With
+    ``cpu`` every rank activates the CPU compatibility layers of ``compat.integrations`` (so
+    megatron-core's CUDA-bound code runs on the CPU), and the default ``cluster`` becomes
+    ``cpu_local``."""
     target: TargetConfig = field(default_factory=TargetConfig)
+    """The job being emulated."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """The ranks that run the real program in emulation."""
     trace: TraceConfig = field(default_factory=TraceConfig)
+    """Where the trace is and what keys it."""
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    """How the trace is recorded."""
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
+    """How virtual ranks are replayed to the sandbox ranks."""
     comm: CommConfig = field(default_factory=CommConfig)
+    """Communication deadlines and sub-group creation."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Rank processes, progress and error output."""
     compat: CompatConfig = field(default_factory=CompatConfig)
+    """Compatibility layers the ranks install."""
     report: ReportConfig = field(default_factory=ReportConfig)
+    """Where the report goes and how losses are read from rank logs."""
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    """Slice calibration of compute spans."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Memory accounting and the target's memory cap."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """The global replay that predicts the target job."""
     physical: PhysicalConfig = field(default_factory=PhysicalConfig)
+    """The machines the sandbox ranks run on."""
     integration: IntegrationConfig = field(default_factory=IntegrationConfig)
+    """How ``target.parallel`` and ``script.args`` reach the recipe."""
     script: ScriptConfig = field(default_factory=ScriptConfig)
+    """Script flags set from the config."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    """The sweep summary."""
     cluster: ClusterSpec = MISSING  # filled by the Hydra group ``cluster``
     """The target machine room (Hydra group ``cluster``: h100_ib, h200_ib, a100_ib, gb200_nvl72, cpu_local)."""
 

@@ -9,7 +9,9 @@ from prism_launch.config.errors import ConfigError
 
 class Device(StrEnum):
     cpu = "cpu"
+    """Ranks compute on the CPU, through the CPU compatibility layers."""
     cuda = "cuda"
+    """Ranks compute on GPUs, one device slot each."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,7 +30,9 @@ class ParallelConfig:
     etp: int | None = None
     """Expert tensor-parallel size."""
     micro_batch_size: int | None = None
+    """Micro-batch size per rank."""
     global_batch_size: int | None = None
+    """Global batch size (must divide by ``micro_batch_size`` × data-parallel size)."""
     zero_stage: int | None = None
     """DeepSpeed ZeRO stage 0-3 (``zero_optimization.stage``; ``integration.kind=deepspeed``)."""
 

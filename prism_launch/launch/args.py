@@ -24,6 +24,7 @@ prism-launch options (besides torchrun's):
                        target.world_size=N  device=cpu|cuda  emulate.strict=true
                        comm.timeout_s=60 (see --cfg for every field)
   --cfg                print the composed config (YAML) and exit
+  --help-config [SECTION]  every config key (or one section's) with its documentation
   --multirun           sweep: key=a,b overrides become points (Hydra's sweeper and launcher,
                        hydra/launcher=joblib|submitit_local|prism_slurm|prism_ray); writes
                        summary.csv, summary.png and a ranked table in hydra.sweep.dir
