@@ -20,6 +20,7 @@ import time
 import torch
 
 from nccl_ext.exchange.device_flags import DeviceFlags, DeviceFlagsUnavailable, restore_context, self_test
+from nccl_ext.core.protocol import Stalled
 from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError, Pending
 
 HELPER_PREFIX = "prism-"
@@ -46,6 +47,14 @@ RESERVE_HEADROOM = 1 << 30
 
 WATCH_S = 0.5
 """How often the watchdog of deferred ops looks whether their flags were written."""
+
+CLOSE_WAIT_S = 10.0
+"""Once the rank closes, how long the flags still deferred may take to be written (their folds
+were queued, or are about to be) before they fail by name and are written from the CPU — a
+closed rank's stream must not wait on the GPU for good (``DeferredWaits.deferred_close_s``)."""
+
+CLOSE_POLL_S = 0.02
+"""How often the watchdog looks at the flags still deferred once the rank closes."""
 
 
 class DeferredWaits:
@@ -263,10 +272,19 @@ class DeferredWaits:
         return True
 
     def _watch(self) -> None:
-        """Until the rank closes: a deferred op whose flag is not written by its deadline
-        (``comm.timeout_s``) stops the waits on the GPU (:meth:`_stalled`) — the program's stream
-        would otherwise wait for it for good, and a host copy behind it with it."""
-        while not self._closed.wait(WATCH_S):
+        """Until the rank closes and no deferred flag is left unwritten: a deferred op whose flag
+        is not written by its deadline (``comm.timeout_s``) stops the waits on the GPU
+        (:meth:`_stalled`) — the program's stream would otherwise wait for it for good, and a
+        host copy behind it with it. Once the rank closes, the flags still deferred have
+        :data:`CLOSE_WAIT_S` more (their own deadlines still apply); those not written then fail
+        by name (:meth:`_unwritten_at_close`)."""
+        closed_at = None
+        while True:
+            if closed_at is None:
+                if self._closed.wait(WATCH_S):
+                    closed_at = time.monotonic()
+            else:
+                time.sleep(CLOSE_POLL_S)
             now = time.monotonic()
             with self._order_lock:
                 watched = list(self._watched.items())
@@ -278,6 +296,57 @@ class DeferredWaits:
                 elif now > min(p.deadline, self._deferred_at.get(op_id, now) + STALL_S):
                     self._stalled(op_id, p, now - self._deferred_at.get(op_id, now))
                     return
+            if closed_at is not None:
+                with self._order_lock:
+                    left = dict(self._watched)
+                if not left:
+                    return
+                if now > closed_at + self.deferred_close_s:
+                    self._unwritten_at_close(left, now - closed_at)
+                    return
+
+    deferred_close_s: float = CLOSE_WAIT_S
+    """How long the rank's close waits for the flags still deferred (see :data:`CLOSE_WAIT_S`)."""
+
+    def close_deferred(self, timeout_s: float) -> list[str]:
+        """At the rank's close (after its ``_closed`` is set): wait for the flags still deferred
+        — at most ``timeout_s`` and :attr:`deferred_close_s` — and fail by name, their flags
+        written from the CPU, those not written by then. Returns what each failed op was."""
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.join(max(0.0, min(timeout_s, self.deferred_close_s + 2 * CLOSE_POLL_S)))
+        with self._order_lock:
+            left = dict(self._watched)
+        if left:
+            self._unwritten_at_close(left, timeout_s)
+        return [p.what for p in left.values()]
+
+    def _unwritten_at_close(self, left: dict[int, Pending], waited_s: float) -> None:
+        """The rank closed with the flags of ``left`` deferred and not written: each op fails
+        with a deadline error naming it, and its flag is written from the CPU (nothing on the
+        program's stream waits for it for good)."""
+        with self._order_lock:
+            for op_id in left:
+                self._watched.pop(op_id, None)
+                self._deferred_at.pop(op_id, None)
+        names = ", ".join(p.what for p in list(left.values())[:8]) + (" ..." if len(left) > 8 else "")
+        for op_id, p in sorted(left.items()):
+            error = CommDeadlineError(
+                f"deadline exceeded: {p.what}: the rank closed while its wait was passed on the GPU "
+                f"(capture.gpu_waits=true) and its results were still not written {waited_s:.1f} s later; its "
+                f"flag is written from the CPU so the program's stream goes on (ops left so: {names})")
+            if self._deferred_error is None:
+                self._deferred_error = error
+            if not p.is_done:  # its failure writes its flag (_gpu_op_done)
+                p.fail(error)
+                continue
+            try:  # answered, its fold's flag still unwritten: written here
+                self._flags.release(op_id)
+            except Exception as e:  # noqa: BLE001 - the deadline error is the one to report
+                print(f"prism-launch: rank {self.rank}: could not release the GPU's wait for {p.what}: {e}",
+                      file=sys.stderr, flush=True)
+        print(f"prism-launch: rank {self.rank}: closed with {len(left)} op(s) deferred and not written: {names}",
+              file=sys.stderr, flush=True)
 
     def _stalled(self, op_id: int, p: Pending, waited_s: float) -> None:
         """Op ``op_id``'s flag was not written by its deadline: the op fails with a deadline
@@ -324,7 +393,7 @@ class DeferredWaits:
         send = getattr(self, "_send", None)
         if send is not None:
             try:
-                send(("stalled", self.rank, what))
+                send(Stalled(self.rank, what))
             except OSError:
                 pass
 
