@@ -28,7 +28,8 @@ import torch.distributed as dist
 from nccl_ext.core.call import CollectiveCall
 from nccl_ext.core.groups import GroupInfo, GroupRegistry
 from nccl_ext.core.ops import Collective, ReduceKind, reduce_kind
-from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError, Pending, short_ranks, timeout_seconds
+from nccl_ext.core.errors import CommDeadlineError, CommError, PeerClosedError, first_line
+from nccl_ext.core.pending import LIMIT_KEY, Pending, short_ranks, timeout_seconds
 from nccl_ext.core.results import copy_pieces, no_grad_copy, own_copies
 
 MONITORED_BARRIER_TAG = 0x3FFF_FFF7
@@ -151,21 +152,22 @@ class PrismProcessGroup(dist.ProcessGroup):
     def _submit(self, call: CollectiveCall, apply, opts=None) -> dist.Work:
         seq = self._next_seq()
         self.world.ops_issued += 1
-        pending = self._issue(f"{call.api} on group {self.info.desc or self.info.key} seq {seq}",
+        pending = self._issue(f"{call.api} on group {self.info.desc or self.info.key} seq {seq}", call.api, seq,
                               self.world.transport.collective, self.info, seq, call)
         return PrismWork(pending, apply, self.world.transport, ("c", self.info.key, seq))
 
-    def _issue(self, what: str, op, *args) -> Pending:
+    def _issue(self, what: str, api: str, seq: int, op, *args) -> Pending:
         """``op(*args)``; an error of the backend below (e.g. gloo's, when a physical peer's
-        connection is already closed) is raised naming this rank and ``what``."""
+        connection is already closed) is raised as a :class:`PeerClosedError` naming this rank
+        and ``what``; the transport's own errors (:class:`CommError`) name the op already."""
         try:
             return op(*args)
         except RuntimeError as e:
-            if str(e).startswith(f"rank {self.world.rank}:") or f"rank {self.world.rank} " in str(e):
-                raise  # the transport's own error names the op already
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RuntimeError(f"rank {self.world.rank}: {what}: {first} (a physical peer's process ended or closed "
-                               "its connection: see its log)") from e
+            if isinstance(e, CommError) or type(e).__module__.partition(".")[0] == "nccl_ext":
+                raise  # this layer's own error types name the op already
+            raise PeerClosedError(f"rank {self.world.rank}: {what}: {first_line(e)} (a physical peer's process ended "
+                                  "or closed its connection: see its log)", rank=self.world.rank,
+                                  group=self.info.desc or self.info.key, op=api, seq=seq) from e
 
     def _group_size(self) -> int:
         return self.info.size
@@ -398,7 +400,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         seq = self._p2p_seq_next("send", dst, tag)
         self.world.ops_issued += 1
         pending = self._issue(f"send seq {seq} to rank {self.info.ranks[dst]} tag {tag} on group "
-                              f"{self.info.desc or self.info.key}", self.world.transport.send, self.info,
+                              f"{self.info.desc or self.info.key}", "send", seq, self.world.transport.send, self.info,
                               self.info.ranks[dst], tag, seq, tensor)
         return PrismWork(pending, None, self.world.transport, ("s", self.info.key, self.info.ranks[dst], tag, seq))
 
@@ -407,7 +409,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         seq = self._p2p_seq_next("recv", src, tag)
         self.world.ops_issued += 1
         pending = self._issue(f"recv seq {seq} from rank {self.info.ranks[src]} tag {tag} on group "
-                              f"{self.info.desc or self.info.key}", self.world.transport.recv, self.info,
+                              f"{self.info.desc or self.info.key}", "recv", seq, self.world.transport.recv, self.info,
                               self.info.ranks[src], tag, seq, tensor)
 
         def apply(res):
@@ -505,7 +507,16 @@ class PrismWork(dist.Work):
         """Block until the results are in the caller's tensors: at most ``timeout`` (a
         ``timedelta`` or seconds; None or zero — torch's ``kNoTimeout`` — the op's own deadline,
         ``comm.timeout_s``), then raise :class:`CommDeadlineError` naming rank, group, op and
-        sequence number. A caller's timeout leaves the op outstanding, as torch's does."""
+        sequence number. A caller's timeout leaves the op outstanding, as torch's does.
+
+        What ``timeout`` bounds is the op: its completion and the writing of its results into
+        the caller's tensors, both within it on the caller's clock. In capture, a rank parked
+        while it waited (its compute slot lent to another rank) then waits for a slot again
+        before it returns: that time is the emulation's sharing of GPUs, not the op's — the
+        emulated rank has a GPU of its own and would not wait at all — so it does not count
+        against ``timeout`` (a ``monitored_barrier(timeout=5)`` does not fail because other
+        ranks held the slots); the transport bounds it (``comm.timeout_s``, renewed only while
+        the coordinator says the rank is queued)."""
         defer = self._pending.defer
         if not self._applied.is_set() and defer is not None and timeout_seconds(timeout) is None and defer():
             # the caller's stream waits for the op on the GPU (as NCCL's wait); a failure from
@@ -523,8 +534,7 @@ class PrismWork(dist.Work):
                 # capture: the rank runs on without a slot; its error ends the program anyway
                 raise self._pending.timeout_error(limit)
             self._pending.result()  # raises past the op's deadline
-            if not self._applied.wait(max(self._pending.deadline - time.monotonic(), 1.0)):
-                raise CommDeadlineError(f"{self._pending.what}: result arrived but was not applied in time")
+            self._await_applied(limit, t0)
             if resume is not None:
                 resume()
             self._transport.waited(self._ref, t0, time.monotonic())
@@ -536,6 +546,25 @@ class PrismWork(dist.Work):
         if done is not None:  # as NCCL's wait: the caller's current stream waits for the op on the GPU
             torch.cuda.current_stream().wait_event(done)
         return True
+
+    def _await_applied(self, limit: float | None, t0: float) -> None:
+        """The result arrived: wait until it is in the caller's tensors, within what is left of
+        the caller's ``limit`` (None: until the op's deadline, and at least a second — the
+        result came just before it)."""
+        p = self._pending
+        if limit is not None:
+            if not self._applied.wait(max(0.0, t0 + limit - time.monotonic())):
+                raise CommDeadlineError(
+                    f"timed out: {p.what}: its result arrived, but writing it into the caller's tensors did not end "
+                    f"within the caller's timeout of {limit:g} s (Work.wait(timeout=)); the op's own deadline is "
+                    f"{LIMIT_KEY}={p.timeout_s:g}")
+            return
+        bound = max(p.deadline - time.monotonic(), 1.0)
+        if not self._applied.wait(bound):
+            raise CommDeadlineError(
+                f"deadline exceeded: {p.what}: its result arrived, but writing it into the caller's tensors did not "
+                f"end by the op's deadline ({bound:.1f} s more) ({LIMIT_KEY}={p.timeout_s:g}; raise it with "
+                f"{LIMIT_KEY}= if the copy is only slow)")
 
     def is_completed(self) -> bool:
         return self._applied.is_set()
