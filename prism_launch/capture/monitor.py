@@ -28,7 +28,10 @@ class CaptureMonitor:
         """Bytes the trace has yet to write (default: every tensor recorded, none written yet)."""
         self.ranks, self.expected_ops = ranks, expected_ops
         self._stack = ExitStack()
-        self.phase = self._stack.enter_context(phase(f"capturing {ranks} ranks", setting=setting, total=expected_ops))
+        self.phase = self._stack.enter_context(phase(f"capturing {ranks} ranks", setting=setting, total=expected_ops,
+                                                     steps=(0, None)))
+        self._steps: dict[int, int] = {}  # step markers seen per rank (the slowest rank's count is shown)
+        self._events_seen = 0
         self._next_space = 0.0
         self._next_draw = 0.0
 
@@ -46,4 +49,10 @@ class CaptureMonitor:
             wall = max(now - c.t0, 1e-9)
             info = (f"{len(c.finished)}/{self.ranks} ranks done · {c.ops_completed} ops · "
                     f"{c.ops_completed / wall:.0f} ops/s · {c.bytes_recorded / 2**20:.1f} MiB")
-            self.phase.update(completed=c.ops_completed if self.expected_ops else None, info=info)
+            for row in c.events[self._events_seen:]:
+                if row["kind"] == "marker" and row["op"] == "step":
+                    self._steps[row["rank"]] = self._steps.get(row["rank"], 0) + 1
+            self._events_seen = len(c.events)
+            slowest = min(self._steps.values()) if len(self._steps) == self.ranks else 0
+            self.phase.update(completed=c.ops_completed if self.expected_ops else None, info=info,
+                              steps=(slowest, None))

@@ -1,6 +1,6 @@
 """Live progress of the launcher's long phases (capture, group discovery, calibration
 slices, emulation) with ``rich``: one line per phase — what runs, a bar when the total is
-known, counters, elapsed time and ETA. Shown only when stdout is a terminal (or
+known, the program's steps done (of how many, where known), counters, elapsed time and ETA. Shown only when stdout is a terminal (or
 ``launch.progress=true``); in batch logs nothing is printed, as with torchrun. Rank output
 that the tee prints while a phase runs scrolls above the live line."""
 
@@ -11,7 +11,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["Phase", "enabled", "phase"]
+__all__ = ["Phase", "enabled", "phase", "steps_text"]
+
+
+def steps_text(done: int, total: int | None = None) -> str:
+    """The live line's step counter: ``step 2/3`` where the total is known, else ``2 steps done``
+    (training steps of the program, counted at its optimizer's steps)."""
+    if total:
+        return f"step {min(done, total)}/{total}"
+    return f"{done} step{'' if done == 1 else 's'} done"
 
 
 def enabled(setting: bool | None) -> bool:
@@ -35,10 +43,14 @@ class Phase:
     def live(self) -> bool:
         return self._progress is not None
 
-    def update(self, *, completed: float | None = None, total: float | None = None, info: str | None = None) -> None:
+    def update(self, *, completed: float | None = None, total: float | None = None, info: str | None = None,
+               steps: tuple[int, int | None] | None = None) -> None:
+        """``steps``: (steps done, total or None), shown right after the phase's name."""
         if self._progress is None:
             return
         kw = {}
+        if steps is not None:
+            kw["steps"] = steps_text(*steps)
         if completed is not None:
             kw["completed"] = completed
         if total is not None:
@@ -50,9 +62,10 @@ class Phase:
 
 @contextmanager
 def phase(description: str, *, setting: bool | None = None, total: float | None = None,
-          console=None) -> Iterator[Phase]:
+          console=None, steps: tuple[int, int | None] | None = None) -> Iterator[Phase]:
     """``with phase("capture", total=None) as p: ... p.update(info="...")`` — a live line for
-    the block when progress is on (``setting``: ``launch.progress``), else a no-op handle."""
+    the block when progress is on (``setting``: ``launch.progress``), else a no-op handle.
+    ``steps``: the step counter to show from the start (see :meth:`Phase.update`)."""
     if console is None and not enabled(setting):
         yield Phase()
         return
@@ -60,12 +73,12 @@ def phase(description: str, *, setting: bool | None = None, total: float | None 
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
-    columns = [SpinnerColumn(), TextColumn("[bold]{task.description}")]
+    columns = [SpinnerColumn(), TextColumn("[bold]{task.description}"), TextColumn("{task.fields[steps]}")]
     if total is not None:
         columns += [BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
     columns += [TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
     progress = Progress(*columns, console=console or Console(), transient=True, redirect_stdout=True,
                         redirect_stderr=True, refresh_per_second=4)
     with progress:
-        task = progress.add_task(description, total=total, info="")
+        task = progress.add_task(description, total=total, info="", steps="" if steps is None else steps_text(*steps))
         yield Phase(progress, task)

@@ -10,6 +10,12 @@ implies redirect, as in torchrun.
 
 This module opens a rank's log files for its process to write (:func:`open_logs`)
 and runs the one tee thread that copies teed files to the console (:func:`start_tee`).
+
+A Python warning (``file:line: SomeWarning: message`` and the source line Python prints under
+it) that the console already showed, from any rank of this launcher, is not shown again: a
+third-party library warns once in every rank, and a thousand copies would bury the run's own
+output (:class:`RepeatedWarnings`). The log files keep every copy; when the tee stops it says
+how many it hid and where the logs are.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import fcntl
 import io
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -27,7 +34,7 @@ from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.api import Std
 
-__all__ = ["LOG_LINE_PREFIX_NAME", "Tee", "open_logs", "start_tee"]
+__all__ = ["LOG_LINE_PREFIX_NAME", "RUN_WARNINGS", "RepeatedWarnings", "Tee", "open_logs", "start_tee"]
 
 # Records go to the rank-process manager's logger, beside its own.
 logger = logging.getLogger("prism_launch.launch.procs")
@@ -41,6 +48,32 @@ _TEE_PARTIAL_FLUSH_S = 0.5  # a partial line older than this is printed anyway
 _TEE_MAX_LINE = 64 * 1024  # a partial line longer than this is printed anyway
 _TEE_READ_CHUNK = 1 << 20
 _TEE_MAX_READ_PER_PASS = 8 << 20
+
+
+_WARNING_LINE = re.compile(r"^\S.*:\d+: (?:[A-Za-z_][\w.]*)?Warning: ")
+"""The first line of a Python warning as ``warnings.showwarning`` prints it."""
+
+
+class RepeatedWarnings:
+    """The Python warnings the console has shown, shared by every tee of one launcher (one run):
+    a warning line shown once is dropped from then on, with the indented source line under it."""
+
+    def __init__(self) -> None:
+        self._shown: set[str] = set()
+        self._lock = threading.Lock()
+
+    def keep(self, line: str) -> bool:
+        """Whether a warning's first line is new (and now marks it shown)."""
+        key = line.rstrip("\r\n")
+        with self._lock:
+            if key in self._shown:
+                return False
+            self._shown.add(key)
+            return True
+
+
+RUN_WARNINGS = RepeatedWarnings()
+"""The launcher's own: a warning shown during group discovery is not shown again in capture or emulation."""
 
 
 def open_logs(stdout_path: Path | None, stderr_path: Path | None) -> tuple[int | None, int | None]:
@@ -65,36 +98,40 @@ def open_logs(stdout_path: Path | None, stderr_path: Path | None) -> tuple[int |
     return fds[0], fds[1]
 
 
-def start_tee(ranks: Iterable[tuple[int, Std, Path | None, Path | None]]) -> Tee | None:
+def start_tee(ranks: Iterable[tuple[int, Std, Path | None, Path | None]],
+              warnings: RepeatedWarnings | None = None) -> Tee | None:
     """Start copying the teed streams of ``(rank, tee, stdout_path, stderr_path)`` to the console.
 
     Returns the running :class:`Tee` (stop it with :meth:`Tee.stop`), or ``None`` when
-    no stream is teed.
+    no stream is teed. ``warnings``: the warnings already shown (default: the launcher's).
     """
     sources: list[_TeeSource] = []
     for rank, tee, stdout_path, stderr_path in ranks:
         prefix = f"[{LOG_LINE_PREFIX_NAME}{rank}]:"
         if tee & Std.OUT and stdout_path is not None:
-            sources.append(_TeeSource(stdout_path, prefix, sys.stdout))
+            sources.append(_TeeSource(stdout_path, prefix, sys.stdout, rank))
         if tee & Std.ERR and stderr_path is not None:
-            sources.append(_TeeSource(stderr_path, prefix, sys.stderr))
+            sources.append(_TeeSource(stderr_path, prefix, sys.stderr, rank))
     if not sources:
         return None
-    tee_thread = Tee(sources)
+    tee_thread = Tee(sources, RUN_WARNINGS if warnings is None else warnings)
     tee_thread.start()
     return tee_thread
 
 
 class _TeeSource:
-    __slots__ = ("path", "prefix", "dst", "fh", "buf", "last_data")
+    __slots__ = ("path", "prefix", "dst", "fh", "buf", "last_data", "rank", "hiding")
 
-    def __init__(self, path: Path, prefix: str, dst: TextIO) -> None:
+    def __init__(self, path: Path, prefix: str, dst: TextIO, rank: int = -1) -> None:
         self.path = path
         self.prefix = prefix
         self.dst = dst
+        self.rank = rank
         self.fh: io.FileIO | None = None
         self.buf = bytearray()
         self.last_data = time.monotonic()
+        self.hiding = False
+        """The last line was a hidden warning: an indented line next is its source line."""
 
 
 class Tee:
@@ -104,8 +141,12 @@ class Tee:
     Ranks write straight into their log files, so a slow console never blocks them.
     """
 
-    def __init__(self, sources: list[_TeeSource]) -> None:
+    def __init__(self, sources: list[_TeeSource], warnings: RepeatedWarnings | None = None) -> None:
         self._sources = sources
+        self._warnings = warnings if warnings is not None else RepeatedWarnings()
+        self.hidden = 0
+        """Warnings this tee did not show because the console had shown them already."""
+        self.hidden_ranks: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prism-rank-tee", daemon=True)
         self._broken: set[int] = set()
@@ -119,6 +160,39 @@ class Tee:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("rank log tee did not finish within %.1fs", timeout_s)
+        note = self.hidden_note()
+        if note:
+            try:
+                sys.stderr.write(note + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    def hidden_note(self) -> str:
+        """One line on the warnings hidden, with where the rank logs keep them ('' if none)."""
+        if not self.hidden:
+            return ""
+        where = {s.path.parent.parent for s in self._sources}
+        logs = f"{where.pop()}/<rank>/stderr.log" if len(where) == 1 else "the rank logs"
+        n, m = self.hidden, len(self.hidden_ranks)
+        return (f"prism-launch: {n} repeated warning{'s' if n != 1 else ''} from {m} rank{'s' if m != 1 else ''} "
+                f"hidden (each shown once); see {logs}")
+
+    def _unrepeated(self, src: _TeeSource, lines: list[str]) -> list[str]:
+        """``lines`` without the warnings the console has shown already (and their source lines)."""
+        out = []
+        for line in lines:
+            if src.hiding and line[:1] in (" ", "\t"):
+                src.hiding = False
+                continue
+            src.hiding = False
+            if _WARNING_LINE.match(line) and not self._warnings.keep(line):
+                src.hiding = True
+                self.hidden += 1
+                self.hidden_ranks.add(src.rank)
+                continue
+            out.append(line)
+        return out
 
     def _run(self) -> None:
         try:
@@ -163,7 +237,10 @@ class Tee:
     def _emit(self, src: _TeeSource, lines: list[bytes]) -> None:
         if id(src.dst) in self._broken:
             return
-        text = "".join(src.prefix + line.decode("utf-8", errors="replace") for line in lines)
+        shown = self._unrepeated(src, [line.decode("utf-8", errors="replace") for line in lines])
+        if not shown:
+            return
+        text = "".join(src.prefix + line for line in shown)
         try:
             src.dst.write(text)
             src.dst.flush()

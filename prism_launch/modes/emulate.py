@@ -144,14 +144,19 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
     payload = trace_payload(reader)
     assistant = cfg.emulate.virtual_host is VirtualHost.assistant and payload[0] != "none"
     timeout = datetime.timedelta(seconds=cfg.comm.timeout_s)
-    store, endpoint = None, None
+    from prism_launch.launch import store as stores
+
+    store, endpoint, prefix = None, None, ""
     if ph.nodes > 1:  # node 0 hosts the store every node's sandbox ranks rendezvous through
         host, port = ph.endpoint.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=ph.node_rank == 0, wait_for_workers=False, timeout=timeout)
+        store = stores.network_store(host, int(port), master=ph.node_rank == 0, timeout=timeout)
         endpoint = ph.endpoint
-    elif len(sandbox) + assistant > 1:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        endpoint = f"127.0.0.1:{store.port}"
+        prefix = stores.run_prefix(store, master=ph.node_rank == 0, manifest=ctx.trace.manifest, timeout=timeout)
+    elif len(sandbox) + assistant > 1:  # listening on loopback only
+        store = stores.loopback_store(timeout)
+        endpoint, prefix = f"127.0.0.1:{store.port}", stores.random_prefix()
+    if store is not None:
+        store = dist.PrefixStore(prefix, store)
     for old in summaries.glob("*.json") if summaries.exists() else ():
         old.unlink()
     schedule = None
@@ -164,6 +169,7 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
         atomic_write_text(schedule, json.dumps(predicted_schedule(cfg, reader, ctx.trace)))
     log_dir = ctx.log_dir(Mode.emulate)
     plan = emulate_plan(ctx, local, endpoint, schedule, payload)
+    plan = replace(plan, emulate=replace(plan.emulate, store_prefix=prefix, loopback=ph.nodes == 1))
     extra = [ctx.agent.assistant_spec(plan, log_dir)] if assistant and ph.node_rank == 0 else []
     t0 = time.monotonic()
     oom = None

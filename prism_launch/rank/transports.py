@@ -62,6 +62,8 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
     who = f"sandbox rank {e.sandbox[index]}" if index < len(e.sandbox) else "the assistant"
     host, port = e.store.rsplit(":", 1)
     timeout = datetime.timedelta(seconds=timeout_s)
+    if getattr(e, "loopback", False):  # getattr: stand-ins of the plan in tests name only what they set
+        gloo_on_loopback()
     try:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - c10d raises its own error types
@@ -69,6 +71,8 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
             f"{who}: could not reach the run's store at {e.store} (node 0's prism-launch hosts it; "
             f"physical.endpoint on several nodes) within {timeout_s:g} s: {_first_line(exc)}; start node 0, or "
             f"raise {LIMIT_KEY}=") from exc
+    if getattr(e, "store_prefix", ""):  # the run's keys, which one who reaches the store without the plan cannot name
+        store = dist.PrefixStore(e.store_prefix, store)
     store.set(_arrived_key(index), "1")
     try:
         group = _connected(dist, store, index, size, timeout)
@@ -90,6 +94,17 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
             f"the same physical.nodes and physical.endpoint and its physical.node_rank; or raise {LIMIT_KEY}= "
             f"({_first_line(exc)})") from exc
     return group, store
+
+
+def gloo_on_loopback() -> None:
+    """Every gloo group this process forms from here on (the physical group, the pruned rings)
+    listens on the loopback interface: a single-node run's members are all on this host, and
+    gloo otherwise listens on the interface the host name resolves to. A
+    ``GLOO_SOCKET_IFNAME`` the user set is kept."""
+    import os
+
+    if not os.environ.get("GLOO_SOCKET_IFNAME") and os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # read by ProcessGroupGloo's constructor
 
 
 CONNECT_ATTEMPTS = 3

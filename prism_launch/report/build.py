@@ -172,6 +172,24 @@ def compute_caveat(pred: dict) -> str:
             f"{pred['cluster']}'s {kind.get(target, target)}s: only communication is {pred['cluster']}'s")
 
 
+def prediction_lines(pred: dict) -> list[str]:
+    """The terminal's prediction summary, each figure with the span it covers: the iteration time
+    is one steady-state step, the critical path the whole replayed run (every step)."""
+    steps = len(pred.get("iteration_times_s") or [])
+    which = ("the median step after the first" if steps > 2 else f"the median of {steps} step(s)") if steps else "a step"
+    path = pred["critical_path"]
+    ranks = path["ranks"]
+    shown = f"{ranks[:8]}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return [
+        f"[bold]predicted on {pred['cluster']}[/bold] ({_compute_label(pred)} compute spans){compute_caveat(pred)}",
+        f"  iteration time {pred['iteration_time_s'] * 1e3:.2f} ms: one step of the whole job, from one step's end "
+        f"on the slowest rank to the next ({which})",
+        f"  critical path over the whole replayed run ({steps} steps, first included): "
+        f"{path['compute_s'] * 1e3:.1f} ms compute + {path['comm_s'] * 1e3:.1f} ms communication, "
+        f"through ranks {shown}",
+    ]
+
+
 def _divergence_kinds(r: dict) -> str:
     c = r.get("divergence_counts") or {}
     if not c:
@@ -222,12 +240,8 @@ def print_report(report: dict, path: Path) -> None:
                       f"divergences {_divergence_kinds(r)}, replayed waits {r['replay_wait_s'] or 0:.3f}s")
     pred = report.get("predicted")
     if pred:
-        console.print(
-            f"[bold]predicted on {pred['cluster']}[/bold] ({_compute_label(pred)} compute spans): "
-            f"iteration time {pred['iteration_time_s'] * 1e3:.2f} ms; critical path "
-            f"{pred['critical_path']['compute_s'] * 1e3:.1f} ms compute + {pred['critical_path']['comm_s'] * 1e3:.1f} ms "
-            f"communication over ranks {pred['critical_path']['ranks'][:8]}{compute_caveat(pred)}"
-        )
+        for line in prediction_lines(pred):
+            console.print(line)
         if pred["stragglers"]:
             s0 = pred["stragglers"][0]
             console.print(f"  top straggler: rank {s0['rank']} (made peers wait {s0['delay_caused_s'] * 1e3:.2f} ms)")
@@ -244,4 +258,4 @@ def print_report(report: dict, path: Path) -> None:
         streams = report["assistant"]["streams"].values()
         console.print(f"  assistant streamed {sum(s['messages'] for s in streams)} messages, "
                       f"{sum(s['bytes'] for s in streams) / 2**20:.1f} MiB of recorded virtual-rank data")
-    console.print(f"report: {path}")
+    console.print(f"report: {path} (beside it: timeline.json for ui.perfetto.dev, PNG plots)")
