@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 PLAN_VAR = "PRISM_PLAN"
-"""The one variable of the rank contract: the plan's JSON, or ``@PATH`` of a file holding it
-when it is too long for one environment string."""
+"""The one variable of the rank contract: the plan's JSON, or ``@PATH`` of a file (mode 0600)
+holding it when it is too long for one environment string or carries a secret (the capture's
+authkey, the store's key prefix): a program's environment is often recorded (experiment
+trackers log it) and handed to every process it starts."""
 
 _INLINE_LIMIT = 96 * 1024  # Linux caps one environment string at 128 KiB (MAX_ARG_STRLEN)
 
@@ -109,6 +111,12 @@ class EmulatePlan:
     """``emulate.window``: ops per sandbox rank the assistant may stream ahead."""
     store: str | None = None
     """``host:port`` of the TCPStore the physical processes rendezvous through (None: one process)."""
+    store_prefix: str = ""
+    """The run's secret prefix of every store key (:mod:`prism_launch.launch.store`): one who
+    reaches the store without it cannot name the run's keys."""
+    loopback: bool = False
+    """A single-node run: gloo listens on the loopback interface (unless ``GLOO_SOCKET_IFNAME``
+    is set)."""
     schedule_file: str | None = None
     """Predicted issue times of every captured rank's events (``timing=predicted``)."""
     summary_files: dict[int, str] = field(default_factory=dict)
@@ -176,20 +184,22 @@ class RankPlan:
         return Path(path) if path else None
 
     # -- the contract ---------------------------------------------------------------------
+    def secret(self) -> bool:
+        """Whether the plan carries a secret (kept out of the environment where it can be)."""
+        return bool((self.capture and self.capture.authkey) or (self.emulate and self.emulate.store_prefix))
+
     def to_env(self, spill_dir: Path | None = None) -> dict[str, str]:
-        """``{PLAN_VAR: ...}``; a plan too long for one environment string goes to
-        ``spill_dir/plan.json`` and the variable holds ``@path``."""
+        """``{PLAN_VAR: ...}``; a plan too long for one environment string, or one carrying a
+        secret when ``spill_dir`` is given, goes to ``spill_dir/plan.json`` (mode 0600) and the
+        variable holds ``@path``."""
         text = json.dumps(asdict(self), separators=(",", ":"))
-        if len(text) <= _INLINE_LIMIT:
+        if len(text) <= _INLINE_LIMIT and (spill_dir is None or not self.secret()):
             return {PLAN_VAR: text}
         if spill_dir is None:
             raise ValueError(f"the rank plan is {len(text)} bytes, too long for the environment, and no "
                              "directory was given to write it to")
-        from nccl_ext.core.atomic import atomic_write_text
-
         path = Path(spill_dir) / "plan.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, text)
+        write_private(path, text)
         return {PLAN_VAR: f"@{path}"}
 
     @classmethod
@@ -201,6 +211,15 @@ class RankPlan:
                                "script through prism-launch, or use torchrun for a plain run)")
         text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
         return _build(cls, json.loads(text))
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` into ``path`` readable by this user only (0600 from its creation: never a
+    moment readable by others), replacing it atomically."""
+    from nccl_ext.core.atomic import atomic_write
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write(path, text)  # 0600 from the temporary file's creation
 
 
 def _build(tp, value):

@@ -4,8 +4,11 @@ config, the program, the trace and report layouts, the launch agent) and nothing
 
 Before any rank starts, :func:`preflight` checks that every directory the run writes can be
 written and that the trace's file system has room; a capture holds the trace directory's lock
-and an emulation its report directory's (:class:`~prism_launch.trace.lock.DirLock`), so a
-second run on the same directory is refused naming the holder instead of colliding."""
+exclusive, an emulation or a calibration holds it shared (and the report's, or the calibrated
+trace's, exclusive) (:class:`~prism_launch.trace.lock.DirLock`), so a second writer on the same
+directory, or a capture under running ranks, is refused naming the holder instead of colliding.
+Under the trace's lock a run first puts back a trace a killed capture left set aside and
+removes the staging directories of captures that are gone (:func:`claim_trace`)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from prism_launch.errors import RunFailedError, TraceMismatchError
 from prism_launch.launch.progress import phase
 from prism_launch.modes.context import RunContext
 from prism_launch.trace import TraceMissingError
+from prism_launch.trace.durable import cleanup_stale_partials, recover_interrupted_swap
 from prism_launch.trace.lock import DirLock
 from prism_launch.trace.space import require_space, require_writable
 
@@ -45,12 +49,12 @@ def real(ctx: RunContext) -> Path:
 def auto(ctx: RunContext) -> Path:
     """Capture when no matching trace exists (or around sandbox ranks a folded capture left
     out), calibrate when asked (``calibrate.in_auto``) and not done yet, then emulate."""
-    from prism_launch.modes.calibrate import calibrate
     from prism_launch.modes.emulate import open_trace
 
     reader, why = None, None
     try:
-        reader = open_trace(ctx)
+        with claim_trace(ctx, write=False):  # a trace a stopped capture set aside is put back first
+            reader = open_trace(ctx)
     except (TraceMissingError, TraceMismatchError) as e:
         why = "no trace yet" if isinstance(e, TraceMissingError) else str(e)
     # capture outside the except clause: ranks forked inside it would chain every error of the
@@ -76,8 +80,8 @@ def auto(ctx: RunContext) -> Path:
         auto_capture(ctx)
         reader = open_trace(ctx)
     if calibrating:
-        calibrate(ctx, reader)
-    return locked_emulation(ctx, reader)
+        locked_calibration(ctx)
+    return locked_emulation(ctx)
 
 
 def auto_capture(ctx: RunContext) -> None:
@@ -91,21 +95,51 @@ def auto_capture(ctx: RunContext) -> None:
                              "and nothing was emulated; fix the error above and run again)") from None
 
 
+def claim_trace(ctx: RunContext, *, write: bool) -> DirLock:
+    """The trace's lock (``write``: exclusive, for a capture; else shared, for a run replaying
+    it), taken, after which what a killed capture left is put right: a trace it set aside
+    between its two renames is put back, and (``write``) its staging directories are removed."""
+    lock = DirLock(ctx.trace.root, setting="trace.dir", shared=not write).acquire()
+    try:
+        back = recover_interrupted_swap(ctx.trace.root)
+        if back is not None:
+            print(f"prism-launch: {ctx.trace.root} was missing (a capture was stopped while replacing it); "
+                  f"put back the previous trace from {back.name}", file=sys.stderr)
+        if write:
+            for gone in cleanup_stale_partials(ctx.trace.root.parent, name=ctx.trace.root.name):
+                print(f"prism-launch: removed {gone}, left by a capture that was stopped", file=sys.stderr)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 def locked_capture(ctx: RunContext) -> Path:
     from prism_launch.modes.capture import capture
 
-    with DirLock(ctx.trace.root, setting="trace.dir"):
+    with claim_trace(ctx, write=True):
         return capture(ctx)
 
 
-def locked_emulation(ctx: RunContext, reader) -> Path:
-    from prism_launch.modes.emulate import emulate
+def locked_emulation(ctx: RunContext) -> Path:
+    """Emulate holding the trace's lock shared (and the report's), the trace opened under it
+    (verification is remembered: opening it again costs little)."""
+    from prism_launch.modes.emulate import emulate, open_trace
 
     # node 0 writes the report; another physical node only its ranks' summaries (report/node<k>)
-    with DirLock(ctx.report.summaries(ctx.cfg.physical.node_rank).parent, setting="report.dir"), \
+    with claim_trace(ctx, write=False), \
+            DirLock(ctx.report.summaries(ctx.cfg.physical.node_rank).parent, setting="report.dir"), \
             phase(f"emulating sandbox ranks {list(ctx.cfg.sandbox.ranks)} of {ctx.topo.world_size}",
                   setting=ctx.cfg.launch.progress):
-        return emulate(ctx, reader)
+        return emulate(ctx, open_trace(ctx))
+
+
+def locked_calibration(ctx: RunContext) -> None:
+    from prism_launch.modes.calibrate import calibrate
+    from prism_launch.modes.emulate import open_trace
+
+    with claim_trace(ctx, write=False), DirLock(ctx.trace.calibrated.root, setting="trace.dir"):
+        calibrate(ctx, open_trace(ctx))
 
 
 def preflight(ctx: RunContext) -> None:
@@ -123,9 +157,6 @@ def preflight(ctx: RunContext) -> None:
 
 def run(cfg: PrismConfig, args: LaunchArgs) -> RunOutcome:
     """One prism-launch invocation of a resolved, validated config."""
-    from prism_launch.modes.calibrate import calibrate
-    from prism_launch.modes.emulate import open_trace
-
     ctx = RunContext.build(cfg, args)
     preflight(ctx)
     mode = cfg.mode
@@ -134,9 +165,8 @@ def run(cfg: PrismConfig, args: LaunchArgs) -> RunOutcome:
     if mode is Mode.capture:
         return RunOutcome(mode, ctx.trace.root, None, locked_capture(ctx))
     if mode is Mode.calibrate:
-        with DirLock(ctx.trace.calibrated.root, setting="trace.dir"):
-            calibrate(ctx, open_trace(ctx))
+        locked_calibration(ctx)
         return RunOutcome(mode, ctx.trace.root, None, ctx.trace.root)
     if mode is Mode.emulate:
-        return RunOutcome(mode, ctx.trace.root, ctx.report.root, locked_emulation(ctx, open_trace(ctx)))
+        return RunOutcome(mode, ctx.trace.root, ctx.report.root, locked_emulation(ctx))
     return RunOutcome(mode, ctx.trace.root, ctx.report.root, auto(ctx))

@@ -58,7 +58,7 @@ class RunContext:
     trace: TraceLayout
     report: ReportLayout
     log_root: Path | None
-    """``--log-dir``: every phase's logs under ``<log_root>/<run_id>-<mode>``."""
+    """``--log-dir``: every phase's logs in a new ``<log_root>/<run_id>-<mode>-<random>``."""
     agent: RankAgent
     local_rank_arg: bool = False
 
@@ -93,8 +93,13 @@ class RunContext:
         return replace(self, cfg=cfg, report=report or self.report)
 
     def log_dir(self, mode: Mode) -> Path:
+        """A new directory (mode 0700) for one phase's logs, like torchrun's
+        (``<log-dir>/<run_id>_<random>``): ``<log_root>/<run_id>-<mode>-<random>``, or one under
+        the temporary directory. Never one that exists: another user cannot plant it, and a run
+        never writes into an earlier run's logs."""
         if self.log_root is not None:
-            return self.log_root / f"{self.run_id}-{mode}"
+            self.log_root.mkdir(parents=True, exist_ok=True)
+            return Path(tempfile.mkdtemp(prefix=f"{self.run_id}-{mode}-", dir=self.log_root))
         return Path(tempfile.mkdtemp(prefix=f"prism-{mode}-"))
 
     def capture_command(self) -> str:

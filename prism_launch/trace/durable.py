@@ -1,25 +1,31 @@
 """Durable, atomic publishing of a directory: fsync of files and directories, the names of a
-writer's hidden sibling directories (``.<name>.partial-<pid>-<random>`` while staging,
-``.<name>.old-<pid>-<random>`` for a replaced directory set aside), the swap of a staged
-directory into place, and the removal of stale leftovers.
+writer's hidden sibling directories (``.<name>.partial-<pid>-<host><random>`` while staging,
+``.<name>.old-<pid>-<host><random>`` for a replaced directory set aside; ``<host>`` is 8 hex
+digits of the writer's host name, so a later run can tell whether the writer is gone), the
+swap of a staged directory into place, and the recovery of what a killed writer left.
 
 The swap uses Linux ``renameat2(RENAME_EXCHANGE)`` where the file system can do it, so the
 final path holds the old directory or the new one at every moment; elsewhere it falls back
-to renaming the old one aside and the new one in, putting the old one back if that fails.
+to renaming the old one aside and the new one in, putting the old one back if that fails. A
+writer killed between those two renames leaves no directory at the final path and the old
+one set aside: :func:`recover_interrupted_swap` puts it back.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import math
 import os
 import re
 import secrets
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -30,9 +36,12 @@ __all__ = [
     "is_staging_name",
     "swap_into_place",
     "cleanup_stale_partials",
+    "recover_interrupted_swap",
+    "StagingOwner",
 ]
 
-_STAGING_RE = re.compile(r"^\..+\.(?:partial|old)-\d+-[0-9a-f]+$")
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<tag>partial|old)-(?P<pid>\d+)-(?P<tail>[0-9a-f]+)$")
+_HOST_TAG_LEN = 8
 
 
 def fsync_file(path: Path) -> None:
@@ -67,8 +76,50 @@ def write_bytes_durable(path: Path, data: bytes) -> None:
 # --------------------------------------------------------------------------- names
 
 
+def host_tag(host: str | None = None) -> str:
+    """8 hex digits naming a host in a staging directory's name."""
+    return hashlib.sha256((host or socket.gethostname()).encode()).hexdigest()[:_HOST_TAG_LEN]
+
+
 def _sibling(final: Path, tag: str) -> Path:
-    return final.parent / f".{final.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+    return final.parent / f".{final.name}.{tag}-{os.getpid()}-{host_tag()}{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True, slots=True)
+class StagingOwner:
+    """Who made a staging or set-aside directory, read from its name."""
+
+    name: str
+    """The final directory's name it belongs to."""
+    tag: str
+    """``partial`` or ``old``."""
+    pid: int
+    host: str | None
+    """The writer's host tag (None: a name from before host tags, host unknown)."""
+
+    @classmethod
+    def parse(cls, name: str) -> StagingOwner | None:
+        m = _STAGING_RE.match(name)
+        if m is None:
+            return None
+        tail = m["tail"]
+        host = tail[:_HOST_TAG_LEN] if len(tail) == _HOST_TAG_LEN + 8 else None
+        return cls(name=m["name"], tag=m["tag"], pid=int(m["pid"]), host=host)
+
+    def dead(self) -> bool | None:
+        """True when the writer was on this host and is gone, False when it still runs here,
+        None when it wrote from another host (or one unknown) and this host cannot tell."""
+        if self.host is None or self.host != host_tag():
+            return None
+        if self.pid == os.getpid():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
 
 
 def staging_path(final: Path) -> Path:
@@ -154,30 +205,70 @@ def swap_into_place(staging: Path, final: Path, recheck: Callable[[], None]) -> 
 # --------------------------------------------------------------------------- maintenance
 
 
-def cleanup_stale_partials(parent: str | Path, older_than_s: float = 3600) -> list[Path]:
-    """Remove writer leftovers (``.<name>.partial-*`` / ``.<name>.old-*``) in ``parent``.
-
-    Only directories last modified more than ``older_than_s`` seconds ago are
-    removed, so a writer committing right now is left alone.  Returns the paths
-    removed.
-    """
-    parent = Path(parent)
-    removed: list[Path] = []
+def _leftovers(parent: Path, name: str | None, tag: str | None = None) -> list[tuple[os.DirEntry, StagingOwner]]:
     try:
         entries = list(os.scandir(parent))
     except (FileNotFoundError, NotADirectoryError):
-        return removed
-    now = time.time()
+        return []
+    out = []
     for entry in entries:
-        if not is_staging_name(entry.name):
+        owner = StagingOwner.parse(entry.name)
+        if owner is None or (name is not None and owner.name != name) or (tag is not None and owner.tag != tag):
             continue
         try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            age = now - entry.stat(follow_symlinks=False).st_mtime
+            if entry.is_dir(follow_symlinks=False):
+                out.append((entry, owner))
         except FileNotFoundError:
             continue
-        if math.isnan(age) or age < older_than_s:
+    return out
+
+
+def _gone(entry: os.DirEntry, owner: StagingOwner, now: float, older_than_s: float) -> bool:
+    """Whether ``entry``'s writer is gone: dead on this host, or (another host's, which this
+    host cannot ask) untouched for ``older_than_s``."""
+    dead = owner.dead()
+    if dead is not None:
+        return dead
+    try:
+        age = now - entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return False
+    return not math.isnan(age) and age >= older_than_s
+
+
+def recover_interrupted_swap(final: str | Path) -> Path | None:
+    """Put back the directory a writer set aside when it was killed between the two renames of
+    :func:`swap_into_place`'s fallback (``final`` missing, ``.<name>.old-*`` beside it, its
+    writer gone). Call it holding the directory's lock (:class:`~prism_launch.trace.lock.DirLock`),
+    so no live writer is mid-swap. Returns the directory put back, or None."""
+    final = Path(os.path.abspath(final))
+    if os.path.lexists(final):
+        return None
+    aside = [(e, o) for e, o in _leftovers(final.parent, final.name, "old") if o.dead() is not False]
+    if not aside:
+        return None
+    newest = max(aside, key=lambda eo: eo[0].stat(follow_symlinks=False).st_mtime)[0]
+    try:
+        os.rename(newest.path, final)
+    except FileNotFoundError:  # another run put it back first
+        return None
+    fsync_dir(final.parent)
+    return Path(newest.path)
+
+
+def cleanup_stale_partials(parent: str | Path, older_than_s: float = 3600, *, name: str | None = None) -> list[Path]:
+    """Remove writer leftovers (``.<name>.partial-*`` / ``.<name>.old-*``) in ``parent`` (only
+    those of the directory ``name`` when given) whose writer is gone: a writer on this host
+    that no longer runs, or one on another host (or of a name without a host) last modified
+    more than ``older_than_s`` seconds ago. A set-aside ``.old-*`` whose final directory is
+    missing is kept for :func:`recover_interrupted_swap`. Returns the paths removed."""
+    parent = Path(parent)
+    removed: list[Path] = []
+    now = time.time()
+    for entry, owner in _leftovers(parent, name):
+        if owner.tag == "old" and not os.path.lexists(parent / owner.name):
+            continue  # the only copy of that directory: recovered, not removed
+        if not _gone(entry, owner, now, older_than_s):
             continue
         path = Path(entry.path)
         shutil.rmtree(path, ignore_errors=True)
