@@ -28,8 +28,12 @@ compiler and the C++ ABI, so an edited ``.cpp`` (or another torch) rebuilds;
 ranks starting together compile once (a file lock). The cache root is
 ``$XDG_CACHE_HOME/prism_launch`` (else ``~/.cache/prism_launch``), or what
 :func:`configure_cpu_hook` names, with a per-user temporary directory as the
-fallback when it is not writable. The compiler is ``$CXX`` when set, else the
-first of ``c++``, ``g++``, ``clang++`` on ``PATH``.
+fallback when it is not writable. Every level of the cache from its root down must be
+a folder only this user can write (:mod:`prism_launch.config.private_dirs`: created ``0700``,
+refused when another user owns it or could write to it), and a cached library is loaded
+only when its sha256 matches the digest written beside it at build time (else it is
+rebuilt), since whoever can write the cache decides what every rank runs. The compiler
+is ``$CXX`` when set, else the first of ``c++``, ``g++``, ``clang++`` on ``PATH``.
 
 The hook is built and installed on first use (:func:`load_hook`), at most once
 per process; a failure is kept and reported (:func:`hook_error`,
@@ -49,6 +53,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from prism_launch.config.private_dirs import UnsafePathError, check_private, ensure_private_dir, open_private_file
 
 __all__ = ["CpuHook", "configure_cpu_hook", "cpu_hook_status", "hook_error", "load_hook"]
 
@@ -115,25 +121,60 @@ def _build() -> Path:
         "\0".join((source_hash, torch.__version__, str(torch_dir), cxx, str(abi))).encode()
     ).hexdigest()[:16]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
-    for root in (_cache_root(), Path(tempfile.gettempdir()) / f"prism_launch-{os.getuid()}"):
+    for root in _cache_roots():
         try:
-            d = root / "cpu_alloc_hook"
-            d.mkdir(parents=True, exist_ok=True)
-            target = d / f"prism_cpu_alloc_{key}{suffix}"
-            if target.is_file():
-                return target
-            return _compile_locked(cxx, target, include, libdir, abi)
+            d = ensure_private_dir(root, "cpu_alloc_hook", hint=_CACHE_HINT)
+        except UnsafePathError:
+            raise  # a folder someone else controls is reported, never silently passed over
         except OSError:
             continue
+        target = d / f"prism_cpu_alloc_{key}{suffix}"
+        if _intact(target):
+            return target
+        return _compile_locked(cxx, target, include, libdir, abi)
     raise RuntimeError("no writable cache directory for the CPU allocator hook")
+
+
+_CACHE_HINT = ("Remove it if it is yours and let prism-launch recreate it, or point memory.cache_dir at a folder "
+               "only you can write.")
+
+
+def _cache_roots() -> list[Path]:
+    """The configured (or user) cache root, then a per-user folder under the temporary directory."""
+    return [_cache_root(), Path(tempfile.gettempdir()) / f"prism_launch-{os.getuid()}"]
+
+
+def _digest_file(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` is a library this user built: a private regular file whose sha256 is
+    the one written beside it at build time. Anything else is rebuilt (under the lock)."""
+    try:
+        check_private(target, directory=False, hint=_CACHE_HINT)
+        check_private(_digest_file(target), directory=False, hint=_CACHE_HINT)
+        recorded = _digest_file(target).read_text().strip()
+    except FileNotFoundError:
+        return False
+    return recorded == _sha256(target)
 
 
 def _compile_locked(cxx: str, target: Path, include: Path, libdir: Path, abi: int) -> Path:
     import fcntl
 
-    with open(target.with_name(target.name + ".lock"), "w") as lock:
+    fd = open_private_file(target.with_name(target.name + ".lock"), os.O_WRONLY, hint=_CACHE_HINT)
+    with os.fdopen(fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together compile once
-        if target.is_file():
+        if _intact(target):
             return target
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         cmd = [
@@ -148,7 +189,14 @@ def _compile_locked(cxx: str, target: Path, include: Path, libdir: Path, abi: in
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"compiling the CPU allocator hook failed:\n{proc.stderr[-2000:]}")
+        os.chmod(tmp, 0o700)
+        digest = _sha256(tmp) + "\n"
+        # the library first, then its digest: a reader between the two sees a mismatch and
+        # waits here for the lock, never a digest that vouches for a library not yet in place
         os.replace(tmp, target)
+        from nccl_ext.core.atomic import atomic_write
+
+        atomic_write(_digest_file(target), digest)
         return target
 
 
