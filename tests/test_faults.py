@@ -95,12 +95,13 @@ def trace(tmp_path_factory):
 # -- the launcher signalled -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_to_launcher_during_capture(tmp, sig, code):
-    pids = tmp / "pids"
+    pids, temp = tmp / "pids", tmp / "temp"
     pids.mkdir()
+    temp.mkdir()  # the launcher's temporary directory: where its coordinator's socket lives
     proc = start_prism([*BASE, "mode=capture", f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp,
-                       env={"HANG_RANK": "1", "PID_DIR": str(pids)})
+                       env={"HANG_RANK": "1", "PID_DIR": str(pids), "TMPDIR": str(temp)})
     wait_for_ranks(proc, pids, [0, 1])
     kids = descendants(proc.pid)
     assert len(kids) >= 2
@@ -113,7 +114,33 @@ def test_signal_to_launcher_during_capture(tmp, sig, code):
     assert "Traceback" not in err
     assert not [p for p in kids if alive(p)]
     assert_no_trace(tmp / "tr")
-    assert not list(Path("/tmp").glob(f"prism-coord-*/coord.sock")) or True  # other runs may hold theirs
+    assert list(temp.glob("prism-coord-*")) == []  # the coordinator's socket and its folder are gone
+
+
+def test_a_second_signal_does_not_cut_the_teardown_short(tmp):
+    """SIGHUP, then SIGTERM and SIGHUP again while the launcher stops its ranks: it still exits
+    129 (the first signal's code) after stopping every rank, and leaves no trace, half-written
+    or not."""
+    pids = tmp / "pids"
+    pids.mkdir()
+    proc = start_prism([*BASE, "mode=capture", f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp,
+                       env={"HANG_RANK": "1", "PID_DIR": str(pids)})
+    wait_for_ranks(proc, pids, [0, 1])
+    kids = descendants(proc.pid)
+    proc.send_signal(signal.SIGHUP)
+    # repeats while ranks are stopped and while the launcher exits (it lasts a few tenths of a second)
+    for after_s, again in ((0.02, signal.SIGTERM), (0.2, signal.SIGHUP), (0.2, signal.SIGTERM)):
+        time.sleep(after_s)
+        if proc.poll() is None:
+            proc.send_signal(again)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 129, err[-3000:]
+    assert "interrupted (received SIGHUP)" in err and "all ranks stopped" in err
+    assert "Traceback" not in err
+    assert not [p for p in kids if alive(p)]
+    assert_no_trace(tmp / "tr")
+    leftovers = list((tmp / "tr").rglob("*")) if (tmp / "tr").exists() else []
+    assert leftovers == []
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -223,6 +250,28 @@ def test_two_emulations_of_one_trace_at_once(trace, tmp):
     assert "started 20" in second.stderr and "report.dir=" in second.stderr
     assert beside.returncode == 0, beside.stderr[-3000:]
     assert (tmp / "r2" / "report.json").exists()
+    assert first.returncode == 143, err[-3000:]
+
+
+def test_a_second_capture_on_a_trace_is_told_who_holds_it(tmp):
+    """While a capture writes a trace, a second capture on the same trace.dir is refused at once,
+    naming the first (its pid and host) and the setting to change; the first is undisturbed."""
+    pids = tmp / "pids"
+    pids.mkdir()
+    first = start_prism([*BASE, "mode=capture", f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp,
+                        env={"HANG_RANK": "1", "PID_DIR": str(pids)})
+    try:
+        wait_for_ranks(first, pids, [0, 1])
+        t0 = time.monotonic()
+        second = run_prism([*BASE, "mode=capture", f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp, timeout=60)
+        assert second.returncode == 1, second.stderr[-3000:]
+        assert time.monotonic() - t0 < 30
+        assert str(tmp / "tr") in second.stderr and f"pid {first.pid} on host " in second.stderr
+        assert "trace.dir=" in second.stderr and "Traceback" not in second.stderr
+        assert first.poll() is None  # the holder runs on
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=30)
     assert first.returncode == 143, err[-3000:]
 
 

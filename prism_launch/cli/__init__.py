@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - every error becomes one message and an exit code
         if isinstance(e, SystemExit):
             raise
+        if isinstance(e, KeyboardInterrupt):
+            # stopped by a signal: a repeat stays ignored until the process has exited (restored,
+            # the default action would kill the exiting launcher and lose its exit code, 129 / 143)
+            previous = dict.fromkeys(_SIGNALS, signal.SIG_IGN)
         return _report(e, cfg)
     finally:
         for s, h in previous.items():
