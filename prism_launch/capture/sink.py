@@ -7,6 +7,12 @@ The tensors waiting are bounded (:data:`PENDING_BYTES`): past it :meth:`Backgrou
 waits for the writer, so the launcher's memory stays bounded however fast ranks produce. A
 failure of the writer (a full disk: :class:`~prism_launch.trace.errors.TraceSpaceError`) is
 raised on the coordinator's thread by the next record, or by :meth:`BackgroundSink.close`.
+
+Both of the coordinator's waits for the writer — for room, and for the last tensors at close —
+end when the writer has taken nothing for ``stall_s`` (the run's ``comm.timeout_s``): the
+coordinator's thread is the one that answers every rank and watches their exits, so a writer
+stalled for good (storage that stopped answering) must not hold it for good. The wait then
+raises :class:`WriterStalledError` naming the tensor the writer is on.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from prism_launch.capture.ops_state import CaptureDeadlineError
 from prism_launch.trace.spill import content_address, storable
 
 PENDING_BYTES = 256 << 20
@@ -30,6 +37,14 @@ the writer's costliest pass: in parallel, ahead of the writer, which stores them
 
 ALONE_BYTES = 1 << 20
 """A tensor of at least this size is addressed on its own (in parallel with its neighbours)."""
+
+STALL_S = 300.0
+"""How long the writer may take nothing before a wait for it fails, where the capture passes no
+``stall_s`` (``comm.timeout_s``'s default)."""
+
+
+class WriterStalledError(CaptureDeadlineError):
+    """The trace writer took nothing for ``stall_s`` while the coordinator waited for it."""
 
 
 def _addressed(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, str]]:
@@ -75,9 +90,14 @@ class BackgroundSink:
     coordinator's thread does not pay per piece (each hand-over lets the other threads take the
     interpreter, and a 1,024-piece result would wait for them 1,024 times)."""
 
-    def __init__(self, writer, pending_bytes: int = PENDING_BYTES):
+    def __init__(self, writer, pending_bytes: int = PENDING_BYTES, stall_s: float = STALL_S):
         self.writer = writer
         self.pending_bytes_max = int(pending_bytes)
+        self.stall_s = float(stall_s)
+        self._progress_at = time.monotonic()
+        """When the writer last took or finished a hand-over (a wait for it counts from there)."""
+        self._on: tuple[int, str, int] | None = None
+        """(rank, first key, keys) of the hand-over the writer is on."""
         self._queue: deque[tuple] = deque()
         self._cond = threading.Condition()
         self._pending = 0
@@ -109,7 +129,8 @@ class BackgroundSink:
                 self._thread.start()
             t0 = time.perf_counter()
             while self._pending and self._pending + nbytes > self.pending_bytes_max and self._error is None:
-                self._cond.wait(0.5)
+                self._check_stall("room for rank %d's %d tensor(s) (%s ...)" % (rank, len(keys), keys[0]))
+                self._cond.wait(min(0.5, self.stall_s))
             self.waited_s += time.perf_counter() - t0
             self._raise_error()
             futures = [self._addressing.submit(_addressed, chunk) for chunk in _chunks(list(tensors))]
@@ -121,6 +142,20 @@ class BackgroundSink:
         if self._error is not None:
             raise self._error
 
+    def _check_stall(self, waiting_for: str) -> None:
+        """Raise :class:`WriterStalledError` where the writer took nothing for ``stall_s`` (the
+        caller holds ``_cond``)."""
+        idle = time.monotonic() - self._progress_at
+        if idle <= self.stall_s:
+            return
+        on = "nothing (its thread ended)" if self._on is None else (
+            f"rank {self._on[0]}'s tensor {self._on[1]!r}" + (f" and {self._on[2] - 1} more" if self._on[2] > 1 else ""))
+        raise WriterStalledError(
+            f"deadline exceeded: the capture's coordinator waited {idle:.0f} s for {waiting_for} while the trace "
+            f"writer took nothing: it is on {on}, with {self._pending / 2**20:.1f} MiB handed over and not "
+            f"written. The trace directory's storage stopped answering, or is that slow: check it (or put "
+            f"trace.dir elsewhere), or raise comm.timeout_s= (now {self.stall_s:g})")
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -129,6 +164,7 @@ class BackgroundSink:
                 if not self._queue or self._discard:
                     return
                 rank, keys, nbytes, futures = self._queue.popleft()  # its bytes stay pending until written
+                self._on, self._progress_at = (rank, keys[0], len(keys)), time.monotonic()
             t0 = time.perf_counter()
             try:
                 addressed = [entry for f in futures for entry in f.result()]
@@ -144,22 +180,38 @@ class BackgroundSink:
             self.busy_s += time.perf_counter() - t0
             with self._cond:
                 self._pending = max(0, self._pending - nbytes)
+                self._on, self._progress_at = None, time.monotonic()
                 self._cond.notify_all()
 
     def close(self, discard: bool = False) -> None:
         """Wait until the writer has every tensor (``discard``: drop those still waiting, the
-        capture failed), end the worker; raises the writer's failure, if any (not when discarding)."""
+        capture failed), end the worker; raises the writer's failure, if any (not when
+        discarding), or :class:`WriterStalledError` where the writer took nothing for
+        ``stall_s`` (when discarding too: the worker, a daemon, is then left to its write)."""
         with self._cond:
             self._closing = True
             self._discard = discard
             if discard:
                 self._queue.clear()
                 self._pending = 0
+            self._progress_at = max(self._progress_at, time.monotonic()) if self._on is None else self._progress_at
             self._cond.notify_all()
+        stalled = None
         if self._thread is not None:
-            self._thread.join()
-        if self._addressing is not None:
-            self._addressing.shutdown(wait=True, cancel_futures=True)
+            while self._thread.is_alive():
+                self._thread.join(min(0.5, self.stall_s))
+                with self._cond:
+                    try:
+                        if self._thread.is_alive():
+                            self._check_stall("the last tensors to be written" if not discard else
+                                              "the writer to end (the capture failed)")
+                    except WriterStalledError as e:
+                        stalled = e
+                        break
+        if self._addressing is not None:  # its hashes are in memory: they end (and were taken, unless stalled)
+            self._addressing.shutdown(wait=stalled is None, cancel_futures=True)
+        if stalled is not None:
+            raise stalled
         if not discard:
             self._raise_error()
 

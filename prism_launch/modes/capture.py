@@ -233,7 +233,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     from prism_launch.capture.sink import BackgroundSink
 
     ws = ctx.topo.world_size
-    sink = BackgroundSink(writer)
+    sink = BackgroundSink(writer, stall_s=ctx.cfg.comm.timeout_s)
     sock_dir = Path(claim_directory(tempfile.gettempdir(), prefix=COORDINATOR_DIR_PREFIX))
     authkey = os.urandom(16)
     exchange = exchange_dir(sock_dir, len(ranks)) if payload != "none" and ctx.cfg.capture.exchange else None

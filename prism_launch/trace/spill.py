@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .errors import TraceSpaceError
+from .errors import TraceError, TraceSpaceError
 from .layout import TENSOR_INDEX_NAME, TraceLayout, tensor_blob_name
 from .space import free_bytes, is_no_space, needed_bytes
 from .tensors import DTYPE_NAMES
@@ -139,24 +139,19 @@ class TensorSpill:
         of the tensors is made, so a flush needs no memory beyond what waits."""
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        h = hashlib.sha256()
         # the file's hash on a thread of its own, beside the writes (both release the interpreter)
-        hashing = threading.Thread(target=lambda: [h.update(p) for p in parts], name="prism-spill-sum", daemon=True)
-        hashing.start()
+        hashing = _Hashing(rel, parts)
         try:
             with open(path, "wb") as f:
                 for part in parts:
                     f.write(part)
-        except OSError as e:
-            hashing.join()
-            if is_no_space(e):
-                size = sum(len(memoryview(p).cast("B")) for p in parts)
-                raise TraceSpaceError(self.space_path, needed_bytes(size + self.pending_bytes),
+        except BaseException as e:
+            hashing.join(raise_late=False)
+            if isinstance(e, OSError) and is_no_space(e):
+                raise TraceSpaceError(self.space_path, needed_bytes(hashing.nbytes + self.pending_bytes),
                                       free_bytes(self.space_path), during=True) from None
             raise
-        finally:
-            hashing.join()
-        self.sums[rel] = h.hexdigest()
+        self.sums[rel] = hashing.join()
 
     def close(self) -> list[str]:
         """Write what is waiting and the index; returns the files written (relative paths)."""
@@ -181,6 +176,55 @@ class TensorSpill:
         self._pending = {}
         self.pending_bytes = 0
         self._closed = True
+
+
+HASH_BYTES_PER_S = 20 << 20
+"""The slowest a spill file's sha256 is allowed to run (it runs at several hundred MiB/s on one
+core): with :data:`HASH_FLOOR_S`, what bounds the wait for it."""
+
+HASH_FLOOR_S = 60.0
+
+
+class SpillHashError(TraceError):
+    """A spill file's sha256 failed, or did not finish within its bound."""
+
+
+class _Hashing:
+    """The sha256 of a spill file's parts, taken on a thread of its own while they are written;
+    :meth:`join` waits for it at most ``HASH_FLOOR_S`` plus a second per ``HASH_BYTES_PER_S``.
+    It reads memory only, so a longer wait is a launcher starved of CPU (or stopped), which is
+    said rather than waited out."""
+
+    def __init__(self, rel: str, parts: list):
+        self.rel, self.parts = rel, parts
+        self.nbytes = sum(memoryview(p).nbytes for p in parts)
+        self.error: BaseException | None = None
+        self._h = hashlib.sha256()
+        self._thread = threading.Thread(target=self._run, name="prism-spill-sum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for part in self.parts:
+                self._h.update(part)
+        except BaseException as e:  # noqa: BLE001 - raised by join()
+            self.error = e
+
+    def bound_s(self) -> float:
+        return HASH_FLOOR_S + self.nbytes / HASH_BYTES_PER_S
+
+    def join(self, raise_late: bool = True) -> str:
+        """The hex digest, once the thread ended (``raise_late=False``: wait as long, return
+        whatever there is; the caller is raising its own error)."""
+        bound = self.bound_s()
+        self._thread.join(bound)
+        if raise_late and self._thread.is_alive():
+            raise SpillHashError(
+                f"the sha256 of spill file {self.rel} ({self.nbytes / 2**20:.1f} MiB, read from memory) did not "
+                f"finish within {bound:.1f} s: the launcher is starved of CPU or stopped; give it a core of its own")
+        if raise_late and self.error is not None:
+            raise SpillHashError(f"taking the sha256 of spill file {self.rel} failed: {self.error}") from self.error
+        return self._h.hexdigest()
 
 
 def safetensors_parts(tensors: dict[str, torch.Tensor]) -> list:
