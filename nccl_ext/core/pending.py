@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nccl_ext.core.errors import CommDeadlineError
+from nccl_ext.core.ranklist import short_ranks  # noqa: F401 - its callers import it from here too
 
 
 LIMIT_KEY = "comm.timeout_s"
@@ -21,12 +22,6 @@ def timeout_seconds(timeout) -> float | None:
         return None
     s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
     return s if s > 0 else None
-
-
-def short_ranks(ranks) -> str:
-    """A rank list as messages print it (first ranks and the last of a long list)."""
-    ranks = list(ranks)
-    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"
 
 
 class Pending:

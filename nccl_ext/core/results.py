@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from nccl_ext.core.errors import CommError
+
 
 def same(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """``src`` already is ``dst``'s memory (a result written in place)."""
@@ -23,7 +25,7 @@ def raw(dst: torch.Tensor) -> torch.Tensor:
 
 def no_grad_copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.numel() != src.numel():
-        raise RuntimeError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
+        raise CommError(f"{what}: result has {src.numel()} elements, output tensor has {dst.numel()}")
     if same(dst, src):
         return
     with torch.no_grad():
@@ -48,7 +50,7 @@ def copy_pieces(dst: torch.Tensor, pieces, what: str) -> None:
     """Write ``pieces`` back to back into ``dst`` without a temporary concatenation on its device."""
     total = sum(p.numel() for p in pieces)
     if dst.numel() != total:
-        raise RuntimeError(f"{what}: result has {total} elements, output tensor has {dst.numel()}")
+        raise CommError(f"{what}: result has {total} elements, output tensor has {dst.numel()}")
     dst = raw(dst)
     flat = dst.view(-1) if dst.is_contiguous() else None
     with torch.no_grad():

@@ -18,7 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError, Pending
+from nccl_ext.core.errors import CommDeadlineError, PeerClosedError, first_line
+from nccl_ext.core.pending import LIMIT_KEY, Pending
+
+CLOCK_SLACK_S = 0.25
+"""A backend's wait given what remained of an op's deadline that fails this close to it
+(or past it) ran out of time: its clock and ours differ by a moment."""
 
 GRACE_S = 2.0
 """How long a thread of an op still outstanding at ``stop`` (one the program never waited
@@ -114,16 +119,17 @@ def wait_works(works: list, pending: Pending) -> None:
     works.clear()
     if error is None:
         return
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = first_line(error)
     of = pending.waiting_for or "the exchange with the other sandbox ranks"
     # gloo waited for what remained of the deadline: its timeout is the deadline's, though its
-    # clock may end it a moment before ours
-    if time.monotonic() >= pending.deadline or "timed out" in text.lower():
+    # clock may end it a moment before ours (gloo's timeout has no error type of its own: the
+    # clock tells it from a closed connection)
+    if time.monotonic() >= pending.deadline - CLOCK_SLACK_S:
         raise CommDeadlineError(
             f"deadline exceeded: {pending.what}: waiting {time.monotonic() - t0:.1f} s for {of} failed: {text} "
             f"({LIMIT_KEY}={pending.timeout_s:g}; raise it with {LIMIT_KEY}= if the peer is only slow)") from error
-    raise RuntimeError(f"{pending.what}: waiting for {of} failed after {time.monotonic() - t0:.1f} s: {text} (the "
-                       "peer's process ended or closed its connection: see its log)") from error
+    raise PeerClosedError(f"{pending.what}: waiting for {of} failed after {time.monotonic() - t0:.1f} s: {text} (the "
+                          "peer's process ended or closed its connection: see its log)") from error
 
 
 __all__ = ["HelperThreads", "wait_works"]

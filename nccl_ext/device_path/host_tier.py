@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from nccl_ext.core.errors import CommError
 from nccl_ext.device_path.checks import CHUNK_WORDS, as_words, word_sum
 from nccl_ext.device_path.plan import Plan, aligned
 from nccl_ext.device_path.stats import PrefetchMode
@@ -132,10 +133,10 @@ class HostTier:
         with self._cond:
             while plan.refs is None:
                 if self._error is not None or self._closed:
-                    raise RuntimeError(f"rank {self.rank}: loading op #{plan.idx} into the host tier failed: "
+                    raise CommError(f"rank {self.rank}: loading op #{plan.idx} into the host tier failed: "
                                        f"{self._error}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {self.rank}: op #{plan.idx} was not loaded into the host tier within "
+                    raise CommError(f"rank {self.rank}: op #{plan.idx} was not loaded into the host tier within "
                                        f"{self.timeout_s:.0f} s (reading the trace stalled?); raise comm.timeout_s "
                                        "if the trace's storage is that slow")
                 self._cond.wait(0.05)

@@ -13,6 +13,7 @@ from collections import deque
 import torch
 
 from nccl_ext.core import wire
+from nccl_ext.core.errors import CommError
 from nccl_ext.device_path import pool
 from nccl_ext.device_path.checks import SLOT_BYTES, DeviceChecks, chunked_word_sum
 from nccl_ext.device_path.host_tier import HostTier
@@ -176,10 +177,10 @@ class DevicePath(Stager, HostTier):
         with self._cond:
             while self._planned is None:
                 if self._error is not None:
-                    raise RuntimeError(f"rank {self.rank}: planning the prefetch failed: {self._error}") \
+                    raise CommError(f"rank {self.rank}: planning the prefetch failed: {self._error}") \
                         from self._error
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {self.rank}: planning the prefetch (reading the trace's events) took "
+                    raise CommError(f"rank {self.rank}: planning the prefetch (reading the trace's events) took "
                                        f"over {self.timeout_s:g} s; raise comm.timeout_s if its storage is that slow")
                 self._cond.wait(0.05)
             return self._planned

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nccl_ext.core import wire
+from nccl_ext.core.errors import DivergenceError
 from nccl_ext.device_path.compensation import needed_pieces
 from nccl_ext.core.ops import Collective, contributors
 
@@ -177,7 +178,7 @@ def plan_op(rec, rank: int, sandbox: tuple[int, ...], check: bool, op, gid: int,
             continue  # nothing of this member (e.g. a broadcast's non-root)
         mop = rec.collective(r, gid, seq)
         if mop is None:
-            raise RuntimeError(f"rank {rank}: no recorded op of virtual member rank {r} "
+            raise DivergenceError(f"rank {rank}: no recorded op of virtual member rank {r} "
                                f"(group {gid} seq {seq}); the trace is incomplete")
         want = needed_pieces(kind, n, me, op.root, m, mop.n_tensors)  # the member's own count
         pieces = items(r, mop)

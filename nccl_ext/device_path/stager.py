@@ -20,6 +20,7 @@ import time
 import torch
 
 from nccl_ext.core import wire
+from nccl_ext.core.errors import CommError, DivergenceError
 from nccl_ext.device_path.host_tier import chunks
 from nccl_ext.device_path.plan import Plan, StagedOp
 from nccl_ext.device_path.pool import strides
@@ -164,7 +165,7 @@ class Stager:
             with self._cond:
                 spans = self._space.alloc(plan)
             if spans is None:
-                raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
+                raise CommError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
         span = spans[0]
         base = span[0] if span is not None else 0
         tiered = self._tier is not None and plan.tier_at >= 0 and on_side
@@ -228,7 +229,7 @@ class Stager:
             while self._plans and self._plans[0].idx < idx:
                 self._plans.popleft()
             if not self._plans or self._plans[0].idx != idx:
-                raise RuntimeError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
+                raise DivergenceError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
             self.stats.stalls += 1
             staged = self._stage(self._plans.popleft(), on_side=False)
         else:
@@ -259,7 +260,7 @@ class Stager:
                 spans = self._space.alloc(plan)
             if spans is None:
                 if due:
-                    raise RuntimeError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
+                    raise CommError(f"rank {self.rank}: prefetch pool full staging op #{plan.idx}")
                 break
             if due and plan.refs is None:
                 t0 = time.monotonic()
@@ -292,18 +293,18 @@ class Stager:
                 if self._ready:
                     break
                 if self._error is not None:
-                    raise RuntimeError(f"{what}: prefetch failed: {self._error}") from self._error
+                    raise CommError(f"{what}: prefetch failed: {self._error}") from self._error
                 if self._inline or not self._plans and (self._thread is None or not self._thread.is_alive()):
                     break  # nothing more will be staged for this op
                 if time.monotonic() - t0 > self.timeout_s:
-                    raise RuntimeError(f"{what}: the prefetcher did not stage this op within {self.timeout_s:.0f} s")
+                    raise CommError(f"{what}: the prefetcher did not stage this op within {self.timeout_s:.0f} s")
                 waited = True
                 self._cond.wait(0.05)
             staged = self._ready.popleft() if self._ready and self._ready[0].idx == idx else None
             if not self._ready:
                 self._cond.notify_all()  # the stager may be holding off until the pool drains
         if staged is None:
-            raise RuntimeError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
+            raise DivergenceError(f"{what}: not in the trace's order of this rank's ops; the program diverged")
         if waited:
             self.stats.stalls += 1
             self.stats.stall_s += 0.0 if late else time.monotonic() - t0

@@ -43,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 from nccl_ext.core.ops import ReduceKind, fold
-from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError
+from nccl_ext.core.errors import CommDeadlineError, PeerClosedError, first_line
+from nccl_ext.core.pending import LIMIT_KEY
+from nccl_ext.core.ranklist import short_ranks
 
 _CHUNK_BYTES = 1 << 20
 
@@ -248,7 +250,7 @@ class _Links:
     def _position(self, pos: int) -> str:
         node = self.ring.nodes[pos]
         who = f"live member {node.live}" if node.live is not None else \
-            f"the edge of virtual members {list(node.members)[:8]}{' ...' if len(node.members) > 8 else ''}"
+            f"the edge of virtual members {short_ranks(node.members)}"
         return f"ring position {pos} ({who} of the group, physical rank {node.phys})"
 
     def _wait(self, work, of: str) -> None:
@@ -259,12 +261,12 @@ class _Links:
                 done = work.wait(datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 1e-3)))
             error = None if done is not False else "the wait returned unfinished"
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise their own error types
-            error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = first_line(e)
         if error is None:
             return
         waited = time.monotonic() - self._t0
         late = self.deadline is None or time.monotonic() >= self.deadline
-        cls = CommDeadlineError if late else RuntimeError
+        cls = CommDeadlineError if late else PeerClosedError
         raise cls(f"{self.what}: pruned ring: waiting {waited:.1f} s for {of} failed: {error}"
                   + (f" (deadline {LIMIT_KEY}; raise it with {LIMIT_KEY}= if the peer is only slow)" if late else
                      " (the peer's process ended or closed the connection: see its log)"))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from nccl_ext.core import wire
 from nccl_ext.device_path import eligible
 from nccl_ext.core.ops import Collective, ReduceKind, contributors
+from nccl_ext.core.ranklist import short_ranks
 from nccl_ext.pruning.rings import RING_KINDS, RingChannels, ring_of, ring_plan, ring_processes, run_op, uses_ring
 from nccl_ext.replay.recording import RecordedOp, Recording
 
@@ -104,7 +105,7 @@ computes before; what bounds it is that rank's life (:meth:`_Sent.wait`), not a 
 
 def awaited(assistant: int, virtual: list[int], idx: int) -> str:
     """What a sandbox op waits for from the assistant (named when it misses its deadline)."""
-    few = f"{virtual[:8]}{' ...' if len(virtual) > 8 else ''}"
+    few = short_ranks(virtual)
     return (f"the assistant (physical rank {assistant}; its log is under <log-dir>/<world size>) to send "
             f"virtual rank(s) {few}' recorded data for this rank's op #{idx}")
 
@@ -296,7 +297,7 @@ class _RingPlayer:
                 # compute since the previous one, as a real collective's members would
                 deadline = None if rings.timeout_s is None else time.monotonic() + rings.timeout_s
                 run_op(ring, pg, local, me, gid, seq, kind, reduce, pieces, k, tags=rings.tags, deadline=deadline,
-                       what=f"assistant: group {gid} (ranks {list(ranks)[:8]}{' ...' if len(ranks) > 8 else ''}) "
+                       what=f"assistant: group {gid} (ranks {short_ranks(ranks)}) "
                             f"{kind} seq {seq}")
                 if rings.device is not None:
                     torch.cuda.current_stream().synchronize()

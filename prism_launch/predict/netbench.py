@@ -46,7 +46,6 @@ import queue
 import re
 import shlex
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -452,22 +451,11 @@ def cluster_yaml(spec: ClusterSpec, header: list[str]) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """Write ``text`` to ``path`` atomically (:func:`nccl_ext.core.atomic.atomic_write`); a
+    cluster file is shared like any config: readable by all (0644)."""
+    from nccl_ext.core.atomic import atomic_write
+
+    atomic_write(path, text, mode=0o644)
 
 
 def main(argv: list[str] | None = None) -> int:

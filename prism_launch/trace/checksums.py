@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,13 +53,12 @@ def _stamp(root: Path, rel: str, sha: str) -> list:
 
 def _remember_verified(root: Path, stamps: Mapping[str, list]) -> None:
     """Record the stamps of files just found intact (kept only where the trace is writable)."""
-    verified = TraceLayout(root).verified
-    tmp = verified.with_name(f"{verified.name}.{os.getpid()}.tmp")
+    from nccl_ext.core.atomic import atomic_write
+
     try:
-        tmp.write_text(json.dumps(dict(stamps)))
-        os.replace(tmp, verified)
+        atomic_write(TraceLayout(root).verified, json.dumps(dict(stamps)), mode=0o644)
     except OSError:  # a read-only trace: verified, just not remembered
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def seal_files(root: Path, rels: Iterable[str], sums: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -60,14 +60,14 @@ def test_files_found_intact_are_not_hashed_again_until_they_change(tmp_path, has
 
 
 def test_a_trace_that_cannot_be_written_is_verified_at_every_open(tmp_path, hashed, monkeypatch):
-    from prism_launch.trace import checksums
+    from nccl_ext.core import atomic
 
     path = tmp_path / "trace"
     m, _ = write_sample(path)
     hashed.clear()
     verified = TraceLayout(path).verified
     verified.unlink()
-    monkeypatch.setattr(checksums.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
+    monkeypatch.setattr(atomic.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
     for _ in range(2):
         TraceReader(path)
     assert len(hashed) == 2 * len(m.files)
