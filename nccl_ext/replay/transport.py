@@ -40,6 +40,7 @@ from nccl_ext.replay.divergence import HOST_SCALAR_MAX_ELEMENTS, HOST_SCALAR_SIT
 from nccl_ext.core.groups import GroupInfo
 from nccl_ext.core.threads import GRACE_S, HelperThreads, wait_works
 from nccl_ext.core.ops import Collective, compute, contributors
+from nccl_ext.core.errors import CommError
 from nccl_ext.core.pending import Pending
 from nccl_ext.core.call import CollectiveCall
 from nccl_ext.pruning.rings import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
@@ -179,7 +180,7 @@ class ReplayTransport:
                 wait_works(works, pending)  # releases the works' sent tensors before completing
                 then()
             except BaseException as e:  # noqa: BLE001 - surfaced through the pending op (named by wait_works)
-                pending.fail(e if pending.what in str(e) else RuntimeError(f"{pending.what}: {e}"))
+                pending.fail(e if isinstance(e, (CommError, DivergenceError)) else CommError(f"{pending.what}: {e}"))
 
         self._helpers.start(wait_all, name="prism-sandbox-exchange", what=pending.what, pending=pending)
 

@@ -8,6 +8,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from nccl_ext.core.ops import Collective, ReduceKind
+from nccl_ext.core.ranklist import short_ranks
 
 
 class CaptureError(RuntimeError):
@@ -81,7 +82,7 @@ class Reads:
 
 
 def describe(ranks: tuple[int, ...]) -> str:
-    return str(list(ranks)) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+    return short_ranks(ranks)
 
 
 class Lags:

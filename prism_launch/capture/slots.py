@@ -7,6 +7,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from nccl_ext.core import wire
+from nccl_ext.core.ranklist import short_ranks
 
 
 class SlotScheduler:
@@ -203,7 +204,7 @@ class SlotScheduler:
             self._progress()
             warnings.warn(
                 f"capture: ranks {sorted(self.running)} hold every slot and none communicated for "
-                f"{self.stall_s:g}s while ranks {list(self.ready)[:8]} are ready; opening slot #{self.capacity} "
+                f"{self.stall_s:g}s while ranks {short_ranks(self.ready)} are ready; opening slot #{self.capacity} "
                 "(a rank may be blocked outside a prism wait)", stacklevel=2)
 
     def _unpark(self) -> None:

@@ -19,6 +19,7 @@ from prism_launch.launch.args import args_by_flag, differing_args
 from prism_launch.modes.context import RunContext, program_config
 from prism_launch.trace import RankLogs, TraceReader
 from prism_launch.trace import fingerprint as fp
+from nccl_ext.core.ranklist import short_ranks
 
 
 def open_trace(ctx: RunContext) -> TraceReader:
@@ -194,7 +195,7 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
             raise RunFailedError(
                 f"{oom['message']}\nthe sandbox ran out of memory at the target's limit "
                 f"(cluster.gpu_memory_gib={cfg.cluster.gpu_memory_gib:g}); predicted OOM ranks: "
-                f"{report['predicted']['oom_ranks'][:16]}; report: {ctx.report.report_json}")
+                f"{short_ranks(report['predicted']['oom_ranks'])}; report: {ctx.report.report_json}")
     return log_dir
 
 

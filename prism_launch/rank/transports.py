@@ -56,7 +56,9 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
 
     import torch.distributed as dist
 
-    from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError
+    from nccl_ext.core.errors import CommDeadlineError, first_line
+    from nccl_ext.core.pending import LIMIT_KEY
+    from nccl_ext.core.ranklist import short_ranks
 
     e = plan.emulate
     who = f"sandbox rank {e.sandbox[index]}" if index < len(e.sandbox) else "the assistant"
@@ -69,7 +71,7 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
     except Exception as exc:  # noqa: BLE001 - c10d raises its own error types
         raise CommDeadlineError(
             f"{who}: could not reach the run's store at {e.store} (node 0's prism-launch hosts it; "
-            f"physical.endpoint on several nodes) within {timeout_s:g} s: {_first_line(exc)}; start node 0, or "
+            f"physical.endpoint on several nodes) within {timeout_s:g} s: {first_line(exc)}; start node 0, or "
             f"raise {LIMIT_KEY}=") from exc
     if getattr(e, "store_prefix", ""):  # the run's keys, which one who reaches the store without the plan cannot name
         store = dist.PrefixStore(e.store_prefix, store)
@@ -82,17 +84,17 @@ def physical_group(plan: RankPlan, index: int, size: int, timeout_s: float):
         here = ", ".join(map(str, plan.local_ranks))
         if not missing:
             raise CommDeadlineError(
-                f"{who}: every member of the physical group (sandbox ranks {list(e.sandbox)[:16]}"
+                f"{who}: every member of the physical group (sandbox ranks {short_ranks(e.sandbox)}"
                 f"{' + the assistant' if size > len(e.sandbox) else ''}) arrived, but connecting them failed: "
-                f"{_first_line(exc)}. A member that exited while the group formed closes its connections: see "
+                f"{first_line(exc)}. A member that exited while the group formed closes its connections: see "
                 "the other ranks' logs (and the assistant's); if none failed, run again") from exc
         raise CommDeadlineError(
-            f"{who}: the physical group (sandbox ranks {list(e.sandbox)[:16]}"
+            f"{who}: the physical group (sandbox ranks {short_ranks(e.sandbox)}"
             f"{' + the assistant' if size > len(e.sandbox) else ''}) did not form within {timeout_s:g} s: "
             f"{', '.join(names) or 'no one'} (physical rank(s) {missing}) never arrived. This node runs sandbox "
             f"rank(s) {here or '-'}; ranks of other physical nodes come from their own prism-launch, started with "
             f"the same physical.nodes and physical.endpoint and its physical.node_rank; or raise {LIMIT_KEY}= "
-            f"({_first_line(exc)})") from exc
+            f"({first_line(exc)})") from exc
     return group, store
 
 
@@ -144,11 +146,6 @@ def _connected(dist, store, index: int, size: int, timeout):
 
 def _arrived_key(index: int) -> str:
     return f"prism/physical-arrived/{index}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def ring_channels(plan: RankPlan, me: int, store, timeout_s: float):
