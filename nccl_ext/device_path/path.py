@@ -6,9 +6,11 @@ divergence checks a part of it (:mod:`~nccl_ext.device_path.checks`)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
+from concurrent import futures
 
 import torch
 
@@ -20,6 +22,14 @@ from nccl_ext.device_path.host_tier import HostTier
 from nccl_ext.device_path.plan import Plan, StagedOp, aligned, plan_ops
 from nccl_ext.device_path.stager import Stager
 from nccl_ext.device_path.stats import PrefetchMode, PrefetchStats
+
+
+CLOSE_S = 5.0
+"""How long :meth:`DevicePath.close` waits, in all, for the path's threads (staging, the host
+tier's loading, planning) and the copies and sums on its helper threads: by then the program
+has ended, so one still running is stuck (the trace's storage, or the GPU); it is named on
+stderr and left behind (daemon threads), the host tier then left page-locked until the
+process ends, not unlocked under a copy that may still read it."""
 
 
 class DevicePath(Stager, HostTier):
@@ -81,6 +91,8 @@ class DevicePath(Stager, HostTier):
         self._cycles_per_s: float | None = None
         self._workers = max(1, int(workers))
         self._executor = None
+        self._inflight: set[futures.Future] = set()
+        """Copies and sums submitted to the helper threads and not yet done."""
         self._prep: threading.Thread | None = None
         self._planned: list[Plan] | None = None
         self._pinned = False
@@ -204,7 +216,12 @@ class DevicePath(Stager, HostTier):
             from concurrent.futures import ThreadPoolExecutor
 
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix=f"prism-prefetch-{self.rank}")
-        return list(self._executor.map(lambda w: fn(*w), work))
+        submitted = [self._executor.submit(fn, *w) for w in work]
+        self._inflight.update(submitted)
+        try:
+            return [f.result() for f in submitted]
+        finally:
+            self._inflight.difference_update(submitted)
 
     def _word_sum(self, t: torch.Tensor) -> int:
         return chunked_word_sum(t, self._parallel)
@@ -262,13 +279,8 @@ class DevicePath(Stager, HostTier):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        for thread in (self._thread, self._loader, self._prep):
-            if thread is not None:
-                thread.join(timeout=5)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        self._unpin_tier()
+        if not self._end_threads(CLOSE_S):
+            self._unpin_tier()
         if self._t_first is not None and self._t_loaded is not None:
             self.stats.host_tier_lead_s = self._t_first - self._t_loaded
         left = [s.idx for s in self._ready] + [p.idx for p in self._plans]
@@ -278,6 +290,29 @@ class DevicePath(Stager, HostTier):
         self._ready.clear()
         self._plans.clear()
         return len(left), (min(left) if left else None)
+
+    def _end_threads(self, limit_s: float) -> list[str]:
+        """Join the path's threads and its helper threads' work within ``limit_s`` in all;
+        what each still running was doing (said on stderr)."""
+        deadline = time.monotonic() + limit_s
+        left = []
+        for doing, thread in (("staging ops ahead", self._thread), ("loading the host tier", self._loader),
+                              ("planning", self._prep)):
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    left.append(f"{thread.name} ({doing})")
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            _, running = futures.wait(list(self._inflight), timeout=max(0.0, deadline - time.monotonic()))
+            if running:
+                left.append(f"{len(running)} copies or sums on the helper threads")
+            self._executor = None
+        if left:
+            print(f"prism-launch: rank {self.rank}: the device data path's close waited {limit_s:g} s and left "
+                  f"{', '.join(left)} running (the trace's storage or the GPU stopped answering?); the host tier "
+                  "stays page-locked until the process ends", file=sys.stderr, flush=True)
+        return left
 
 
 def _calibrate_sleep(device: torch.device) -> float:
