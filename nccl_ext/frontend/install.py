@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from nccl_ext.frontend import object_roots
+from nccl_ext.frontend import object_roots, safe_unpickle
 from nccl_ext.frontend.process_group import DelegatingPrismProcessGroup, PrismProcessGroup, PrismWorld, Transport
 
 BACKEND = "prism"
@@ -69,10 +69,15 @@ def install(
     make_transport: Callable[[int, int, float], Transport],
     timeout_s: float,
     subgroups: str = "auto",
+    restrict_objects: bool = False,
 ) -> None:
     """Patch ``torch.distributed`` for logical rank ``rank`` of ``world_size``; ``subgroups``
-    (one of :data:`SUBGROUPS`) picks how ``dist.new_group`` reaches the prism world."""
+    (one of :data:`SUBGROUPS`) picks how ``dist.new_group`` reaches the prism world;
+    ``restrict_objects``: object collectives unpickle through an allow-list only
+    (:mod:`nccl_ext.frontend.safe_unpickle`: a trace its user did not sign)."""
     delegate = _subgroup_delegation(subgroups)
+    if restrict_objects:
+        safe_unpickle.install()
     if _state.get("installed"):
         return
     real_init = c10d.init_process_group

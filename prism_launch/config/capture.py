@@ -15,6 +15,10 @@ class TraceConfig:
     """The recipe's own output-only flags (``--out``): their values do not key the trace, like
     the integrations' (Megatron-LM's ``--save``, ``--tensorboard-dir``, ``--wandb-*``; DeepSpeed
     recipes' ``--output_dir``, ``--logging_dir``, ``--run_name`` …). Their presence still counts."""
+    trusted: bool = False
+    """Replay a trace you did not sign (another user's, or one edited since) as if you had: its
+    object-collective payloads (pickles, which run code when loaded) are then unpickled without
+    the allow-list emulation otherwise puts them through. Only for a trace whose author you trust."""
 
     def validate(self) -> None:
         bad = [a for a in self.ignore_args if not a.startswith("-") or "=" in a]

@@ -134,6 +134,9 @@ class EmulatePlan:
     sandbox's device (no assistant, no device data path)."""
     carry_bytes: int = 0
     """``payload=none``: broadcasts up to this size carry their recorded payload."""
+    trusted_objects: bool = False
+    """Object collectives unpickle the trace's payloads as they are: the trace is signed by this
+    user, or ``trace.trusted=true`` (else through an allow-list, :mod:`nccl_ext.frontend.safe_unpickle`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

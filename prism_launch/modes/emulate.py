@@ -19,6 +19,7 @@ from prism_launch.launch.args import args_by_flag, differing_args
 from prism_launch.modes.context import RunContext, program_config
 from prism_launch.trace import RankLogs, TraceReader
 from prism_launch.trace import fingerprint as fp
+from prism_launch.trace.signing import object_trust
 from nccl_ext.core.ranklist import short_ranks
 
 
@@ -171,6 +172,10 @@ def emulate(ctx: RunContext, reader: TraceReader, *, quiet: bool = False) -> Pat
     log_dir = ctx.log_dir(Mode.emulate)
     plan = emulate_plan(ctx, local, endpoint, schedule, payload)
     plan = replace(plan, emulate=replace(plan.emulate, store_prefix=prefix, loopback=ph.nodes == 1))
+    trusted, note = object_trust(reader.authorship(), cfg.trace.trusted, ctx.trace.root)
+    if note:
+        print(f"prism-launch: {note}", file=sys.stderr)
+    plan = replace(plan, emulate=replace(plan.emulate, trusted_objects=trusted))
     extra = [ctx.agent.assistant_spec(plan, log_dir)] if assistant and ph.node_rank == 0 else []
     t0 = time.monotonic()
     oom = None

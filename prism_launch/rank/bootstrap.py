@@ -118,7 +118,8 @@ def activate(plan: RankPlan) -> None:
         else:
             make = transports.capture(plan) if plan.mode == "capture" else transports.replay(plan)
         install.install(rank=rank, world_size=world_size, make_transport=make, timeout_s=plan.timeout_s,
-                        subgroups=plan.subgroups)
+                        subgroups=plan.subgroups,
+                        restrict_objects=plan.emulate is not None and not plan.emulate.trusted_objects)
         tracker = _start_memory(plan)
 
         def on_step() -> None:

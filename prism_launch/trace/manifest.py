@@ -51,6 +51,14 @@ def _as_int(name: str, value: Any) -> int:
     return _check_int(name, int(value) if is_intlike(value) else value)
 
 
+def _optional_count(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if _check_int(name, value) < 0:
+        raise ValueError(f"{name} must not be negative, got {value}")
+    return value
+
+
 def _check_json_dict(name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
@@ -94,9 +102,16 @@ class Manifest:
     ranks_captured: list[int]
     files: dict[str, str]
     extra: dict[str, Any] = field(default_factory=dict)
+    event_rows: int | None = None
+    """Rows of ``events.parquet``, checked against the file's footer before it is read
+    (None: a trace written before it was recorded)."""
+    event_bytes: int | None = None
+    """Uncompressed bytes of ``events.parquet``'s row groups (its footer's sum), checked likewise."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        limits = {k: v for k, v in (("event_rows", self.event_rows), ("event_bytes", self.event_bytes))
+                  if v is not None}
+        return limits | {
             "format_version": self.format_version,
             "created_unix": self.created_unix,
             "fingerprint": dict(self.fingerprint),
@@ -111,6 +126,12 @@ class Manifest:
 
     def to_json(self, *, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True, allow_nan=False)
+
+    def canonical_bytes(self) -> bytes:
+        """The manifest as one canonical byte string (sorted keys, no whitespace, ASCII): what a
+        signature covers (:mod:`.signing`), the same for a manifest written and read back."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False,
+                          ensure_ascii=True).encode("ascii")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
@@ -143,6 +164,8 @@ class Manifest:
             ranks_captured=[_check_int("ranks_captured[]", r) for r in ranks],
             files=_check_str_dict("files", d["files"]),
             extra=_check_json_dict("extra", extra),
+            event_rows=_optional_count("event_rows", d.get("event_rows")),
+            event_bytes=_optional_count("event_bytes", d.get("event_bytes")),
         )
 
     @classmethod

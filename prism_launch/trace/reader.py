@@ -9,6 +9,7 @@ are read too."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from .layout import (
     tensor_file_name,
 )
 from .manifest import Manifest
-from .schema import EVENT_FIELDS, EVENT_SCHEMA, READABLE_VERSIONS, conform_table, sorted_by_rank
+from .schema import EVENT_FIELDS, EVENT_SCHEMA, READABLE_VERSIONS, conform_table, footer_size, sorted_by_rank
+from .signing import Authorship, TraceUnsafeError, authorship
 from .spill import read_index
 from .tensors import TensorFile
 
@@ -61,6 +63,7 @@ class TraceReader:
             raise TraceMissingError(self.path, hint=hint, reason="not a directory")
         if not layout.manifest.is_file():
             raise TraceMissingError(self.path, hint=hint, reason=f"no {MANIFEST_NAME} found")
+        self._check_private(".", MANIFEST_NAME)
         self.manifest = self._read_manifest(layout.manifest)
         if EVENTS_NAME not in self.manifest.files:
             raise TraceCorruptError(self.path, EVENTS_NAME, None, None, reason="not listed in the manifest")
@@ -74,6 +77,7 @@ class TraceReader:
                 ) from None
             if not (self.path / rel).is_file():
                 raise TraceCorruptError(self.path, rel, expected, None, reason="file listed in the manifest is missing")
+        self._check_private(*self.manifest.files)
         if verify:
             verify_files(self.path, self.manifest.files)
 
@@ -85,6 +89,37 @@ class TraceReader:
         self._files: dict[str, TensorFile] = {}
         self._index: dict[int, dict[str, tuple[str, str]]] | None = None
         """rank -> key -> (tensor file, name in it)."""
+        self._authorship: Authorship | None = None
+
+    def _check_private(self, *rels: str) -> None:
+        """Refuse a trace another user could change: each of ``rels`` (and each folder from the
+        trace's root down to it) must be this user's and writable by no one else, no link
+        among them (:mod:`prism_launch.config.private_dirs`)."""
+        from prism_launch.config.private_dirs import UnsafePathError, check_private
+
+        hint = (f"Copy the trace to a folder of your own (cp -r {self.path} ...; the copy is then yours), or "
+                f"`chmod -R go-w {self.path}` if it is yours.")
+        checked: set[str] = set()
+        for rel in rels:
+            parts = Path(rel).parts
+            levels = [Path(*parts[:i]) for i in range(len(parts))] + [Path(rel)]
+            for i, level in enumerate(levels):
+                key = str(level)
+                if key in checked:
+                    continue
+                checked.add(key)
+                try:
+                    check_private(self.path / level, directory=i < len(levels) - 1 or rel == ".", hint=hint)
+                except UnsafePathError as e:
+                    raise TraceUnsafeError(f"PrismTrace {self.path} is refused: {e}") from None
+
+    def authorship(self) -> Authorship:
+        """Whether this trace is signed by this user (:mod:`.signing`): ``signed`` traces are
+        replayed as they are; ``unsigned`` and ``foreign`` ones unpickle their object payloads
+        through an allow-list unless ``trace.trusted=true``."""
+        if self._authorship is None:
+            self._authorship = authorship(self.path, self.manifest)
+        return self._authorship
 
     def _read_manifest(self, manifest_path: Path) -> Manifest:
         try:
@@ -129,6 +164,7 @@ class TraceReader:
         """All events of all captured ranks (``EVENT_SCHEMA``)."""
         with self._lock:
             if self._events is None:
+                self._check_event_footer()
                 try:
                     table = pq.read_table(self._layout.events)
                 except (OSError, pa.ArrowException) as e:
@@ -150,6 +186,29 @@ class TraceReader:
                         raise TraceCorruptError(self.path, EVENTS_NAME, None, None, reason=str(e)) from e
                 self._events = table
             return self._events
+
+    def _check_event_footer(self) -> None:
+        """The events file's size from its footer, checked before it is read whole: the rows and
+        uncompressed bytes the manifest recorded, the schema's column count, and no more bytes
+        than this machine has memory (a file made to inflate beyond it is refused, not read)."""
+        try:
+            rows, nbytes, columns = footer_size(self._layout.events)
+        except (OSError, pa.ArrowException) as e:
+            raise TraceCorruptError(self.path, EVENTS_NAME, None, None, reason=f"unreadable parquet footer: {e}") from e
+        m = self.manifest
+        wrong = []
+        if columns != len(EVENT_FIELDS):
+            wrong.append(f"{columns} columns, the event schema has {len(EVENT_FIELDS)}")
+        if m.event_rows is not None and rows != m.event_rows:
+            wrong.append(f"{rows} rows, the manifest recorded {m.event_rows}")
+        if m.event_bytes is not None and nbytes != m.event_bytes:
+            wrong.append(f"{nbytes} uncompressed bytes, the manifest recorded {m.event_bytes}")
+        memory = _physical_memory()
+        if memory and nbytes > memory:
+            wrong.append(f"{nbytes} uncompressed bytes, more than this machine's {memory} bytes of memory")
+        if wrong:
+            raise TraceCorruptError(self.path, EVENTS_NAME, None, None,
+                                    reason="its footer says " + "; ".join(wrong) + " (not read)")
 
     def _rank_index(self) -> tuple[pa.Table, dict[int, tuple[int, int]]]:
         table = self.events()
@@ -271,3 +330,10 @@ class TraceReader:
             return json.loads((self.path / rel).read_bytes())
         except (OSError, ValueError) as e:
             raise TraceCorruptError(self.path, rel, None, None, reason=f"unreadable JSON: {e}") from e
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

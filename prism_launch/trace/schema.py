@@ -171,3 +171,12 @@ def check_kinds(table: pa.Table) -> None:
 def sorted_by_rank(table: pa.Table) -> pa.Table:
     """The events ordered by (rank, idx), in one chunk."""
     return table.sort_by([("rank", "ascending"), ("idx", "ascending")]).combine_chunks()
+
+
+def footer_size(path) -> tuple[int, int, int]:
+    """Rows, uncompressed bytes (the row groups' sum) and columns of a Parquet file, from its
+    footer alone: what a reader checks before it reads the table whole."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    return meta.num_rows, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)), meta.num_columns

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from .manifest import is_intlike
 
-__all__ = ["snapshot_tensors", "write_tensor_file", "TensorFile", "DTYPE_NAMES"]
+__all__ = ["snapshot_tensors", "write_tensor_file", "TensorFile", "DTYPE_NAMES", "check_header"]
 
 #: torch dtype of each safetensors dtype name a trace may hold.
 _DTYPES = {
@@ -67,10 +67,59 @@ def write_tensor_file(path: Path, rank: int, tensors: dict[str, torch.Tensor]) -
     save_file(tensors, str(path), metadata={"format": "pt", "rank": str(rank)})
 
 
+_HEADER_LIMIT = 100 << 20  # safetensors' own cap on a header (100 MB)
+
+
+def check_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Read and check a tensor file's header before anything of its data is mapped or
+    allocated: each tensor's dtype is one a trace may hold, its shape non-negative integers,
+    its data inside the file, and its stored bytes exactly numel × itemsize. Returns
+    name -> (dtype name, shape, stored bytes); raises ``ValueError`` naming the tensor."""
+    import json
+    import math
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_HEADER_LIMIT, size - 8):
+            raise ValueError(f"header of {n} bytes in a file of {size}")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    data = size - 8 - n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {name!r}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one a trace holds")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data):
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} lie outside the file's {data} data bytes")
+        stored = offsets[1] - offsets[0]
+        expected = math.prod(shape) * _DTYPES[dtype].itemsize
+        if stored != expected:
+            raise ValueError(f"tensor {name!r}: shape {shape} of {dtype} is {expected} bytes, but {stored} are stored")
+        out[name] = (dtype, tuple(shape), stored)
+    return out
+
+
 class TensorFile:
-    """One open tensor file; raises whatever ``safetensors`` raises for a file it cannot read."""
+    """One open tensor file, its header checked first (:func:`check_header`); raises
+    ``ValueError`` for a header that does not add up and whatever ``safetensors`` raises for a
+    file it cannot read."""
 
     def __init__(self, path: Path) -> None:
+        check_header(path)
         self._handle = safe_open(str(path), framework="pt", device="cpu")
         self.keys: frozenset[str] = frozenset(self._handle.keys())
 

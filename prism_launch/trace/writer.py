@@ -32,7 +32,8 @@ from .errors import TraceError, TraceSpaceError
 from .space import free_bytes, is_no_space, needed_bytes, require_space
 from .layout import EVENTS_NAME, MANIFEST_NAME, TraceLayout, is_reserved, safe_relpath
 from .manifest import Manifest, manifest_fields
-from .schema import EVENT_SCHEMA, FORMAT_VERSION, check_kinds, conform_table, rows_to_table, sorted_by_rank
+from .schema import EVENT_SCHEMA, FORMAT_VERSION, check_kinds, conform_table, footer_size, rows_to_table, sorted_by_rank
+from .signing import sign
 from .spill import SPILL_BYTES, TensorSpill
 from .tensors import snapshot_tensors
 
@@ -235,9 +236,13 @@ class TraceWriter:
 
             try:
                 files = self._write_staging(events)
-                manifest = Manifest(format_version=FORMAT_VERSION, created_unix=time.time(), files=files, **fields)
                 staged = TraceLayout(self.staging_dir)
+                rows, nbytes, _ = footer_size(staged.events)
+                manifest = Manifest(format_version=FORMAT_VERSION, created_unix=time.time(), files=files,
+                                    event_rows=rows, event_bytes=nbytes, **fields)
                 write_bytes_durable(staged.manifest, (manifest.to_json() + "\n").encode("utf-8"))
+                self._sign(manifest)
+                _private_to_writer(self.staging_dir)
                 fsync_dir(self.staging_dir)
                 swap_into_place(self.staging_dir, self.final_dir, self._check_target)
             except BaseException as e:
@@ -249,6 +254,16 @@ class TraceWriter:
             self._state = "committed"
             self._release_memory()
             return manifest
+
+    def _sign(self, manifest: Manifest) -> None:
+        """Sign the manifest with this user's key (:mod:`.signing`); where no key can be kept,
+        the trace stays unsigned (emulating it then restricts its object payloads) and says so."""
+        try:
+            sign(self.staging_dir, manifest)
+        except (OSError, TraceError) as e:
+            warnings.warn(f"PrismTrace {self.final_dir} is written unsigned ({e}); emulating it will unpickle its "
+                          "object-collective payloads through an allow-list only (trace.trusted=true lifts it)",
+                          RuntimeWarning, stacklevel=3)
 
     def estimated_bytes(self, events: pa.Table | None = None) -> int:
         """What the files still to write will take on disk, at most: tensors waiting as stored,
@@ -318,3 +333,14 @@ class TraceWriter:
         """Discard everything and remove the staging directory.  Idempotent; a no-op after commit."""
         with self._lock:
             self._abort_locked()
+
+
+def _private_to_writer(root: Path) -> None:
+    """Take the group and world write bits off every folder and file of the trace: a reader
+    refuses a trace that someone else could change (:class:`~.reader.TraceReader`), whatever
+    the writer's umask was."""
+    for dirpath, _dirs, names in os.walk(root):
+        for p in (dirpath, *(os.path.join(dirpath, n) for n in names)):
+            mode = os.lstat(p).st_mode
+            if mode & 0o022:
+                os.chmod(p, mode & 0o7755)
