@@ -176,15 +176,15 @@ def prediction_lines(pred: dict) -> list[str]:
     """The terminal's prediction summary, each figure with the span it covers: the iteration time
     is one steady-state step, the critical path the whole replayed run (every step)."""
     steps = len(pred.get("iteration_times_s") or [])
-    which = ("the median step after the first" if steps > 2 else f"the median of {steps} step(s)") if steps else "a step"
+    which = ("median of the steps after the first" if steps > 2 else f"median of {steps} step(s)") if steps else "a step"
     path = pred["critical_path"]
     ranks = path["ranks"]
     shown = f"{ranks[:8]}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
     return [
         f"[bold]predicted on {pred['cluster']}[/bold] ({_compute_label(pred)} compute spans){compute_caveat(pred)}",
-        f"  iteration time {pred['iteration_time_s'] * 1e3:.2f} ms: one step of the whole job, from one step's end "
-        f"on the slowest rank to the next ({which})",
-        f"  critical path over the whole replayed run ({steps} steps, first included): "
+        f"  iteration time {pred['iteration_time_s'] * 1e3:.2f} ms: one step of the whole job, as the slowest "
+        f"rank ends it ({which})",
+        f"  critical path over the whole replayed run ({steps} steps, the first included): "
         f"{path['compute_s'] * 1e3:.1f} ms compute + {path['comm_s'] * 1e3:.1f} ms communication, "
         f"through ranks {shown}",
     ]
@@ -241,7 +241,7 @@ def print_report(report: dict, path: Path) -> None:
     pred = report.get("predicted")
     if pred:
         for line in prediction_lines(pred):
-            console.print(line)
+            console.print(line, soft_wrap=True)  # one figure, one line, whatever the width
         if pred["stragglers"]:
             s0 = pred["stragglers"][0]
             console.print(f"  top straggler: rank {s0['rank']} (made peers wait {s0['delay_caused_s'] * 1e3:.2f} ms)")

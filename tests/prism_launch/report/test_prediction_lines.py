@@ -16,8 +16,8 @@ def test_iteration_time_and_critical_path_name_their_spans():
     head, iteration, path = prediction_lines(_pred())
     assert head.startswith("[bold]predicted on cpu_local[/bold] (cpu compute spans)")
     assert "iteration time 215.30 ms: one step of the whole job" in iteration
-    assert "slowest rank" in iteration and "median step after the first" in iteration
-    assert path.startswith("  critical path over the whole replayed run (3 steps, first included): "
+    assert "as the slowest rank ends it" in iteration and "median of the steps after the first" in iteration
+    assert path.startswith("  critical path over the whole replayed run (3 steps, the first included): "
                            "277.0 ms compute + 215.5 ms communication")
     assert "through ranks [488, 489, 1000, 1001]" in path
 
@@ -30,4 +30,4 @@ def test_long_rank_lists_are_cut_and_counted():
 
 def test_two_steps_say_the_median_covers_both():
     _, iteration, path = prediction_lines(_pred(iteration_times_s=[0.3, 0.2]))
-    assert "the median of 2 step(s)" in iteration and "(2 steps, first included)" in path
+    assert "median of 2 step(s)" in iteration and "(2 steps, the first included)" in path
