@@ -258,4 +258,4 @@ def print_report(report: dict, path: Path) -> None:
         streams = report["assistant"]["streams"].values()
         console.print(f"  assistant streamed {sum(s['messages'] for s in streams)} messages, "
                       f"{sum(s['bytes'] for s in streams) / 2**20:.1f} MiB of recorded virtual-rank data")
-    console.print(f"report: {path} (beside it: timeline.json for ui.perfetto.dev, PNG plots)")
+    console.print(f"report: {path} (beside it: timeline.json for ui.perfetto.dev, PNG plots)", soft_wrap=True)
