@@ -6,6 +6,13 @@ recorded payload of a virtual sender — tagged with the sandbox's event index. 
 stream ahead of the sandbox up to ``window`` ops per sandbox rank (the CPU form of tensor
 prefetching): the sandbox finds its peers' data already there and never reads the trace's
 tensors itself.
+
+A message is due when the sandbox rank's recorded pace says it enters the op (:class:`Pace`):
+the assistant waits for it to be taken until then — the time the rank took in the capture
+since the last message it took, :data:`PACE_SLACK` times over, plus ``comm.timeout_s`` — and
+then fails naming the rank, the op and how late it is. Before it took any, a rank has
+:data:`PACE_SLACK` times ``comm.timeout_s`` from the physical group's forming (its program
+builds its model meanwhile).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from nccl_ext.core import wire
+from nccl_ext.core.errors import CommDeadlineError
+from nccl_ext.core.pending import LIMIT_KEY
 from nccl_ext.device_path import eligible
 from nccl_ext.core.ops import Collective, ReduceKind, contributors
 from nccl_ext.core.ranklist import short_ranks
@@ -98,9 +107,55 @@ def unpack(buf: torch.Tensor, served: list[tuple[int, RecordedOp]], into: list) 
     return into
 
 
-_UNTIL_TAKEN = __import__("datetime").timedelta(days=365)
-"""A posted message waits until its sandbox rank enters the op, however long the program
-computes before; what bounds it is that rank's life (:meth:`_Sent.wait`), not a clock."""
+PACE_SLACK = 4.0
+"""How many times its recorded time between two ops a sandbox rank may take before the second
+one's message is late (its capture's times include the capture's own sharing of GPUs, which
+emulation does not have: an emulated rank is seldom slower than its capture)."""
+
+
+class Pace:
+    """When sandbox rank ``rank``'s next messages are due: from the last one it took (when,
+    and that op's recorded start), its recorded time to the op since, :data:`PACE_SLACK` times
+    over, plus ``timeout_s`` (``comm.timeout_s``); before it took any, ``PACE_SLACK`` times
+    ``timeout_s`` from ``start``."""
+
+    def __init__(self, rank: int, timeout_s: float, start: float | None = None):
+        self.rank, self.timeout_s = rank, timeout_s
+        self.start = time.monotonic() if start is None else start
+        self.last: tuple[float, float, str] | None = None
+        """(when it was taken, its op's recorded start, what) of the last message taken."""
+
+    def taken(self, t_start: float, what: str) -> None:
+        self.last = (time.monotonic(), t_start, what)
+
+    def due(self, t_start: float) -> float:
+        if self.last is None:
+            return self.start + PACE_SLACK * self.timeout_s
+        at, t, _ = self.last
+        return at + PACE_SLACK * max(0.0, t_start - t) + self.timeout_s
+
+    def late(self, what: str, t_start: float) -> CommDeadlineError:
+        now = time.monotonic()
+        if self.last is None:
+            since = (f"{now - self.start:.0f} s after the physical group formed, before the rank took any message "
+                     f"(it may take {PACE_SLACK:g} x {LIMIT_KEY} to reach its first op)")
+        else:
+            at, t, prev = self.last
+            since = (f"{now - at:.0f} s after it took {prev}; in the capture it reached this op "
+                     f"{max(0.0, t_start - t):.1f} s after that one (the assistant allows {PACE_SLACK:g} x that + "
+                     f"{LIMIT_KEY})")
+        return CommDeadlineError(
+            f"deadline exceeded: the assistant: sandbox rank {self.rank} had not taken the recorded data for {what} "
+            f"{since}. The rank is stuck (see its log: a wait of its own names what it waits for) or far slower "
+            f"than in its capture ({LIMIT_KEY}={self.timeout_s:g}; raise it with {LIMIT_KEY}= if the rank is only "
+            "slow)", rank=self.rank)
+
+
+_NO_CLOCK = __import__("datetime").timedelta(days=365)
+"""A posted send's own wait (gloo's send works have no future, and a timed-out gloo wait closes
+the connection): it ends when the sandbox takes the message or its connection closes; the
+deadline is :meth:`_Sent.wait`'s, which fails the assistant (its process ends, this daemon
+thread with it)."""
 
 
 def awaited(assistant: int, virtual: list[int], idx: int) -> str:
@@ -117,43 +172,49 @@ def done_key(rank: int) -> str:
 
 class _Sent:
     """A posted send, waited on by its own thread (gloo send works have no future, and a
-    timed-out gloo wait closes the connection, so the wait itself carries no deadline: it ends
+    timed-out gloo wait closes the connection, so that wait itself carries no clock: it ends
     when the sandbox takes the message, or with an error when the sandbox's process ends and
-    its connection closes)."""
+    its connection closes); :meth:`wait` carries the deadline (the rank's :class:`Pace`)."""
 
-    def __init__(self, work, buf: torch.Tensor, what: str):
-        self.buf, self.what = buf, what
+    def __init__(self, work, buf: torch.Tensor, what: str, t_start: float = 0.0):
+        self.buf, self.what, self.t_start = buf, what, t_start
         self.finished = threading.Event()
         self.error: BaseException | None = None
         threading.Thread(target=self._run, args=(work,), daemon=True, name="prism-assistant-send").start()
 
     def _run(self, work) -> None:
         try:
-            work.wait(_UNTIL_TAKEN)
+            work.wait(_NO_CLOCK)
         except BaseException as e:  # noqa: BLE001
             self.error = e
         self.finished.set()
 
-    def wait(self, rank: int, sandbox_done: Callable[[], bool]) -> None:
-        """Until the sandbox took the message; fail fast if it ended without taking it."""
+    def wait(self, rank: int, sandbox_done: Callable[[], bool], pace: Pace | None = None) -> None:
+        """Until the sandbox took the message; fail fast if it ended without taking it, and
+        by the message's due time (``pace``) if it is still running without taking it."""
         ended = RuntimeError(
             f"sandbox rank {rank} ended without taking the recorded data for {self.what}; "
             "its program diverged from the trace (capture again with mode=capture)"
         )
+        due = pace.due(self.t_start) if pace is not None else None
         while not self.finished.wait(0.05):
             if sandbox_done():
                 if self.finished.wait(0.5):
                     break
                 raise ended
+            if due is not None and time.monotonic() > due:
+                raise pace.late(self.what, self.t_start)
         if self.error is not None:
             if sandbox_done():  # the sandbox's exit closed the connection under this send
                 raise ended from self.error
             raise self.error
+        if pace is not None:
+            pace.taken(self.t_start, self.what)
 
 
 def _stream(recording: Recording, sandbox: tuple[int, ...], rank: int, physical: dist.ProcessGroup,
             window: int, stats: StreamStats, sandbox_done: Callable[[], bool], device_path: bool = False,
-            pruned: bool = False) -> None:
+            pruned: bool = False, pace: Pace | None = None) -> None:
     dst = sandbox.index(rank)
     inflight: list[_Sent] = []
     for op, gid, seq, peer, tag in recording.ops_of(rank):
@@ -166,28 +227,31 @@ def _stream(recording: Recording, sandbox: tuple[int, ...], rank: int, physical:
             continue
         if len(inflight) >= window:
             t0 = time.monotonic()
-            inflight.pop(0).wait(rank, sandbox_done)
+            inflight.pop(0).wait(rank, sandbox_done, pace)
             stats.stalled_s += time.monotonic() - t0
         what = f"op #{op.idx} ({op.op} on group {gid} seq {seq}, step {op.unit})"
-        inflight.append(_Sent(physical.send([buf], dst, op.idx), buf, what))
+        inflight.append(_Sent(physical.send([buf], dst, op.idx), buf, what, op.t_start))
         stats.messages += 1
         stats.bytes += buf.numel()
     for sent in inflight:
-        sent.wait(rank, sandbox_done)
+        sent.wait(rank, sandbox_done, pace)
 
 
 def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.ProcessGroup, store, *,
           window: int = 32, device_path: bool = False, pruned: bool = False, rings: RingChannels | None = None,
-          grace_s: float = 10.0) -> AssistantStats:
+          grace_s: float = 10.0, timeout_s: float | None = None) -> AssistantStats:
     """Stream every sandbox rank's virtual payloads and play the edges of every pruned ring;
     returns when all were taken and played.
 
     The assistant is a server: it waits as long as its sandbox ranks run (their own waits
     carry the deadlines, ``comm.timeout_s``; a sandbox that stops communicating fails by them
     and ends) and fails fast when a sandbox rank ends without taking a message, when its
-    connection closes, or when every sandbox rank has ended ``grace_s`` ago with a ring op not
-    played. The first failed stream or ring fails the whole run at once (the other streams'
-    threads are daemons; the assistant's process ends without interpreter teardown).
+    connection closes, when a rank still running has not taken a message by its due time
+    (:class:`Pace`, from ``timeout_s``: ``comm.timeout_s``; None: no due times), or when every
+    sandbox rank has ended ``grace_s`` ago with a ring op not played (each ring op has its own
+    deadline, the rings' ``timeout_s``). The first failed stream or ring fails the whole run at
+    once (the other streams' threads are daemons; the assistant's process ends without
+    interpreter teardown).
     """
     stats = AssistantStats({r: StreamStats() for r in sandbox})
     errors: list[BaseException] = []
@@ -198,9 +262,12 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     def run(rank: int) -> None:
         try:
             _stream(recording, sandbox, rank, physical, window, stats.streams[rank],
-                    lambda: store.check([done_key(rank)]), device_path, pruned)
+                    lambda: store.check([done_key(rank)]), device_path, pruned,
+                    Pace(rank, timeout_s) if timeout_s is not None else None)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            errors.append(RuntimeError(f"assistant stream to sandbox rank {rank} failed: {e}"))
+            # a deadline names the assistant and the rank already, and keeps its type
+            errors.append(e if isinstance(e, CommDeadlineError) else
+                          RuntimeError(f"assistant stream to sandbox rank {rank} failed: {e}"))
         finally:
             changed.set()
 

@@ -30,7 +30,7 @@ def main() -> int:
     outlive_interpreter(physical, store, rings)
     t0 = time.monotonic()
     stats = serve(recording, sandbox, physical, store, window=e.window, device_path=e.data_path == "device",
-                  pruned=e.pruned, rings=rings)
+                  pruned=e.pruned, rings=rings, timeout_s=plan.timeout_s)
     summary = {
         "wall_s": time.monotonic() - t0,
         "ring_ops": stats.ring_ops,
