@@ -15,7 +15,7 @@ from prism_launch.config import Mode, Timing, VirtualHost
 from prism_launch.config.plan import EmulatePlan, PrefetchPlan, RankPlan
 from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
 from prism_launch.config.registry import output_args
-from prism_launch.launch.args import args_by_flag, differing_args
+from prism_launch.launch.args_match import compare_args
 from prism_launch.modes.context import RunContext, program_config
 from prism_launch.trace import RankLogs, TraceReader
 from prism_launch.trace import fingerprint as fp
@@ -28,26 +28,23 @@ def open_trace(ctx: RunContext) -> TraceReader:
     recorded for another program, config or library versions."""
     reader = TraceReader(ctx.trace.root, hint=ctx.capture_command())
     recorded = reader.manifest.fingerprint
-    differs = [k for k in ("config", "script", "args", "versions") if recorded.get(k) != ctx.fingerprint[k]]
+    extra = reader.manifest.extra or {}
+    # the arguments: the recorded ones against today's under today's output-only flags (a flag
+    # declared output-only only now may differ); a trace without them, by the capture's digest
+    mismatch = None
+    if extra.get("script_args") is not None:
+        mismatch = compare_args(extra["script_args"], ctx.program.args, output_args(ctx.cfg.trace.ignore_args),
+                                ctx.cfg.trace.ignore_args)
+        args_differ = mismatch is not None
+    else:
+        args_differ = recorded.get("args") != ctx.fingerprint["args"]
+    differs = [k for k in ("config", "script", "args", "versions")
+               if (args_differ if k == "args" else recorded.get(k) != ctx.fingerprint[k])]
     if differs:
-        extra = reader.manifest.extra
         details = []
         if "args" in differs:
-            recorded_args = list(extra.get("script_args") or [])
-            flags = differing_args(recorded_args, list(ctx.program.args))
-            ignored = output_args(ctx.cfg.trace.ignore_args)
-            flags = [f for f in flags if f not in ignored]
-            was, now = args_by_flag(recorded_args), args_by_flag(list(ctx.program.args))
-
-            def shown(values: list[str] | None) -> str:
-                return "absent" if values is None else " ".join(values) or "(present)"
-
-            if flags:
-                changes = "; ".join(f"{f}: recorded {shown(was.get(f))}, now {shown(now.get(f))}" for f in flags)
-            else:
-                changes = f"(order) recorded {recorded_args} vs now {list(ctx.program.args)}"
-            details.append(f"script args differ: {changes} (a flag that only says where outputs go can be ignored: "
-                           f"trace.ignore_args=[{','.join(f for f in flags if f.startswith('-'))}])")
+            details.append(mismatch.describe() if mismatch is not None else
+                           "script args differ from the capture's (its trace does not record them)")
         if "config" in differs:
             details.append(f"config: recorded {extra.get('program_config')} vs now {program_config(ctx.cfg)}")
         if "versions" in differs:
