@@ -6,6 +6,7 @@ the restriction (and the same payload then does run: the premise of the refusal)
 import json
 import os
 import pickle
+import struct
 
 from prism_launch.trace.checksums import sha256_file
 from prism_launch.trace.signing import SIGNATURE_NAME
@@ -23,8 +24,11 @@ def _replace_payload(trace):
     manifest = json.loads((trace / "manifest.json").read_text())
     [rel] = [r for r in manifest["files"] if r.startswith("tensors/blob")]
     data = bytearray((trace / rel).read_bytes())
-    start = data.index(b"\x80\x04\x95")  # the broadcast object's pickle (protocol 4 with a frame)
-    end = data.index(b"pp.", start) + 3
+    (n,) = struct.unpack("<Q", data[:8])
+    [(begin, end)] = [v["data_offsets"] for k, v in json.loads(data[8:8 + n]).items()
+                      if k != "__metadata__" and v["dtype"] == "U8"]  # the broadcast object's pickle
+    start, end = 8 + n + begin, 8 + n + end
+    assert bytes(data[start:start + 2]) == b"\x80\x04"
     evil = pickle.dumps(_System(), protocol=4)
     assert len(evil) <= end - start
     data[start:end] = evil + b"\0" * (end - start - len(evil))  # the unpickler stops at evil's STOP
