@@ -208,6 +208,10 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
                                      script_args=list(reader.manifest.extra.get("script_args") or []))
     stats = aggregate(found, rows)
     if stats is None:
+        if found.get("notes"):  # dispatches there, but not every member's counts are in the trace
+            payload = reader.manifest.extra.get("payload")
+            return {"error": f"{'; '.join(found['notes'])} (capture.payload={payload}); capture with "
+                             "capture.payload=full for MoE routing statistics"}
         return None
     stats["detector"] = name
     if trace is not None:
@@ -269,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     cfg = resolve(compose(a.overrides))
     stats = moe_stats(cfg, TraceReader(Path(a.trace_dir)), TraceLayout(Path(a.trace_dir)))
-    if stats is None:
-        print("no MoE token dispatch in this trace", file=sys.stderr)
+    if stats is None or "error" in stats:
+        print(stats["error"] if stats else "no MoE token dispatch in this trace", file=sys.stderr)
         return 1
     print(json.dumps({k: v for k, v in stats.items() if k not in ("per_rank",)}, indent=1))
     print_moe(stats)
