@@ -12,6 +12,7 @@ import torch
 from nccl_ext.exchange.arena import Arena, PeerViews, detached
 from nccl_ext.exchange.device_reduce import DeviceFold, gpu_results
 from nccl_ext.exchange.ipc import GpuExchange, is_device_location
+from nccl_ext.core.protocol import XColl, XRead
 from nccl_ext.core.replica_sums import fold_into, shard_indices, weighted_sum
 from nccl_ext.core.groups import GroupInfo
 from nccl_ext.core.ops import Collective, compute
@@ -40,7 +41,7 @@ class RankExchange:
                 p.fail(RuntimeError(f"{p.what}: reading the staged result failed: {e}"))
         finally:
             self.busy_s["apply"] += time.perf_counter() - t0
-            self._send(("xread", op_id))
+            self._send(XRead(op_id, None))
 
     def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, folded: bool = False) -> Pending:
         """A collective among captured ranks only: the contribution is staged in this rank's arena,
@@ -71,9 +72,9 @@ class RankExchange:
             self._xtargets[op_id] = list(call.outputs if call.kind is Collective.REDUCE_SCATTER else call.tensors)
         self._x_sent[op_id] = time.monotonic()
         self.exchanged_ops += 1
-        self._send(("xcoll", op_id, group.key, seq, call.api, str(call.kind),
-                    None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
-                    self.unit, t, wall, cpu, location))
+        self._send(XColl(op_id, group.key, seq, call.api, str(call.kind),
+                         None if call.reduce is None else str(call.reduce), call.root, call.tensors is not None,
+                         self.unit, t, wall, cpu, location))
         return p
 
     def _stage(self, op_id: int, tensors: list[torch.Tensor], gpu: GpuExchange | None, ranks) -> tuple:
@@ -190,7 +191,7 @@ class RankExchange:
         """Tell the coordinator this rank has read op ``op_id``'s staged data (with where its kept
         result lies, :meth:`_keep_result`)."""
         kept = self._kept.get(op_id)
-        self._send(("xread", op_id) if kept is None else ("xread", op_id, kept[0]))
+        self._send(XRead(op_id, None if kept is None else kept[0]))
 
     def _host_fold_scratch(self) -> torch.Tensor:
         if self._fold_scratch is None:

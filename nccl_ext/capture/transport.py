@@ -16,15 +16,16 @@ many logical ranks exist.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
-from multiprocessing.connection import Client
 
 import torch
 
-from nccl_ext.core import mirrored, replica_sums as folded, synth, wire
+from nccl_ext.core import handshake, mirrored, protocol, replica_sums as folded, synth, wire
+from nccl_ext.core.protocol import (Alive, Bye, Coll, Free, Go, Group, LColl, Marker, Memory, Meta, Mirror, Ok,
+                                    OpFailed, Park, PRecv, PSend, Recv, SColl, Send, SOk, Stats, Wait, XFree,
+                                    XOk, XRecv, XSend)
 from nccl_ext.capture.rank_exchange import RankExchange
 from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, DeferredWaits
 from nccl_ext.exchange.arena import PIN_COUNTS, Arena, PeerViews
@@ -67,7 +68,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self.synthesized = 0
         self._alive = time.monotonic()
         self.timeout_s = timeout_s
-        self._conn = Client(address, family="AF_UNIX", authkey=authkey)
+        self._conn = handshake.connect(address, authkey, rank, timeout_s)
         self._send_lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
@@ -129,7 +130,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         coordinator saw every member's (``x_until_complete``), and from there until this rank's
         reader had the answer (``x_to_reader``)."""
         self._x_sent: dict[int, float] = {}
-        self._send(("hello", rank, os.getpid()))
+        self._on_reply = self._reply_table()
         self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
         self._reader.start()
         self._await_slot(f"rank {rank}: waiting for a first capture slot")
@@ -157,14 +158,14 @@ class CaptureTransport(RankExchange, DeferredWaits):
     def park(self, pending: Pending):
         if pending.op_id < 0 or self._unparked:
             return None
-        self._send(("park", pending.op_id))
+        self._send(Park(pending.op_id))
         what = f"{pending.what}: resuming after the op completed"
         return lambda: self._await_slot(what)
 
     # -- sending --------------------------------------------------------------------------
-    def _send(self, header, tensors=()) -> None:
+    def _send(self, message: tuple, tensors=()) -> None:
         t0 = time.perf_counter()
-        messages = wire.frames(header, list(tensors))  # outside the lock: a GPU tensor's copy may wait
+        messages = wire.frames(protocol.encode(message), list(tensors))  # outside the lock: a GPU tensor's copy may wait
         with self._send_lock:
             wire.send_frames(self._conn, messages)
         self.busy_s["send"] += time.perf_counter() - t0
@@ -181,7 +182,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         return op_id, p
 
     def register_group(self, group: GroupInfo) -> None:
-        self._send(("group", group.key, group.ranks, group.occurrence, group.desc))
+        self._send(Group(group.key, group.ranks, group.occurrence, group.desc))
 
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         self._check_deferred()
@@ -214,9 +215,9 @@ class CaptureTransport(RankExchange, DeferredWaits):
                 and group.ranks[call.root] not in self._captured):
             tensors, contributes = call.standin, "standin"
         self._from_host(p, call)
-        header = ("coll", op_id, group.key, seq, call.api, str(call.kind),
-                  None if call.reduce is None else str(call.reduce), call.root,
-                  contributes, self.unit, t, wall, cpu)
+        header = Coll(op_id, group.key, seq, call.api, str(call.kind),
+                      None if call.reduce is None else str(call.reduce), call.root,
+                      contributes, self.unit, t, wall, cpu)
         if self._exchange is not None and contributes is True and tensors and \
                 sum(x.numel() * x.element_size() for x in tensors) >= STAGED_MIN_BYTES:
             self._open_exchange()
@@ -224,7 +225,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
             gen, descs, self._regions[op_id] = self._arena.put(list(tensors))
             self.busy_s["stage"] += time.perf_counter() - t0
             self.staged_ops += 1
-            self._send(("scoll", *header[1:], (gen, descs)))
+            self._send(SColl(*header, (gen, descs)))
             return p
         self._send(header, tensors or ())
         return p
@@ -268,9 +269,10 @@ class CaptureTransport(RankExchange, DeferredWaits):
             self.busy_s["stage"] += time.perf_counter() - t0
             self._regions[op_id] = regions
             kept = (op_id, contribution, result)
-        self._send(("lcoll", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
-                    call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
-                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine), kept))
+        self._send(LColl(group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
+                         call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
+                         [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine),
+                         kept))
         self.mirrored_ops += 1
         return Pending.done(what, out)
 
@@ -291,9 +293,9 @@ class CaptureTransport(RankExchange, DeferredWaits):
     def _synthesized(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str) -> Pending:
         t, wall, cpu = self._span()
         mine = call.tensors or ()
-        self._send(("meta", group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
-                    call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
-                    [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine)))
+        self._send(Meta(group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
+                        call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
+                        [wire.dtype_name(x.dtype) for x in mine], sum(x.numel() * x.element_size() for x in mine)))
         self.synthesized += 1
         return Pending.done(what, synth.results(call, group.size, group.group_rank(self.rank)))
 
@@ -301,8 +303,8 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._check_deferred()
         t, wall, cpu = self._span()
         if self.synthesize:
-            self._send(("psend", group.key, dst, tag, seq, self.unit, t, wall, cpu, list(tensor.shape),
-                        wire.dtype_name(tensor.dtype), tensor.numel() * tensor.element_size()))
+            self._send(PSend(group.key, dst, tag, seq, self.unit, t, wall, cpu, list(tensor.shape),
+                             wire.dtype_name(tensor.dtype), tensor.numel() * tensor.element_size()))
             return Pending.done("send")
         if self._exchange is not None and (self._captured is None or dst in self._captured):
             # staged in this rank's arena; the receiver reads it there (the coordinator names where)
@@ -315,9 +317,9 @@ class CaptureTransport(RankExchange, DeferredWaits):
             gpu = self._gpu if self._gpu is not None and tensor.device == self._gpu.device else None
             location = self._stage(op_id, [tensor], gpu, (self.rank, dst))
             self.busy_s["stage"] += time.perf_counter() - t0
-            self._send(("xsend", op_id, group.key, dst, tag, seq, self.unit, t, wall, cpu, location))
+            self._send(XSend(op_id, group.key, dst, tag, seq, self.unit, t, wall, cpu, location))
             return Pending.done("send")
-        self._send(("send", -1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
+        self._send(Send(-1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
         return Pending.done("send")
 
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
@@ -325,8 +327,8 @@ class CaptureTransport(RankExchange, DeferredWaits):
         what = f"rank {self.rank}: recv from rank {src} tag {tag} on group {group.key} seq {seq}"
         if self.synthesize:
             t, wall, cpu = self._span()
-            self._send(("precv", group.key, src, tag, seq, self.unit, t, wall, cpu, list(like.shape),
-                        wire.dtype_name(like.dtype), like.numel() * like.element_size()))
+            self._send(PRecv(group.key, src, tag, seq, self.unit, t, wall, cpu, list(like.shape),
+                             wire.dtype_name(like.dtype), like.numel() * like.element_size()))
             self.synthesized += 1
             return Pending.done(what, [synth.fill(like)])
         op_id, p = self._new_pending(what)
@@ -337,7 +339,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                 self._gpu.peers.meet((src,))
                 self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
                 self._gpu_op(op_id, p, deferrable=False)
-        self._send(("recv", op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
+        self._send(Recv(op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 
     def returned(self) -> None:
@@ -352,14 +354,14 @@ class CaptureTransport(RankExchange, DeferredWaits):
         t, wall, cpu = self._span(until=t0)
         if t1 is not None:
             self._clock.resume(t1)
-        self._send(("wait", ref, self.unit, t, wall, cpu, t0, t1))
+        self._send(Wait(ref, self.unit, t, wall, cpu, t0, t1))
 
     def report_memory(self, summary: dict) -> None:
-        self._send(("memory", self.rank, summary))
+        self._send(Memory(self.rank, summary))
 
     def marker(self, name: str) -> None:
         t, wall, cpu = self._span()
-        self._send(("marker", name, self.unit, t, wall, cpu))
+        self._send(Marker(name, self.unit, t, wall, cpu))
         if name == "step":
             if self.unit + 1 == DEFER_FROM_STEP:
                 self._before_deferring()
@@ -376,7 +378,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                   f"{self._deferred_error}", file=sys.stderr, flush=True)
         try:
             folds = self._device_fold
-            self._send(("stats", self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
+            self._send(Stats(self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
                                              "deferred_waits": self.deferred_waits,
                                              "staged_ops": self.staged_ops,
                                              "device_folds": folds.device_ops if folds else 0,
@@ -392,7 +394,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                                              "fold_finish": round(folds.finish_s, 3) if folds else 0.0,
                                              "thread_cpu_s": thread_cpu_seconds(),
                                              **{k: round(v, 3) for k, v in self.busy_s.items()}}))
-            self._send(("bye", self.rank))
+            self._send(Bye(self.rank))
         except OSError:
             pass
         # the reader polls every 0.1 s: end it (and drop the tensors it last received) before
@@ -418,58 +420,70 @@ class CaptureTransport(RankExchange, DeferredWaits):
                 except (OSError, EOFError):
                     self._fail_all("the capture coordinator closed the connection")
                     return
-                kind = header[0]
+                message = protocol.decode(header)
                 self._alive = time.monotonic()
-                if kind == "go":
-                    self._go.release()
-                    continue
-                if kind == "alive":
-                    continue
-                if kind == "free":
-                    self._unparked = True
-                    continue
-                if kind == "mirror":
-                    self._mirrored[header[1]] = header[2]
-                    continue
-                if kind == "xok":
-                    sent = self._x_sent.pop(header[1], None)
-                    if sent is not None and len(header) > 3:
-                        self.busy_s["x_until_complete"] += max(0.0, header[3] - sent)
-                        self.busy_s["x_to_reader"] += max(0.0, self._alive - header[3])
-                    self._compute_exchanged(header[1], header[2], header[4] if len(header) > 4 else None)
-                    continue
-                if kind == "sok":
-                    self._receive_result(header[1], header[2])
-                    continue
-                if kind == "xrecv":
-                    self._receive_exchanged(header[1], header[2])
-                    continue
-                if kind == "xfree":
-                    region = self._regions.pop(header[1], None)
-                    kept = self._kept.pop(header[1], None)
-                    if kept is not None:
-                        self._arena.free(kept[1])
-                    if region is not None and region[0] == "gpu":
-                        self._gpu.free(region[1], self._arena)
-                    elif region is not None and self._arena is not None:
-                        for r in region if isinstance(region, list) else [region]:
-                            self._arena.free(r)
-                    continue
-                op_id = header[1]
-                self._recv_on.pop(op_id, None)
-                with self._pending_lock:
-                    p = self._pending.pop(op_id, None)
-                if p is None:
-                    continue
-                if kind == "ok":
-                    p.complete(tensors)
-                else:
-                    p.fail(CommDeadlineError(header[2]) if kind == "deadline" else RuntimeError(header[2]))
+                self._on_reply[type(message)](message, tensors)
             now = time.monotonic()
             with self._pending_lock:
                 pend = list(self._pending.values())
             for p in pend:
                 p.check_deadline(now)
+
+    def _reply_table(self) -> dict:
+        """Each reply the coordinator sends once connected (:data:`nccl_ext.core.protocol.REPLIES`)
+        -> its handler ``(message, tensors)``."""
+        return {Go: self._on_go, Alive: self._on_alive, Free: self._on_free, Mirror: self._on_mirror,
+                XOk: self._on_xok, SOk: self._on_sok, XRecv: self._on_xrecv, XFree: self._on_xfree,
+                Ok: self._on_done, OpFailed: self._on_done}
+
+    def _on_go(self, m: Go, tensors) -> None:
+        self._go.release()
+
+    def _on_alive(self, m: Alive, tensors) -> None:
+        pass
+
+    def _on_free(self, m: Free, tensors) -> None:
+        self._unparked = True
+
+    def _on_mirror(self, m: Mirror, tensors) -> None:
+        self._mirrored[m.key] = m.keep
+
+    def _on_xok(self, m: XOk, tensors) -> None:
+        sent = self._x_sent.pop(m.op_id, None)
+        if sent is not None:
+            self.busy_s["x_until_complete"] += max(0.0, m.t - sent)
+            self.busy_s["x_to_reader"] += max(0.0, self._alive - m.t)
+        self._compute_exchanged(m.op_id, m.locations, m.parts)
+
+    def _on_sok(self, m: SOk, tensors) -> None:
+        self._receive_result(m.op_id, m.location)
+
+    def _on_xrecv(self, m: XRecv, tensors) -> None:
+        self._receive_exchanged(m.op_id, m.location)
+
+    def _on_xfree(self, m: XFree, tensors) -> None:
+        region = self._regions.pop(m.op_id, None)
+        kept = self._kept.pop(m.op_id, None)
+        if kept is not None:
+            self._arena.free(kept[1])
+        if region is not None and region[0] == "gpu":
+            self._gpu.free(region[1], self._arena)
+        elif region is not None and self._arena is not None:
+            for r in region if isinstance(region, list) else [region]:
+                self._arena.free(r)
+
+    def _on_done(self, m: Ok | OpFailed, tensors) -> None:
+        """Op ``m.op_id`` completed with ``tensors``, or failed."""
+        op_id = m.op_id
+        self._recv_on.pop(op_id, None)
+        with self._pending_lock:
+            p = self._pending.pop(op_id, None)
+        if p is None:
+            return
+        if isinstance(m, Ok):
+            p.complete(tensors)
+        else:
+            p.fail(CommDeadlineError(m.message) if m.deadline else RuntimeError(m.message))
 
     def _fail_all(self, why: str) -> None:
         self._closed.set()

@@ -15,14 +15,17 @@ import json
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 
 import torch
 
-from nccl_ext.core import wire
+from nccl_ext.core import protocol, wire
+from nccl_ext.core.protocol import (Bye, Coll, Group, Hello, LColl, Marker, Memory, Meta, Mirror, Ok, Park, PRecv,
+                                    PSend, Recv, SColl, Send, Stalled, Stats, Wait, XColl, XOk, XRead, XSend)
 from nccl_ext.exchange.arena import PeerViews
 from nccl_ext.exchange.ipc import is_device_location
 from nccl_ext.core.ops import Collective, ReduceKind, compute, contributors
+from prism_launch.capture.listener import HANDSHAKE_S, RankListener
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, exchanged_terms, weighted_reduction
 from prism_launch.capture.ops_state import (Arrival, CaptureDeadlineError, CaptureError, Lags, OpGroup,
                                             PayloadBudgetError, PendingCollective, Reads, describe, op_label)
@@ -42,7 +45,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
                  slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,
                  payload: str = "full", budget_bytes: int | None = None, admission=None, sink=None,
-                 scope: tuple[int, ...] | None = None, exchange: str | None = None):
+                 scope: tuple[int, ...] | None = None, exchange: str | None = None, handshake_s: float = HANDSHAKE_S):
         self.world_size = world_size
         self.sink = sink if sink is not None else MemorySink()
         self.payload = payload
@@ -67,9 +70,9 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         self.timeout_s = timeout_s
         self.scheduler = SlotScheduler(slots, parker=parker, stall_s=stall_s, admission=admission,
                                        expected=len(fold.captured) if fold is not None else world_size)
-        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self._listener = RankListener(address, authkey, self._arrived, handshake_s=handshake_s)
         self.address = address
-        self._new_conns: list[Connection] = []
+        self._new_conns: list[tuple[Connection, Hello]] = []
         self._conn_lock = threading.Lock()
         self._conns: list[Connection] = []
         self._rank_of: dict[Connection, int] = {}
@@ -97,43 +100,33 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         self.lags = Lags()
         self._pump_end = None
         """Each rank's own seconds by activity (``CaptureTransport.busy_s``, sent at its close)."""
-        self._accepting = True
-        self._acceptor = threading.Thread(target=self._accept_loop, name="prism-coordinator-accept", daemon=True)
+        self._handlers = {
+            Hello: self._on_hello, Park: self._on_park, Group: self._on_group, Coll: self._on_coll,
+            SColl: self._on_scoll, XColl: self._on_xcoll, Meta: self._on_meta, LColl: self._on_lcoll,
+            PSend: self._on_p2p_meta, PRecv: self._on_p2p_meta, Send: self._on_send_message,
+            XSend: self._on_xsend, Recv: self._on_recv, XRead: self._on_xread, Marker: self._on_marker,
+            Wait: self._on_wait, Memory: self._on_memory, Stats: self._on_stats, Stalled: self._on_stalled,
+            Bye: self._on_bye,
+        }
+        """Each message a rank sends (:data:`nccl_ext.core.protocol.RANK_MESSAGES`) -> its handler
+        ``(connection, message, tensors)``."""
 
     def start(self) -> None:
         """Start accepting ranks (call after the ranks are forked: no thread before fork)."""
-        self._acceptor.start()
+        self._listener.start()
 
-    def _accept_loop(self) -> None:
-        while self._accepting:
-            try:
-                conn = self._listener.accept()
-            except (OSError, EOFError):
-                return
-            except Exception:  # noqa: BLE001 - bad authkey or a stray client: ignore it
-                continue
-            with self._conn_lock:
-                self._new_conns.append(conn)
+    def _arrived(self, conn: Connection, hello: Hello) -> None:
+        """A rank passed the handshake (the listener's thread): the pump takes it in."""
+        with self._conn_lock:
+            self._new_conns.append((conn, hello))
 
     def close(self) -> None:
         self._close_notes()
         self.scheduler.close()
-        self._accepting = False
-        sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
-        if sock is not None:  # wake the acceptor blocked in accept(); close() alone does not
-            import socket
-
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        if self._acceptor.is_alive():
-            self._acceptor.join(timeout=2.0)
-        for c in self._conns:
+        self._listener.close()
+        with self._conn_lock:
+            arrived, self._new_conns = self._new_conns, []
+        for c in self._conns + [c for c, _ in arrived]:
             c.close()
         if self._views is not None:
             self._views.close()
@@ -142,8 +135,10 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
     # -- the pump ---------------------------------------------------------------------
     def pump(self, timeout_s: float = 0.05) -> None:
         with self._conn_lock:
-            self._conns.extend(self._new_conns)
-            self._new_conns.clear()
+            arrived, self._new_conns = self._new_conns, []
+        for conn, hello in arrived:
+            self._conns.append(conn)
+            self._handle(conn, hello, [])
         if self._pump_end is not None:  # messages wait unread meanwhile (the agent's own work)
             self.lags.note("between_pumps", time.perf_counter() - self._pump_end)
         ready = wait(self._conns, timeout=timeout_s) if self._conns else time.sleep(timeout_s)
@@ -153,10 +148,11 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
                 while conn.poll(0):
                     t = time.perf_counter()
                     header, tensors = wire.recv(conn)
+                    message = protocol.decode(header)
                     t1 = time.perf_counter()
                     self.busy_s["receive"] += t1 - t
-                    self._handle(conn, header, tensors)
-                    self.lags.note(f"handle_{header[0]}", time.perf_counter() - t1, op_label(header))
+                    self._handle(conn, message, tensors)
+                    self.lags.note(f"handle_{message.TAG}", time.perf_counter() - t1, op_label(message))
             except (EOFError, OSError):
                 self._conns.remove(conn)
                 rank = self._rank_of.get(conn)
@@ -171,90 +167,97 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         self.busy_s["pump"] += self._pump_end - t_pump
         self.lags.note("pump", self._pump_end - t_pump)
 
-    def _handle(self, conn: Connection, header: tuple, tensors: list[torch.Tensor]) -> None:
-        kind = header[0]
-        if kind == "hello":
-            _, rank, pid = header
-            self._rank_of[conn] = rank
-            self.scheduler.arrive(rank, pid, conn)
-        elif kind == "park":
-            self.scheduler.park(self._rank_of[conn], header[1])
-        elif kind == "group":
-            _, key, ranks, occurrence, desc = header
-            if key not in self._groups:
-                ranks = tuple(ranks)
-                g = OpGroup(len(self._groups), key, ranks, occurrence, desc, present=len(ranks),
-                           consumed=self.scope is None or not self.scope.isdisjoint(ranks))
-                if self.fold is not None and self.fold.folded:
-                    sources = self.fold.sources(ranks)
-                    if sources is not None and sources != ranks:
-                        g.sources = sources
-                        g.present = sum(1 for r in ranks if self.fold.is_captured(r))
-                        from prism_launch.capture.fold import is_replicated
+    def _handle(self, conn: Connection, message: tuple, tensors: list[torch.Tensor]) -> None:
+        self._handlers[type(message)](conn, message, tensors)
 
-                        if not is_replicated(desc, ranks, self.world_size, self.fold.replicated):
-                            self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
-                self._groups[key] = g
-                rank = self._rank_of[conn]
-                if self._mirrored(g) == rank:
-                    # a sandbox rank's data of the group is kept: it comes through the exchange
-                    if rank not in self.scope or self._views is not None:
-                        wire.send(conn, ("mirror", key, rank in self.scope))
-        elif kind == "xcoll":
-            loc = header[-1]
+    def _on_hello(self, conn: Connection, m: Hello, tensors) -> None:
+        self._rank_of[conn] = m.rank
+        self.scheduler.arrive(m.rank, m.pid, conn)
+
+    def _on_park(self, conn: Connection, m: Park, tensors) -> None:
+        self.scheduler.park(self._rank_of[conn], m.op_id)
+
+    def _on_group(self, conn: Connection, m: Group, tensors) -> None:
+        key, ranks, occurrence, desc = m
+        if key not in self._groups:
+            ranks = tuple(ranks)
+            g = OpGroup(len(self._groups), key, ranks, occurrence, desc, present=len(ranks),
+                       consumed=self.scope is None or not self.scope.isdisjoint(ranks))
+            if self.fold is not None and self.fold.folded:
+                sources = self.fold.sources(ranks)
+                if sources is not None and sources != ranks:
+                    g.sources = sources
+                    g.present = sum(1 for r in ranks if self.fold.is_captured(r))
+                    from prism_launch.capture.fold import is_replicated
+
+                    if not is_replicated(desc, ranks, self.world_size, self.fold.replicated):
+                        self.approximated_groups.append({"desc": desc, "size": len(ranks), "ranks": list(ranks[:16])})
+            self._groups[key] = g
             rank = self._rank_of[conn]
-            location, g = None if loc is None else (rank, *loc), self._group(header[2])
-            # of a folded group's op (summed by its members) the trace reads only a sandbox rank's data
-            reads = g.consumed and (g.sources is None or self.scope is None or rank in self.scope)
-            tensors = [] if location is None else self._located(location, reads, f"{header[4]} (seq {header[3]}) on "
-                                                                f"group {header[2]}", lazy=True)
-            self._on_collective(conn, header[:-1], tensors, location)
-        elif kind == "scoll":  # computed here from the contribution where the rank staged it
-            rank = self._rank_of[conn]
-            self._on_collective(conn, header[:-1], self._views.views((rank, *header[-1])), staged=True)
-        elif kind == "xread":
-            self._on_read(conn, header[1], header[2] if len(header) > 2 else None)
-        elif kind == "coll":
-            if self.payload == "none" and header[5] == str(Collective.BROADCAST):
-                self._on_carried_broadcast(conn, header, tensors)
-            else:
-                self._on_collective(conn, header, tensors)
-        elif kind == "meta":
-            self._on_meta(conn, header)
-        elif kind == "lcoll":
-            self._on_meta(conn, header, mirrored=True)
-        elif kind in ("psend", "precv"):
-            self._on_p2p_meta(conn, header)
-        elif kind == "xsend":
-            self._on_xsend(conn, header)
-        elif kind == "send":
-            self._on_send(conn, header, tensors[0])
-        elif kind == "recv":
-            self._on_recv(conn, header)
-        elif kind == "marker":
-            _, name, unit, t, wall, cpu = header
-            rank = self._rank_of[conn]
-            self._row(rank, unit, "marker", name, None, -1, -1, None, t, t, wall, cpu, None, None)
-        elif kind == "wait":
-            _, ref, unit, t, wall, cpu, t0, t1 = header
-            rank = self._rank_of[conn]
-            group = self._group(ref[1])
-            seq, peer, extra = ref[-1], -1, {"ref": ref[0], "blocked_s": None if t0 is None else t1 - t0}
-            if ref[0] in ("s", "r"):
-                peer, extra["tag"] = ref[2], ref[3]
-            self._row(rank, unit, "wait", "wait", group, seq, peer, None, t, t if t1 is None else t1, wall, cpu,
-                      None, extra)
-        elif kind == "memory":
-            self.memory[header[1]] = header[2]
-            if self.scheduler.admission is not None:
-                self.scheduler.admission.report(header[1], header[2])
-        elif kind == "stats":
-            self.rank_busy_s[header[1]] = header[2]
-        elif kind == "stalled":  # a rank's waits on the GPU stopped (nccl_ext.capture.deferred_waits)
-            self.gpu_waits_stalled.append((header[1], header[2]))
-        elif kind == "bye":
-            self.finished.add(header[1])
-            self.scheduler.gone(header[1])
+            if self._mirrored(g) == rank:
+                # a sandbox rank's data of the group is kept: it comes through the exchange
+                if rank not in self.scope or self._views is not None:
+                    wire.send(conn, protocol.encode(Mirror(key, rank in self.scope)))
+
+    def _on_xcoll(self, conn: Connection, m: XColl, tensors) -> None:
+        loc = m.location
+        rank = self._rank_of[conn]
+        location, g = None if loc is None else (rank, *loc), self._group(m.key)
+        # of a folded group's op (summed by its members) the trace reads only a sandbox rank's data
+        reads = g.consumed and (g.sources is None or self.scope is None or rank in self.scope)
+        tensors = [] if location is None else self._located(location, reads, f"{m.api} (seq {m.seq}) on "
+                                                            f"group {m.key}", lazy=True)
+        self._on_collective(conn, m, tensors, location)
+
+    def _on_scoll(self, conn: Connection, m: SColl, tensors) -> None:
+        """Computed here from the contribution where the rank staged it."""
+        rank = self._rank_of[conn]
+        self._on_collective(conn, m, self._views.views((rank, *m.location)), staged=True)
+
+    def _on_xread(self, conn: Connection, m: XRead, tensors) -> None:
+        self._on_read(conn, m.op_id, m.kept)
+
+    def _on_coll(self, conn: Connection, m: Coll, tensors) -> None:
+        if self.payload == "none" and m.kind == str(Collective.BROADCAST):
+            self._on_carried_broadcast(conn, m, tensors)
+        else:
+            self._on_collective(conn, m, tensors)
+
+    def _on_lcoll(self, conn: Connection, m: LColl, tensors) -> None:
+        self._on_meta(conn, m, tensors, mirrored=True)
+
+    def _on_send_message(self, conn: Connection, m: Send, tensors) -> None:
+        self._on_send(conn, m, tensors[0])
+
+    def _on_marker(self, conn: Connection, m: Marker, tensors) -> None:
+        rank = self._rank_of[conn]
+        self._row(rank, m.unit, "marker", m.name, None, -1, -1, None, m.t, m.t, m.wall, m.cpu, None, None)
+
+    def _on_wait(self, conn: Connection, m: Wait, tensors) -> None:
+        ref, unit, t, wall, cpu, t0, t1 = m
+        rank = self._rank_of[conn]
+        group = self._group(ref[1])
+        seq, peer, extra = ref[-1], -1, {"ref": ref[0], "blocked_s": None if t0 is None else t1 - t0}
+        if ref[0] in ("s", "r"):
+            peer, extra["tag"] = ref[2], ref[3]
+        self._row(rank, unit, "wait", "wait", group, seq, peer, None, t, t if t1 is None else t1, wall, cpu,
+                  None, extra)
+
+    def _on_memory(self, conn: Connection, m: Memory, tensors) -> None:
+        self.memory[m.rank] = m.summary
+        if self.scheduler.admission is not None:
+            self.scheduler.admission.report(m.rank, m.summary)
+
+    def _on_stats(self, conn: Connection, m: Stats, tensors) -> None:
+        self.rank_busy_s[m.rank] = m.stats
+
+    def _on_stalled(self, conn: Connection, m: Stalled, tensors) -> None:
+        """A rank's waits on the GPU stopped (nccl_ext.capture.deferred_waits)."""
+        self.gpu_waits_stalled.append((m.rank, m.what))
+
+    def _on_bye(self, conn: Connection, m: Bye, tensors) -> None:
+        self.finished.add(m.rank)
+        self.scheduler.gone(m.rank)
 
     def _mirrored(self, g: OpGroup) -> int | None:
         """The rank that computes ``g``'s collectives itself (:mod:`nccl_ext.core.mirrored`): in a
@@ -292,8 +295,10 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
             raise CaptureError(f"op on unregistered group {key}") from None
 
     # -- collectives --------------------------------------------------------------------
-    def _on_collective(self, conn, header, tensors, location: tuple | None = None, staged: bool = False) -> None:
-        _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
+    def _on_collective(self, conn, m: Coll | SColl | XColl, tensors, location: tuple | None = None,
+                       staged: bool = False) -> None:
+        op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = m[:12]
+        exchanged = isinstance(m, XColl)
         self.lags.note("arrival", time.monotonic() - t)
         rank = self._rank_of[conn]
         group = self._group(key)
@@ -303,7 +308,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         if pc is None:
             pc = PendingCollective(group, seq, api, kind, reduce, root, time.monotonic(), [None] * len(group.ranks))
             self._collectives[(key, seq)] = pc
-            if header[0] == "xcoll":
+            if exchanged:
                 pc.locations = {}
         elif (pc.kind, pc.reduce, pc.root) != (kind, reduce, root):
             first = next(iter(pc.arrivals.values()))
@@ -313,7 +318,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
                 f"called {api}(reduce={reduce}, root={root})"
             )
         grank = group.ranks.index(rank)
-        if (pc.locations is not None) != (header[0] == "xcoll"):
+        if (pc.locations is not None) != exchanged:
             raise CaptureError(f"{api} (seq {seq}) on group {describe(group.ranks)}: members disagree on "
                                "whether it goes through the shared-memory exchange")
         if location is not None:
@@ -411,7 +416,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
             if arrival.staged and results[grank]:
                 self._reply_staged(arrival, results[grank], shared)
             else:
-                wire.send(arrival.conn, ("ok", arrival.op_id), results[grank])
+                wire.send(arrival.conn, protocol.encode(Ok(arrival.op_id)), results[grank])
             self.busy_s["reply"] += time.perf_counter() - t0
             self.scheduler.answered(arrival.rank, arrival.op_id)
         if staged:
@@ -432,7 +437,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         for arrival in pc.arrivals.values():
             self._reads[(arrival.rank, arrival.op_id)] = reads
             arrival.row["t_end"] = now
-            wire.send(arrival.conn, ("xok", arrival.op_id, locations, time.monotonic(), parts))
+            wire.send(arrival.conn, protocol.encode(XOk(arrival.op_id, locations, time.monotonic(), parts)))
             self.scheduler.answered(arrival.rank, arrival.op_id)
         self.busy_s["reply"] += time.perf_counter() - t0
         self.ops_completed += 1

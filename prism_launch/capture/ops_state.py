@@ -117,10 +117,11 @@ class Lags:
                 for what, m in self._max.items()}
 
 
-def op_label(header: tuple) -> str:
-    """What a rank's message to the coordinator was, for :class:`Lags`: its kind, and for an op
-    (``coll``, ``xcoll``, ``scoll``...: ``(kind, op_id, group key, seq, api, ...)``) its call,
+def op_label(message: tuple) -> str:
+    """What a rank's message to the coordinator was (:mod:`nccl_ext.core.protocol`), for
+    :class:`Lags`: its kind, and for a collective (``coll``, ``xcoll``, ``scoll``...) its call,
     group and sequence number."""
-    if len(header) > 4 and isinstance(header[2], str) and isinstance(header[3], int):
-        return f"{header[0]} {header[4]} seq {header[3]} on group {header[2]}"
-    return str(header[0])
+    api = getattr(message, "api", None)
+    if api is not None:
+        return f"{message.TAG} {api} seq {message.seq} on group {message.key}"
+    return message.TAG

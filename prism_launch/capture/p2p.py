@@ -9,7 +9,8 @@ from collections import deque
 
 import torch
 
-from nccl_ext.core import wire
+from nccl_ext.core import protocol, wire
+from nccl_ext.core.protocol import Ok, Recv, Send, XRecv, XSend
 from nccl_ext.exchange.ipc import is_device_location
 from prism_launch.capture.ops_state import CaptureError, OpGroup, Reads, describe
 
@@ -18,10 +19,10 @@ class PointToPoint:
     """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator` (its connections' ranks,
     groups, rows, notes, scheduler, fold plan and pending reads)."""
 
-    def _on_send(self, conn, header, tensor, staged: tuple | None = None) -> None:
+    def _on_send(self, conn, m: Send | XSend, tensor, staged: tuple | None = None) -> None:
         """A send: its tensor came over the connection, or (``staged``: the sender's op id and
         the location) lies in the sender's arena until the receiver has read it."""
-        _, _op_id, key, dst, tag, seq, unit, t, wall, cpu = header[:10]
+        _op_id, key, dst, tag, seq, unit, t, wall, cpu = m[:9]
         src = self._rank_of[conn]
         group = self._group(key)
         self._check_p2p_peer(src, dst, group, "send to")
@@ -47,15 +48,15 @@ class PointToPoint:
         else:
             self._sends.setdefault(chan, deque()).append((seq, tensor, staged))
 
-    def _on_xsend(self, conn, header) -> None:
-        op_id, location = header[1], (self._rank_of[conn], *header[-1])
-        src, dst = location[0], header[3]
+    def _on_xsend(self, conn, m: XSend, tensors=()) -> None:
+        op_id, location = m.op_id, (self._rank_of[conn], *m.location)
+        src, dst = location[0], m.dst
         reads = self.scope is None or src in self.scope or dst in self.scope
-        tensor = self._located(location, reads, f"send from rank {src} to rank {dst} (seq {header[5]})")[0]
-        self._on_send(conn, header, tensor, (op_id, location))
+        tensor = self._located(location, reads, f"send from rank {src} to rank {dst} (seq {m.seq})")[0]
+        self._on_send(conn, m, tensor, (op_id, location))
 
-    def _on_recv(self, conn, header) -> None:
-        _, op_id, key, src, tag, seq, unit, t, wall, cpu = header
+    def _on_recv(self, conn, m: Recv, tensors=()) -> None:
+        op_id, key, src, tag, seq, unit, t, wall, cpu = m
         dst = self._rank_of[conn]
         group = self._group(key)
         self._check_p2p_peer(dst, src, group, "receive from")
@@ -92,11 +93,11 @@ class PointToPoint:
         row["nbytes"] = tensor.numel() * tensor.element_size()
         t0 = time.perf_counter()
         if staged is None:
-            wire.send(conn, ("ok", op_id), [tensor])
+            wire.send(conn, protocol.encode(Ok(op_id)), [tensor])
         else:
             owner, send_id, location, *notes = staged
             self._reads[(dst, op_id)] = Reads(1, [(owner, send_id)], notes)
-            wire.send(conn, ("xrecv", op_id, location))
+            wire.send(conn, protocol.encode(XRecv(op_id, location)))
         self.busy_s["reply"] += time.perf_counter() - t0
         self.scheduler.answered(dst, op_id)
         self.ops_completed += 1

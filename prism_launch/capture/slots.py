@@ -6,7 +6,8 @@ import time
 from collections import deque
 from multiprocessing.connection import Connection
 
-from nccl_ext.core import wire
+from nccl_ext.core import protocol, wire
+from nccl_ext.core.protocol import Alive, Free, Go
 from nccl_ext.core.ranklist import short_ranks
 
 
@@ -104,7 +105,7 @@ class SlotScheduler:
         if conn is None:
             return
         try:
-            wire.send(conn, ("go",))
+            wire.send(conn, protocol.encode(Go()))
         except OSError:
             self.gone(rank)
 
@@ -192,7 +193,7 @@ class SlotScheduler:
                 conn = self._conn.get(rank)
                 if conn is not None:
                     try:
-                        wire.send(conn, ("alive",))
+                        wire.send(conn, protocol.encode(Alive()))
                     except OSError:
                         pass
         if self.admission is not None and self.admission.waiting:
@@ -218,7 +219,7 @@ class SlotScheduler:
         self.unparked_at = time.monotonic()
         for rank, conn in list(self._conn.items()):
             try:
-                wire.send(conn, ("free",))
+                wire.send(conn, protocol.encode(Free()))
             except OSError:
                 self.gone(rank)
 

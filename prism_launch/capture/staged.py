@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nccl_ext.core import wire
+from nccl_ext.core import protocol, wire
+from nccl_ext.core.protocol import SOk, XFree
 from nccl_ext.exchange.arena import Arena, detached
 from nccl_ext.exchange.ipc import described, is_device_location
 from nccl_ext.core.ops import Collective
@@ -57,7 +58,7 @@ class StagedResults:
             entry = shared[id(tensors)] = ((COORDINATOR_ARENA, gen, descs), ResultReads(0, token))
         entry[1].left += 1
         self._result_reads[(arrival.rank, arrival.op_id)] = entry[1]
-        wire.send(arrival.conn, ("sok", arrival.op_id, entry[0]))
+        wire.send(arrival.conn, protocol.encode(SOk(arrival.op_id, entry[0])))
 
     def _read_result(self, rank: int, op_id: int) -> bool:
         """A member has copied its staged result (False: not a staged result)."""
@@ -91,7 +92,7 @@ class StagedResults:
         def free() -> None:
             for conn, op_id in owners:
                 try:
-                    wire.send(conn, ("xfree", op_id))
+                    wire.send(conn, protocol.encode(XFree(op_id)))
                 except OSError:
                     pass
 

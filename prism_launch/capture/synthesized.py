@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from nccl_ext.core import wire
+from nccl_ext.core import protocol, wire
+from nccl_ext.core.protocol import Coll, LColl, Meta, Ok, PSend, PRecv
 from nccl_ext.core.ops import Collective
 from prism_launch.capture.notes import _copies
 from prism_launch.capture.ops_state import Arrival, PendingCollective
@@ -14,16 +15,16 @@ from prism_launch.capture.ops_state import Arrival, PendingCollective
 class SynthesizedOps:
     """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator`."""
 
-    def _on_meta(self, conn, header, mirrored: bool = False) -> None:
+    def _on_meta(self, conn, m: Meta | LColl, tensors=(), mirrored: bool = False) -> None:
         """A collective the rank synthesized, or computed itself as a folded group's only captured
         member (``mirrored``: every other member contributes its data, :mod:`nccl_ext.core.mirrored`):
         its event, no tensors, nothing to wait for."""
-        _, key, seq, api, kind, reduce, root, unit, t, wall, cpu, shapes, dtypes, nbytes = header[:14]
+        key, seq, api, kind, reduce, root, unit, t, wall, cpu, shapes, dtypes, nbytes = m[:13]
         rank = self._rank_of[conn]
         group = self._group(key)
         extra = {"kind": kind, "reduce": reduce, "root": root, "n": len(shapes), "shapes": shapes,
                  "dtypes": dtypes, "digests": [], "mirrored" if mirrored else "synthesized": True}
-        kept = header[14] if len(header) > 14 else None
+        kept = m.kept if mirrored else None
         row = self._row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None,
                         None if kept is not None else extra)
         row["dtype"], row["shape"], row["nbytes"] = (dtypes[0] if dtypes else ""), (shapes[0] if shapes else []), nbytes
@@ -64,23 +65,23 @@ class SynthesizedOps:
         # wait for the coordinator): its region needs no freeing then
         self._free_contributions([(conn, op_id)])
 
-    def _on_p2p_meta(self, conn, header) -> None:
-        kind, key, peer, tag, seq, unit, t, wall, cpu, shape, dtype, nbytes = header
+    def _on_p2p_meta(self, conn, m: PSend | PRecv, tensors=()) -> None:
+        key, peer, tag, seq, unit, t, wall, cpu, shape, dtype, nbytes = m
         rank = self._rank_of[conn]
         group = self._group(key)
-        op = "send" if kind == "psend" else "recv"
+        op = "send" if isinstance(m, PSend) else "recv"
         extra = {"tag": tag, "kind": op, "n": 1, "shapes": [shape], "dtypes": [dtype], "digests": [],
                  "synthesized": True}
         row = self._row(rank, unit, "p2p", op, group, seq, peer, None, t, t, wall, cpu, None, extra)
         row["dtype"], row["shape"], row["nbytes"] = dtype, shape, nbytes
         self.ops_completed += 1
 
-    def _on_carried_broadcast(self, conn, header, tensors) -> None:
+    def _on_carried_broadcast(self, conn, m: Coll, tensors) -> None:
         """``payload=none``: a broadcast small enough to keep its payload. The root (or, when the
         root is not captured, its stand-in) is answered at once; every other member when the
         payload is here — so ranks that run one after another in rank order never wait for a
         peer that has not started. Each receiver's result is stored for its emulation."""
-        _, op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = header
+        op_id, key, seq, api, kind, reduce, root, contributes, unit, t, wall, cpu = m
         rank = self._rank_of[conn]
         group = self._group(key)
         grank = group.ranks.index(rank)
@@ -111,7 +112,7 @@ class SynthesizedOps:
                 self.sink.record_tensors(arrival.rank, [f"r/{group.id}/{seq}/{i}" for i in range(len(result))],
                                          list(result))
             arrival.row["t_end"] = now
-            wire.send(arrival.conn, ("ok", arrival.op_id), result)
+            wire.send(arrival.conn, protocol.encode(Ok(arrival.op_id)), result)
             self.scheduler.answered(arrival.rank, arrival.op_id)
             del pc.arrivals[g]
             pc.contributions[g] = []  # answered

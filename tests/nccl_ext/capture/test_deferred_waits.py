@@ -10,6 +10,7 @@ import pytest
 
 from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, MAX_DEFERRED, DeferredWaits
 from nccl_ext.core.pending import Pending
+from nccl_ext.core.protocol import Stalled
 
 
 class Flags:
@@ -242,5 +243,5 @@ def test_a_deferred_op_stalls_after_stall_s_however_far_its_deadline_and_the_lau
         time.sleep(0.02)
     assert p.error is not None and time.monotonic() - t0 < 5 and 0 in flags.released
     assert "were not written within 0 s of it" in str(p.error)  # of the wait's return, not of comm.timeout_s
-    assert [m[:2] for m in sent] == [("stalled", 7)] and "deadline exceeded: op 0" in sent[0][2]
+    assert [(type(m), m.rank) for m in sent] == [(Stalled, 7)] and "deadline exceeded: op 0" in sent[0].what
     rank._closed.set()

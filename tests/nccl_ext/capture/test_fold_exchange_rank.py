@@ -16,6 +16,7 @@ from nccl_ext.exchange.ipc import DEVICE_TAG
 from nccl_ext.core.replica_sums import terms, weighted_sum
 from nccl_ext.core.ops import Collective, ReduceKind
 from nccl_ext.core.pending import Pending
+from nccl_ext.core.protocol import XRead
 
 N = 100  # members; 0 and 1 captured, each standing in for 49 others
 PARTS = terms([g < 2 for g in range(N)], [g % 2 for g in range(N)])
@@ -107,11 +108,11 @@ def test_the_gpu_path_sums_into_the_callers_tensors_and_stages_the_sandbox_membe
                 assert all(torch.equal(t, w) for t, w in zip(targets, _want(kind, contributions, me, ReduceKind.SUM)))
                 rank._xread(3)
                 if me in scope:
-                    (_tag, op, (gen, descs)), = rank.sent
+                    (op, (gen, descs)), = rank.sent
                     staged = rank._peers.views((me, gen, descs))
                     assert op == 3 and all(torch.equal(s, t) for s, t in zip(staged, targets))
                 else:
-                    assert rank.sent == [("xread", 3)] and 3 not in rank._kept
+                    assert rank.sent == [XRead(3, None)] and 3 not in rank._kept
                 rank._arena.close()
                 rank._peers.close()
     finally:
@@ -132,7 +133,7 @@ def test_the_host_path_sums_from_the_peers_arenas(tmp_path):
         p, targets = _op(rank, kind, contributions, 1, issue=None)
         rank._compute_exchanged(3, locations, PARTS)
         assert p.is_done and p.error is None and all(torch.equal(t, w) for t, w in zip(targets, _want(kind, contributions, 1, ReduceKind.SUM)))
-        (_tag, op, (gen, descs)), = rank.sent  # the host path reports its read with the kept result
+        (op, (gen, descs)), = rank.sent  # the host path reports its read with the kept result
         assert op == 3 and all(torch.equal(s, t) for s, t in zip(rank._peers.views((1, gen, descs)), targets))
         arenas[0].close()
         rank._arena.close()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nccl_ext.core import wire
+from nccl_ext.core.protocol import Send, XRead
 from nccl_ext.capture.transport import CaptureTransport
 
 
@@ -45,15 +46,15 @@ def test_a_message_whose_tensor_waits_holds_neither_the_reader_nor_another_threa
         return taken(t)
 
     monkeypatch.setattr(wire, "tensor_bytes", slow)
-    program = threading.Thread(target=transport._send, args=(("coll", 9), [torch.ones(5)]))
+    program = threading.Thread(target=transport._send, args=(Send(9, "g", 1, 0, 0, 0, 0.0, 0.0, 0.0), [torch.ones(5)]))
     program.start()
     assert waiting.wait(30)
-    reader = threading.Thread(target=transport._send, args=(("xread", 8),))
+    reader = threading.Thread(target=transport._send, args=(XRead(8),))
     reader.start()
     reader.join(10)
     assert not reader.is_alive(), "another thread's message waited for the copy"
-    assert b.poll(10) and wire.recv(b)[0] == ("xread", 8)  # nothing of the waiting message before it
+    assert b.poll(10) and wire.recv(b)[0] == ("xread", 8, None)  # nothing of the waiting message before it
     ready.set()
     program.join(30)
     header, got = wire.recv(b)
-    assert header == ("coll", 9) and torch.equal(got[0], torch.ones(5))
+    assert header[:2] == ("send", 9) and torch.equal(got[0], torch.ones(5))

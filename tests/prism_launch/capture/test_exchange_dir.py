@@ -32,7 +32,7 @@ def test_a_killed_launchers_exchange_is_removed_by_the_next_capture(tmp_path):
     from nccl_ext.exchange import arena as exchange
 
     # a launcher that claims a directory, fills an arena and is SIGKILLed (no cleanup runs)
-    code = ("import os, signal, sys; from nccl_ext import exchange; d = exchange.claim_directory(sys.argv[1]); "
+    code = ("import os, signal, sys; from nccl_ext.exchange import arena as exchange; d = exchange.claim_directory(sys.argv[1]); "
             "open(os.path.join(d, 'r0-g0'), 'wb').write(b'x' * 4096); print(d, flush=True); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
@@ -58,7 +58,7 @@ def test_a_killed_launchers_coordinator_directory_is_removed_by_the_next_capture
     from nccl_ext.exchange import arena as exchange
     from prism_launch.modes.capture import COORDINATOR_DIR_PREFIX
 
-    code = ("import os, signal, sys; from nccl_ext import exchange; "
+    code = ("import os, signal, sys; from nccl_ext.exchange import arena as exchange; "
             f"d = exchange.claim_directory(sys.argv[1], prefix={COORDINATOR_DIR_PREFIX!r}); "
             "open(os.path.join(d, 'coord.sock'), 'wb').close(); print(d, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,

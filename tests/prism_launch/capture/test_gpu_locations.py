@@ -14,6 +14,7 @@ import torch
 from nccl_ext.exchange.arena import Arena, claim_directory, release_directory
 from nccl_ext.exchange.ipc import DEVICE_TAG
 from nccl_ext.core.ops import Collective, ReduceKind
+from nccl_ext.core.protocol import PROTOCOL_VERSION, Group, Hello, Stalled, XColl, XRead
 from prism_launch.capture.coordinator import Coordinator
 
 
@@ -40,18 +41,18 @@ def coord(tmp_path):
     c = Coordinator(str(tmp_path / "c.sock"), b"k" * 16, 4, 30.0, payload="exact", scope=(1,), exchange=xdir)
     conns = [FakeConn() for _ in range(4)]
     for r, conn in enumerate(conns):
-        c._handle(conn, ("hello", r, 1000 + r), [])
+        c._handle(conn, Hello(PROTOCOL_VERSION, r, 1000 + r), [])
     for conn in conns[:2]:
-        c._handle(conn, ("group", "tp", (0, 1), 0, "TENSOR_MODEL_PARALLEL_GROUP"), [])
+        c._handle(conn, Group("tp", (0, 1), 0, "TENSOR_MODEL_PARALLEL_GROUP"), [])
     for conn in conns[2:]:
-        c._handle(conn, ("group", "tp2", (2, 3), 0, "TENSOR_MODEL_PARALLEL_GROUP"), [])
+        c._handle(conn, Group("tp2", (2, 3), 0, "TENSOR_MODEL_PARALLEL_GROUP"), [])
     yield c, conns, xdir
     c._close_notes()
     release_directory(xdir)
 
 
 def _xcoll(op_id, key, seq, loc):
-    return ("xcoll", op_id, key, seq, "all_reduce", str(Collective.ALL_REDUCE), str(ReduceKind.SUM), None, True,
+    return XColl(op_id, key, seq, "all_reduce", str(Collective.ALL_REDUCE), str(ReduceKind.SUM), None, True,
             0, 0.0, 0.0, 0.0, loc)
 
 
@@ -74,10 +75,10 @@ def test_notes_of_gpu_staged_data_wait_for_every_read_then_the_regions_go(coord)
         assert len(xok) == 1 and xok[0][2][0][1] == DEVICE_TAG and xok[0][2][1][0] == 1  # (rank, tag, ...)
     assert _row(c, 1, "tp")["extra"] is None  # the sandbox rank's digest waits for the reads
     assert not c.sink.tensors
-    c._handle(conns[0], ("xread", 7), [])
+    c._handle(conns[0], XRead(7), [])
     c.drain(wait=True)
     assert _row(c, 1, "tp")["extra"] is None and not any(h[0] == "xfree" for h in conns[0].headers())
-    c._handle(conns[1], ("xread", 7), [])
+    c._handle(conns[1], XRead(7), [])
     c.drain(wait=True)
     c.drain(wait=True)
     extra = json.loads(_row(c, 1, "tp")["extra"])
@@ -94,7 +95,7 @@ def test_a_group_without_sandbox_ranks_needs_no_host_copy_and_records_shapes(coo
     for r in (2, 3):
         c._handle(conns[r], _xcoll(1, "tp2", 0, (DEVICE_TAG, [(0, "bfloat16", [3, 5])], 0, None)), [])
     for r in (2, 3):
-        c._handle(conns[r], ("xread", 1), [])
+        c._handle(conns[r], XRead(1), [])
     c.drain(wait=True)
     row = _row(c, 2, "tp2")
     assert row["shape"] == [3, 5] and row["dtype"] == "bfloat16" and row["nbytes"] == 30
@@ -122,8 +123,8 @@ def test_a_folded_groups_reduction_summed_by_its_members_keeps_the_sandbox_membe
                     fold=fold)
     conns = [FakeConn(), FakeConn()]
     for r, conn in enumerate(conns):
-        c._handle(conn, ("hello", r, 1000 + r), [])
-        c._handle(conn, ("group", "dp", tuple(range(world)), 0, "DATA_PARALLEL_GROUP"), [])
+        c._handle(conn, Hello(PROTOCOL_VERSION, r, 1000 + r), [])
+        c._handle(conn, Group("dp", tuple(range(world)), 0, "DATA_PARALLEL_GROUP"), [])
     arena = Arena(xdir, 1)
     try:
         gen, descs, _ = arena.put([torch.arange(8.0)])  # the sandbox rank's host copy of its contribution
@@ -136,8 +137,8 @@ def test_a_folded_groups_reduction_summed_by_its_members_keeps_the_sandbox_membe
             assert [loc is not None for loc in xok[2]] == [True, True] + [False] * (world - 2)
         result = torch.arange(8.0) * 7 + 0.5
         rgen, rdescs, _ = arena.put([result])
-        c._handle(conns[1], ("xread", 5, (rgen, rdescs)), [])
-        c._handle(conns[0], ("xread", 5), [])
+        c._handle(conns[1], XRead(5, (rgen, rdescs)), [])
+        c._handle(conns[0], XRead(5), [])
         c.drain(wait=True)
         c.drain(wait=True)
         gid = c._groups["dp"].id
@@ -152,5 +153,5 @@ def test_a_folded_groups_reduction_summed_by_its_members_keeps_the_sandbox_membe
 
 def test_a_rank_whose_waits_on_the_gpu_stopped_is_noted(coord):
     c, conns, _ = coord
-    c._handle(conns[1], ("stalled", 1, "deadline exceeded: op 9"), [])
+    c._handle(conns[1], Stalled(1, "deadline exceeded: op 9"), [])
     assert c.gpu_waits_stalled == [(1, "deadline exceeded: op 9")]

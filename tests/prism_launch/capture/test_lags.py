@@ -1,6 +1,7 @@
 """The coordinator's lag record names the longest of each kind of message."""
 
 from prism_launch.capture.ops_state import Lags, op_label
+from nccl_ext.core.protocol import Coll, XRead
 
 
 def test_the_longest_is_named_and_slow_ones_counted():
@@ -16,6 +17,6 @@ def test_the_longest_is_named_and_slow_ones_counted():
 
 
 def test_op_label_names_call_group_and_sequence():
-    header = ("coll", 3, "tp:0,1", 12, "all_reduce", "allreduce", "sum", None, True, 0, 0.0, 0.0, 0.0)
+    header = Coll(3, "tp:0,1", 12, "all_reduce", "allreduce", "sum", None, True, 0, 0.0, 0.0, 0.0)
     assert op_label(header) == "coll all_reduce seq 12 on group tp:0,1"
-    assert op_label(("xread", 3)) == "xread"
+    assert op_label(XRead(3)) == "xread"
