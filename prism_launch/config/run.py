@@ -77,7 +77,14 @@ class LaunchConfig:
     teardown_timeout_s: float = 10.0
     """Grace between SIGTERM and SIGKILL when tearing ranks down."""
     run_timeout_s: float | None = None
-    """Wall-clock limit of the whole run (None: unlimited; comm deadlines still apply)."""
+    """Wall-clock limit of the whole run. None (the default): no limit of its own, for a long
+    run is legitimate; the launcher still never waits for good on a rank that cannot finish:
+    in capture and emulation every communication wait of a rank ends by ``comm.timeout_s``
+    (the rank then fails and exits), the launcher sees every rank's exit at once and tears the
+    others down at the first failure, and a rank that is stopped or stuck holding the
+    interpreter (no heartbeat for ``comm.timeout_s``, :mod:`prism_launch.launch.heartbeat`)
+    ends the run naming it. What none of these bounds is a program that computes for good
+    without communicating (as with torchrun): set a limit here for that."""
     progress: bool | None = None
     """Live progress on the terminal (capture, group discovery, calibration slices, emulation,
     sweeps). None: only when stdout is a terminal (batch logs stay quiet, as with torchrun)."""

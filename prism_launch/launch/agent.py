@@ -26,6 +26,7 @@ from prism_launch.config import LaunchConfig, StartMethod
 from prism_launch.config.plan import RankPlan
 from prism_launch.errors import Interrupted, RunFailedError
 from prism_launch.launch.env import Topology, torchrun_env
+from prism_launch.launch.heartbeat import RanksStoppedError
 from prism_launch.launch.procs import RankProcesses, RanksTimeoutError, RankSpec, RunResult
 
 HOOK_DIR = Path(__file__).resolve().parents[1] / "rank" / "_hook"
@@ -171,9 +172,15 @@ class RankAgent:
             procs.start()
             if on_start is not None:
                 on_start()
-            result = procs.wait(self.launch.run_timeout_s, on_tick=on_tick, tick_s=0.0 if on_tick else 0.05)
+            # capture and emulation: every communication wait of a rank ends by comm.timeout_s, so a
+            # rank without a heartbeat that long is stopped (launch.run_timeout_s's docstring)
+            beats = procs.heartbeats(plan.timeout_s) if plan.mode in ("capture", "emulate") else None
+            result = procs.wait(self.launch.run_timeout_s, on_tick=on_tick, tick_s=0.0 if on_tick else 0.05,
+                                heartbeats=beats)
         except RanksTimeoutError as e:
             raise RunFailedError(f"run exceeded launch.run_timeout_s={self.launch.run_timeout_s}: {e}") from None
+        except RanksStoppedError as e:
+            raise RunFailedError(f"{e}\nper-rank logs: {log_dir}") from None
         except BaseException:
             procs.close("launcher interrupted")
             raise

@@ -43,6 +43,7 @@ from torch.distributed.elastic.multiprocessing.api import Std, to_map
 
 from prism_launch.trace.layout import RankLogs
 from prism_launch.launch.failures import ERROR_FILE_ENV, RankFailure, RunResult, rank_failure
+from prism_launch.launch.heartbeat import Heartbeats, RanksStoppedError, heartbeat_path
 from prism_launch.launch.rank_logs import LOG_LINE_PREFIX_NAME, Tee, start_tee
 from prism_launch.launch.rank_start import RankSpec, fork_rank, load_prctl, spawn_rank
 
@@ -170,6 +171,10 @@ class RankProcesses:
         """OS pid of every started rank."""
         return {r: st.pid for r, st in self._ranks.items() if st.pid is not None}
 
+    def heartbeats(self, limit_s: float) -> Heartbeats:
+        """The ranks' heartbeat files (beside their ``error.json``), judged against ``limit_s``."""
+        return Heartbeats({r: heartbeat_path(st.error_path) for r, st in self._ranks.items()}, limit_s)
+
     @property
     def log_dir(self) -> Path:
         """Root of the per-rank log directories."""
@@ -190,7 +195,7 @@ class RankProcesses:
         self._started = True
         for st in self._ranks.values():
             st.dir.mkdir(parents=True, exist_ok=True)
-            for stale in (st.error_path, st.stdout_path, st.stderr_path):
+            for stale in (st.error_path, st.stdout_path, st.stderr_path, heartbeat_path(st.error_path)):
                 if stale is not None:
                     stale.unlink(missing_ok=True)
         prctl = load_prctl()
@@ -296,11 +301,14 @@ class RankProcesses:
         *,
         on_tick: Callable[[], None] | None = None,
         tick_s: float = 0.05,
+        heartbeats: Heartbeats | None = None,
     ) -> RunResult:
         """Poll until the run is over, calling ``on_tick`` between polls.
 
         Raises :class:`RanksTimeoutError` (ranks are left running; call :meth:`close`)
-        if the run is not over within ``timeout_s`` seconds.
+        if the run is not over within ``timeout_s`` seconds, and
+        :class:`~prism_launch.launch.heartbeat.RanksStoppedError` where a running rank's
+        heartbeat stopped (``heartbeats``).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         next_poll = 0.0
@@ -315,6 +323,10 @@ class RankProcesses:
             if deadline is not None and now >= deadline:
                 running = [r for r, st in self._ranks.items() if st.exitcode is None]
                 raise RanksTimeoutError(running, timeout_s or 0.0)
+            if heartbeats is not None:
+                stopped = heartbeats.stopped({r: st.pid for r, st in self._ranks.items() if st.exitcode is None})
+                if stopped:
+                    raise RanksStoppedError(stopped, heartbeats.limit_s)
             if on_tick is not None:
                 on_tick()
                 now = time.monotonic()

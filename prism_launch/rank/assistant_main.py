@@ -19,6 +19,9 @@ def main() -> int:
     from prism_launch.rank.transports import outlive_interpreter, physical_group, ring_channels
     from prism_launch.trace import TraceReader
 
+    from prism_launch.launch import heartbeat
+
+    heartbeat.start()  # the launcher tells a stopped assistant by it
     plan = RankPlan.from_env()
     e = plan.emulate
     sandbox = e.sandbox

@@ -85,6 +85,10 @@ def activate(plan: RankPlan) -> None:
     import torch
 
     rank, world_size = logical_rank()
+    if plan.mode in ("capture", "emulate"):  # the launcher tells a stopped rank by it
+        from prism_launch.launch import heartbeat
+
+        heartbeat.start()
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))
