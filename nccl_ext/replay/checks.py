@@ -5,16 +5,31 @@ consumes: :func:`nccl_ext.replay.divergence.piece_stats` of its own data)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from nccl_ext.core import wire
+from nccl_ext.core.errors import DivergenceError
 from nccl_ext.replay.recording import RecordedOp
 
 
-def check_contribution(tr, api: str, group, seq: int, gid: int, live: list[torch.Tensor], own: RecordedOp,
-                       error: type[Exception]) -> None:
+class CheckingRank(Protocol):
+    """What the checks use of the replay transport (:class:`~nccl_ext.replay.transport.ReplayTransport`)."""
+    rank: int
+    unit: int
+    recording: object
+    divergences: object
+
+    def diverged(self, what: str, group, seq: int, detail: str, kind=..., site: str | None = None,
+                 diff: dict | None = None) -> None:
+        """Report a divergence of op ``what`` (``seq`` on ``group``) to the rank's divergence log."""
+
+
+def check_contribution(tr: CheckingRank, api: str, group, seq: int, gid: int, live: list[torch.Tensor],
+                       own: RecordedOp) -> None:
     """Report a divergence of ``live`` from ``own``'s recorded contribution (``tr``: the replay
-    transport); shapes or dtypes that differ raise ``error``."""
+    transport); shapes or dtypes that differ raise :class:`~nccl_ext.core.errors.DivergenceError`."""
     shapes = [tuple(t.shape) for t in live]
     dtypes = [wire.dtype_name(t.dtype) for t in live]
     same_meta = shapes == [tuple(x) for x in own.shapes] and dtypes == list(own.dtypes)
@@ -25,18 +40,18 @@ def check_contribution(tr, api: str, group, seq: int, gid: int, live: list[torch
         same_meta = len(recorded) == len(live) and all(a.shape == b.shape and a.dtype == b.dtype
                                                         for a, b in zip(live, recorded))
     if not same_meta:
-        raise error(
+        raise DivergenceError(
             f"rank {tr.rank} at step {tr.unit}: {api} on group {group.desc or group.key} seq {seq}: "
             f"shapes {shapes} differ from the recorded {[tuple(x) for x in own.shapes]}; capture again")
     if recorded is None:
-        tr._diverged(api, group, seq, "live contribution differs from the recorded one (its recorded statistics)",
+        tr.diverged(api, group, seq, "live contribution differs from the recorded one (its recorded statistics)",
                      *tr.divergences.classify_stats(live, own.shapes, own.dtypes, own.digests, own.stats))
     elif any(not torch.equal(a.cpu(), b) for a, b in zip(live, recorded)):
-        tr._diverged(api, group, seq, "live contribution differs from the recorded one",
+        tr.diverged(api, group, seq, "live contribution differs from the recorded one",
                      *tr.divergences.classify(live, recorded))
 
 
-def check_send(tr, group, seq: int, dst: int, tensor: torch.Tensor, rec: RecordedOp, load) -> None:
+def check_send(tr: CheckingRank, group, seq: int, dst: int, tensor: torch.Tensor, rec: RecordedOp, load) -> None:
     """Report a divergence of a send to a virtual rank from the recorded one (``load``: the
     recorded payload's loader, None when the trace keeps only its statistics)."""
     if rec.digests == (wire.digest(tensor),):
@@ -44,12 +59,12 @@ def check_send(tr, group, seq: int, dst: int, tensor: torch.Tensor, rec: Recorde
     live = tensor.detach().cpu()
     detail = f"payload to rank {dst} differs from the recorded one"
     if load is None:
-        tr._diverged("send", group, seq, detail + " (its recorded statistics)",
+        tr.diverged("send", group, seq, detail + " (its recorded statistics)",
                      *tr.divergences.classify_stats([live], rec.shapes, rec.dtypes, rec.digests, rec.stats))
         return
     recorded = load()  # digests differ (or are of another kind): compare the bytes themselves
     if live.shape != recorded.shape or live.dtype != recorded.dtype or not torch.equal(live, recorded):
-        tr._diverged("send", group, seq, detail, *tr.divergences.classify([live], [recorded]))
+        tr.diverged("send", group, seq, detail, *tr.divergences.classify([live], [recorded]))
 
 
 def refs(rec: RecordedOp, load) -> list:

@@ -40,7 +40,7 @@ from nccl_ext.replay.divergence import HOST_SCALAR_MAX_ELEMENTS, HOST_SCALAR_SIT
 from nccl_ext.core.groups import GroupInfo
 from nccl_ext.core.threads import GRACE_S, HelperThreads, wait_works
 from nccl_ext.core.ops import Collective, compute, contributors
-from nccl_ext.core.errors import CommError
+from nccl_ext.core.errors import CommError, DivergenceError
 from nccl_ext.core.pending import Pending
 from nccl_ext.core.call import CollectiveCall
 from nccl_ext.pruning.rings import RingChannels, SerialWorker, ring_of, ring_processes, run_op, uses_ring
@@ -51,10 +51,6 @@ from nccl_ext.replay.summary import ReplayStats, own_time, write_summary
 from nccl_ext.core.spans import SpanRecorder
 
 __all__ = ["DivergenceError", "RecordedOp", "Recording", "ReplayStats", "ReplayTransport"]
-
-
-class DivergenceError(RuntimeError):
-    """The live program no longer matches the recorded one."""
 
 
 _tag = tag
@@ -146,16 +142,16 @@ class ReplayTransport:
             self._gids[group.key] = gid
         return gid
 
-    def _phys_rank(self, rank: int) -> int:
+    def phys_rank(self, rank: int) -> int:
         return self.sandbox.index(rank)
 
-    def _delay(self, own: RecordedOp, others: list[RecordedOp]) -> float:
+    def delay_for(self, own: RecordedOp, others: list[RecordedOp]) -> float:
         if self.timing == "none" or not others:
             return 0.0
         lag = max(o.t_start for o in others) - own.t_start
         return max(lag, 0.0) * self.time_scale
 
-    def _finish_after(self, pending: Pending, value, delay: float) -> None:
+    def finish_after(self, pending: Pending, value, delay: float) -> None:
         if delay <= 0:
             pending.complete(value)
             return
@@ -184,7 +180,7 @@ class ReplayTransport:
 
         self._helpers.start(wait_all, name="prism-sandbox-exchange", what=pending.what, pending=pending)
 
-    def _diverged(self, what: str, group: GroupInfo, seq: int, detail: str, kind: Kind = Kind.value,
+    def diverged(self, what: str, group: GroupInfo, seq: int, detail: str, kind: Kind = Kind.value,
                   site: str | None = None, diff: dict | None = None) -> None:
         self.divergences.report(kind, step=self.unit, op=what, group=group, seq=seq, detail=detail, site=site,
                                 **(diff or {}))
@@ -221,7 +217,7 @@ class ReplayTransport:
         if own.op != call.api:
             raise DivergenceError(f"{what}: the capture recorded {own.op} here; the program diverged")
         if self.synthesize:
-            return synth_replay.collective(self, group, gid, seq, call, own, what, DivergenceError)
+            return synth_replay.collective(self, group, gid, seq, call, own, what)
         if self.device_path is not None and eligible(self.sandbox, self.rank, group.ranks):
             return self._device_collective(group, gid, seq, call, own, what)
         if self.recording.folded(gid):
@@ -260,15 +256,15 @@ class ReplayTransport:
             if me in needed and self.check:
                 self._check(call.api, group, seq, gid, live, own)
         self.stats.ops += 1
-        self._note_unit_start()
+        self.note_unit_start()
         pending = Pending(what, self.timeout_s)
-        delay = self._delay(own, others)
+        delay = self.delay_for(own, others)
 
         def finish() -> None:
             result = compute(call.kind, contributions, reduce=call.reduce, root=call.root)[me]
             contributions.clear()  # free inputs when a real backend would, not when this closure dies
             call.tensors = None
-            self._finish_after(pending, result, delay)
+            self.finish_after(pending, result, delay)
 
         works: list = []
         if served:
@@ -306,10 +302,10 @@ class ReplayTransport:
             self._check(call.api, group, seq, gid, [_host(t) for t in live] if on_device else live, own)
         self.stats.ops += 1
         self.stats.physical_exchanges += 1
-        self._note_unit_start()
-        delay = self._delay(own, self._virtual_ops(group, gid, seq))
+        self.note_unit_start()
+        delay = self.delay_for(own, self.virtual_ops(group, gid, seq))
         pending = Pending(what, self.timeout_s)
-        phys, kind, reduce, k = self._phys_rank(self.rank), str(call.kind), call.reduce, len(live)
+        phys, kind, reduce, k = self.phys_rank(self.rank), str(call.kind), call.reduce, len(live)
         call.tensors = None
 
         def run() -> None:
@@ -323,7 +319,7 @@ class ReplayTransport:
                                     tags=rings.tags, deadline=pending.deadline, what=what)[me]
                     if on_device:  # complete once the result is in memory (any stream may read it)
                         torch.cuda.current_stream().synchronize()
-                self._finish_after(pending, result, delay)
+                self.finish_after(pending, result, delay)
             except BaseException as e:  # noqa: BLE001 - surfaced through the pending op
                 pending.fail(RuntimeError(f"{what}: pruned ring failed: {e}"))
 
@@ -333,7 +329,7 @@ class ReplayTransport:
         worker.submit(run)
         return pending
 
-    def _virtual_ops(self, group: GroupInfo, gid: int, seq: int) -> list[RecordedOp]:
+    def virtual_ops(self, group: GroupInfo, gid: int, seq: int) -> list[RecordedOp]:
         """The recorded ops of the group's virtual members at this op (for their arrival times);
         on a folded group the captured ones, which every uncaptured member mirrors."""
         ranks = self.recording.captured_members(gid) if self.recording.folded(gid) else group.ranks
@@ -367,8 +363,8 @@ class ReplayTransport:
                                               lambda: refs(own, lambda: self.recording.contribution(self.rank, gid, seq))))
         self.stats.ops += 1
         self.stats.folded_ops += folded
-        self._note_unit_start()
-        delay = self._delay(own, self._virtual_ops(group, gid, seq))
+        self.note_unit_start()
+        delay = self.delay_for(own, self.virtual_ops(group, gid, seq))
         on_device = dp.on_device
         if on_device:
             dp.delay(delay)  # the lateness goes on the op's stream, ahead of the result
@@ -381,7 +377,7 @@ class ReplayTransport:
         if on_device:
             pending.complete(result)
         else:
-            self._finish_after(pending, dp.finish(result), delay)
+            self.finish_after(pending, dp.finish(result), delay)
         return pending
 
     def _folded_collective(self, group, gid, seq, call, own: RecordedOp, what: str) -> Pending:
@@ -393,7 +389,7 @@ class ReplayTransport:
         me = group.group_rank(self.rank)
         self.stats.ops += 1
         self.stats.folded_ops += 1
-        self._note_unit_start()
+        self.note_unit_start()
         others = []
         # uncaptured members mirror captured ones: their arrival is one of these (O(captured), not O(group))
         for r in self.recording.captured_members(gid):
@@ -418,11 +414,11 @@ class ReplayTransport:
             result = self.recording.result(self.rank, gid, seq)
         call.tensors = None
         pending = Pending(what, self.timeout_s)
-        self._finish_after(pending, result, self._delay(own, others))
+        self.finish_after(pending, result, self.delay_for(own, others))
         return pending
 
     def _check(self, api, group, seq, gid, live, own: RecordedOp) -> None:
-        check_contribution(self, api, group, seq, gid, live, own, DivergenceError)
+        check_contribution(self, api, group, seq, gid, live, own)
 
     def _exchange(self, group, gid, seq, call, me, needed, live_peers, contributions) -> list:
         """Swap live contributions with the other sandbox members of ``group`` over gloo."""
@@ -434,13 +430,13 @@ class ReplayTransport:
         self._span("s")
         gid = self._gid(group)
         self.stats.p2p += 1
-        self._note_unit_start()
+        self.note_unit_start()
         if self.synthesize:
-            return synth_replay.send(self, group, gid, dst, tag, seq, tensor, DivergenceError)
+            return synth_replay.send(self, group, gid, dst, tag, seq, tensor)
         if self.device_path is not None and dst not in self.sandbox:
             return self._device_send(group, gid, dst, tag, seq, tensor)
         if dst in self.sandbox:
-            work = self.physical.send([tensor.detach().contiguous().cpu()], self._phys_rank(dst), _tag(gid, self.rank, dst, tag, seq, 7))
+            work = self.physical.send([tensor.detach().contiguous().cpu()], self.phys_rank(dst), _tag(gid, self.rank, dst, tag, seq, 7))
             pending = Pending(f"rank {self.rank}: send to rank {dst} tag {tag} seq {seq}", self.timeout_s)
             self._when_all([work], lambda: pending.complete(None), pending)
             return pending
@@ -458,11 +454,11 @@ class ReplayTransport:
         self.stats.p2p += 1
         what = f"rank {self.rank}: recv #{seq} from rank {src} tag {tag} on group {group.desc or group.key}"
         if self.synthesize:
-            return synth_replay.recv(self, group, gid, src, tag, seq, like, what, DivergenceError)
+            return synth_replay.recv(self, group, gid, src, tag, seq, like, what)
         pending = Pending(what, self.timeout_s)
         if src in self.sandbox:
             buf = wire.untracked_empty(like.shape, like.dtype)
-            work = self.physical.recv([buf], self._phys_rank(src), _tag(gid, src, self.rank, tag, seq, 7))
+            work = self.physical.recv([buf], self.phys_rank(src), _tag(gid, src, self.rank, tag, seq, 7))
             self._when_all([work], lambda: pending.complete([buf]), pending)
             return pending
         sent = self.recording.sent(gid, src, self.rank, tag, seq)
@@ -478,16 +474,16 @@ class ReplayTransport:
                 dp.delay(delay)
                 pending.complete([staged.result[0]])
             else:
-                self._finish_after(pending, dp.finish([staged.result[0]]), delay)
+                self.finish_after(pending, dp.finish([staged.result[0]]), delay)
             return pending
         if self.assistant is None:
-            self._finish_after(pending, [tensor()], delay)
+            self.finish_after(pending, [tensor()], delay)
             return pending
         buf = wire.untracked_empty((rec_send.nbytes,), torch.uint8)
         work = self.physical.recv([buf], self.assistant, own.idx)
         pending.waiting_for = awaited(self.assistant, [src], own.idx)
         out: list = [None]
-        self._when_all([work], lambda: self._finish_after(pending, unpack(buf, [(0, rec_send)], out)[0], delay), pending)
+        self._when_all([work], lambda: self.finish_after(pending, unpack(buf, [(0, rec_send)], out)[0], delay), pending)
         return pending
 
     def _device_send(self, group, gid, dst, tag, seq, tensor) -> Pending:
@@ -509,7 +505,7 @@ class ReplayTransport:
         if self.device_path is None:
             return
         for (api, group, seq, site, load), i, dtype, numel, norm in self.device_path.flush():
-            self._diverged(api, group, seq, "live contribution's checksum differs from the recorded one (device "
+            self.diverged(api, group, seq, "live contribution's checksum differs from the recorded one (device "
                            "check at the step boundary; the recorded data was used)",
                            *self.divergences.classify_norms(dtype, norm, load()[i], numel, site))
 
@@ -531,7 +527,7 @@ class ReplayTransport:
     def _span(self, code: str) -> None:
         self.spans.lap(code)
 
-    def _note_unit_start(self) -> None:
+    def note_unit_start(self) -> None:
         if self._unit_start is None:
             self._unit_start = time.monotonic() - self._t0
 
