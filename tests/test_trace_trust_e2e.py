@@ -6,6 +6,7 @@ the restriction (and the same payload then does run: the premise of the refusal)
 import json
 import os
 import pickle
+import shutil
 import struct
 
 from prism_launch.trace.checksums import sha256_file
@@ -67,3 +68,23 @@ def test_an_unsigned_trace_cannot_run_code_through_an_object_payload(tmp_path):
     assert "allow-list" not in trusted.stderr
     assert (tmp_path / "pwned").exists()  # trusted: the payload is unpickled as it is
     assert rank_lines(tmp_path / "trusted", 1, "R1 ") == ["R1 got 0"]
+
+
+def test_real_object_payloads_pass_the_allow_list(tmp_path):
+    """torch.distributed.checkpoint's save (plans scattered from rank 0: its dataclasses, enums,
+    torch.Size, layouts, paths) emulates from an unsigned trace: the allow-list covers real
+    payloads, not only toy ones."""
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
+    script = WORKERS / "dcp_save.py"
+    common = ["--nproc-per-node", "8", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=60",
+              "capture.fold=true", f"trace.dir={tmp_path / 't'}"]
+    cap = run_prism([*common, "sandbox.ranks=[0,3]", "--log-dir", tmp_path / "cap", "mode=capture", script],
+                    cwd=tmp_path, env=env)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    (tmp_path / "t" / SIGNATURE_NAME).unlink()
+    shutil.rmtree(tmp_path / "ckpt")
+    emu = run_prism([*common, "sandbox.ranks=[3]", "--log-dir", tmp_path / "emu", "mode=emulate", script],
+                    cwd=tmp_path, env=env)
+    assert emu.returncode == 0, emu.stderr[-3000:]
+    assert "is not signed: its object-collective payloads are unpickled through an allow-list" in emu.stderr
+    assert (tmp_path / "ckpt" / "__3_0.distcp").is_file()

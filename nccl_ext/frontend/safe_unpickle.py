@@ -9,7 +9,8 @@ copy, both the same, so 2.11 between them too. :func:`install` replaces that nam
 :class:`RestrictedUnpickler`, whose ``find_class`` answers only:
 
 * builtins containers, numbers, ``str``/``bytes``, and ``copyreg``'s object reconstruction;
-* ``argparse.Namespace``, ``collections.OrderedDict``/``defaultdict``/``deque``, ``datetime``;
+* ``argparse.Namespace``, ``collections.OrderedDict``/``defaultdict``/``deque``, ``datetime``,
+  ``pathlib`` paths;
 * torch tensors, parameters, dtypes, layouts, memory formats, devices and ``torch.Size``, with
   the functions torch's pickling rebuilds them with; a storage's nested ``torch.save`` bytes are
   loaded with ``torch.load(weights_only=True)`` (torch's own allow-list), never as torch would
@@ -40,11 +41,12 @@ _ALLOWED = frozenset({
     "copyreg._reconstructor", "copyreg.__newobj__", "copyreg.__newobj_ex__", "_codecs.encode",
     "argparse.Namespace", "collections.OrderedDict", "collections.defaultdict", "collections.deque",
     *(f"datetime.{n}" for n in ("datetime", "date", "time", "timedelta", "timezone")),
+    "pathlib.PurePosixPath", "pathlib.PosixPath", "pathlib.PurePath", "pathlib.Path",  # no I/O when built
     "torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter",
     *(f"torch._utils.{n}" for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter",
                                     "_rebuild_parameter_with_state", "_rebuild_device_tensor_from_numpy",
                                     "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_meta_tensor_no_storage")),
-    "torch._tensor._rebuild_from_type_v2",
+    "torch._tensor._rebuild_from_type_v2", "torch.serialization._get_layout",
     *(f"numpy.{core}.{n}" for core in ("_core.multiarray", "core.multiarray") for n in ("_reconstruct", "scalar")),
     *(f"numpy.{core}.numeric._frombuffer" for core in ("_core", "core")),
     "numpy.ndarray", "numpy.dtype",
@@ -83,6 +85,8 @@ class RestrictedUnpickler(pickle.Unpickler):
             return _load_storage_bytes
         if "__" in name:  # dotted qualnames may not reach into dunders (Cls.__init__.__globals__)
             raise _refuse(full)
+        if module == "torch._utils" and name.startswith("torch."):  # how torch 2.13 pickles a memory format
+            module, name = "torch", name.removeprefix("torch.")
         if module == "torch" and "." not in name:
             import torch
 

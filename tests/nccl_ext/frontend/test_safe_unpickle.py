@@ -8,6 +8,7 @@ import datetime
 import enum
 import io
 import os
+import pathlib
 import pickle
 
 import numpy as np
@@ -76,7 +77,8 @@ def test_plain_data_tensors_and_numpy_pass():
         "p": torch.nn.Parameter(torch.ones(2)), "bf": torch.ones(3, dtype=torch.bfloat16), "dtype": torch.float16,
         "dev": torch.device("cpu"), "size": torch.Size([2, 3]), "np": np.arange(4).reshape(2, 2),
         "np_scalar": np.float32(1.5), "when": datetime.datetime(2024, 1, 2), "set": {1, 2}, "bytes": b"\x00",
-        "none": None, "complex": 1j, "tuple": (1, "a", 2.0),
+        "none": None, "complex": 1j, "tuple": (1, "a", 2.0), "layout": torch.strided,
+        "qdtype": torch.qint8, "path": pathlib.PurePosixPath("/a/b"),
     }
     for protocol in (2, 4, 5):
         back = loads(pickle.dumps(obj, protocol))
@@ -84,6 +86,7 @@ def test_plain_data_tensors_and_numpy_pass():
         assert torch.equal(back["t"], obj["t"]) and isinstance(back["p"], torch.nn.Parameter)
         assert back["np"].tolist() == obj["np"].tolist() and back["size"] == obj["size"]
         assert back["args"] == obj["args"] and back["dtype"] is torch.float16
+    assert loads(pickle.dumps(torch.channels_last, 4)) is torch.channels_last  # as torch._utils.torch.channels_last
 
 
 def test_dataclasses_and_enums_only_from_allowed_frameworks(monkeypatch):
