@@ -25,6 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import Figure, Goal, report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
 DENSE = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -54,6 +57,26 @@ def capture(out: Path, nproc: int, steps: int, payload: str, spill_mib: float) -
     return row
 
 
+COLUMNS = (("peak_rss", "peak RSS MiB"), ("tensor_bytes", "tensors MiB"), ("stored", "stored MiB"),
+           ("pending", "waiting MiB"), ("trace_bytes", "trace MiB"))
+
+
+def figures(rows: list[dict], margin: float) -> list[Figure]:
+    """Every printed cell (MiB; the capture's seconds) and the full capture's peak RSS growth from
+    the fewest to the most steps, which must stay within ``margin``."""
+    out = []
+    for r in rows:
+        at = f"{r['payload']} {r['steps']} steps"
+        out += [Figure(f"{at} {name}", None if r.get(k) is None else r[k] / 2**20, fmt=".1f") for k, name in COLUMNS]
+        out.append(Figure(f"{at} capture s", r.get("wall_s"), fmt=".1f"))
+    peaks = {r["steps"]: r.get("peak_rss") for r in rows if r["payload"] == "full"}
+    lo, hi = (peaks.get(min(peaks)), peaks.get(max(peaks))) if peaks else (None, None)
+    growth = None if not (lo and hi is not None) else hi / lo - 1
+    out.append(Figure(f"full peak RSS growth {min(peaks, default='?')} -> {max(peaks, default='?')} steps", growth,
+                      Goal(f"<= {margin:.0%}", lambda g: g <= margin), "+.1%"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, nargs="+", default=[4, 32])
@@ -66,28 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = a.out or Path(tempfile.mkdtemp(prefix="prism-capture-memory-"))
     rows = [capture(out, a.nproc, s, payload, a.spill_mib) for payload in ("full", "none") for s in a.steps]
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+    figs = figures(rows, a.margin)
+    f = {x.name: x.shown() for x in figs}
     print(f"dense TP2·PP2, {a.nproc} ranks, capture.spill_mib={a.spill_mib:g}")
     print(f"{'payload':8} {'steps':>5} {'peak RSS MiB':>12} {'tensors MiB':>11} {'stored MiB':>10} "
           f"{'waiting MiB':>11} {'trace MiB':>9} {'capture s':>9}")
     for r in rows:
-        wall = "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}"
-        print(f"{r['payload']:8} {r['steps']:>5} {mib(r.get('peak_rss')):>12} {mib(r.get('tensor_bytes')):>11} "
-              f"{mib(r.get('stored')):>10} {mib(r.get('pending')):>11} {mib(r.get('trace_bytes')):>9} {wall:>9}")
+        at = f"{r['payload']} {r['steps']} steps"
+        print(f"{r['payload']:8} {r['steps']:>5} {f[at + ' peak RSS MiB']:>12} {f[at + ' tensors MiB']:>11} "
+              f"{f[at + ' stored MiB']:>10} {f[at + ' waiting MiB']:>11} {f[at + ' trace MiB']:>9} "
+              f"{f[at + ' capture s']:>9}")
     if not a.keep and a.out is None:
         shutil.rmtree(out, ignore_errors=True)
-    missing = [f"{r['payload']} at {r['steps']} steps" for r in rows
-               if any(r.get(k) is None for k in ("peak_rss", "trace_bytes", "wall_s"))]
-    if missing:
-        print(f"FAIL: figures missing for {', '.join(missing)}", file=sys.stderr)
-        return 1
-    exact = {r["steps"]: r["peak_rss"] for r in rows if r["payload"] == "full"}
-    lo, hi = exact[min(a.steps)], exact[max(a.steps)]
-    growth = hi / lo - 1
-    verdict = "ok" if growth <= a.margin else "FAIL"
-    print(f"{verdict}: exact peak RSS at {max(a.steps)} steps is {growth:+.1%} of the {min(a.steps)}-step peak "
-          f"(margin {a.margin:.0%})")
-    return 0 if verdict == "ok" else 1
+    growth = figs[-1]
+    print(f"{'FAIL' if growth.missing or growth.missed else 'ok'}: exact peak RSS at {max(a.steps)} steps is "
+          f"{growth.shown()} of the {min(a.steps)}-step peak (margin {a.margin:.0%})")
+    return report(figs)
 
 
 if __name__ == "__main__":

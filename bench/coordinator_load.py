@@ -25,6 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import IS_TRUE, Figure, report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
 SANDBOX = 15
@@ -48,6 +51,33 @@ def capture(work: Path, exchange: str, hidden: int, steps: int) -> tuple[dict, l
     return stats, losses
 
 
+def figures(stats: dict[str, dict], losses: dict[str, list]) -> list[Figure]:
+    """Each exchange setting's capture figures (a busy time or lag the capture did not record:
+    missing, not 0) and the sandbox's losses bit-identical between the two (none logged: missing)."""
+    out = []
+    for exchange, s in stats.items():
+        at = f"capture.exchange={exchange}"
+        busy, ranks = s.get("coordinator_busy_s") or {}, s.get("rank_busy_s") or {}
+        lag = (s.get("coordinator_lags") or {}).get("pump")
+        # lags are noted per pump run: none noted with no pump time means no pump ran, not a missing figure
+        idle = lag is None and busy.get("pump") == 0
+        total = (lambda k: sum(v.get(k, 0) for v in ranks.values()) if ranks else None)
+        out += [Figure(f"{at} wall s", s.get("wall_s"), fmt=".1f"),
+                Figure(f"{at} coordinator receive s", busy.get("receive"), fmt=".2f"),
+                Figure(f"{at} coordinator reply s", busy.get("reply"), fmt=".2f"),
+                Figure(f"{at} coordinator pump s", busy.get("pump"), fmt=".2f"),
+                Figure(f"{at} ranks' send s", total("send"), fmt=".2f"),
+                Figure(f"{at} ranks' stage s", total("stage"), fmt=".2f"),
+                Figure(f"{at} staged collectives", total("staged_ops")),
+                Figure(f"{at} longest pump s", "no pump ran" if idle else (lag or {}).get("max_s"),
+                       fmt="" if idle else ".3f"),
+                Figure(f"{at} pumps over 10 ms", 0 if idle else (lag or {}).get("over_10ms"))]
+    logged = list(losses.values())
+    same = None if not logged or not all(logged) else all(x == logged[0] for x in logged)
+    out.append(Figure(f"sandbox rank {SANDBOX}'s losses bit-identical between the two", same, IS_TRUE))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=512)
@@ -56,25 +86,25 @@ def main() -> int:
     a = ap.parse_args()
     work = a.keep or Path(tempfile.mkdtemp(prefix="prism-coord-load-"))
     work.mkdir(parents=True, exist_ok=True)
-    losses = {}
+    losses, stats = {}, {}
     try:
         for exchange in ("true", "false"):
-            s, losses[exchange] = capture(work, exchange, a.hidden, a.steps)
-            busy = s["coordinator_busy_s"]
-            ranks = s["rank_busy_s"]
-            print(f"capture.exchange={exchange}: wall {s['wall_s']:.1f}s; coordinator receive {busy['receive']:.2f}s, "
-                  f"reply {busy['reply']:.2f}s, pump {busy.get('pump', 0):.2f}s; ranks' send "
-                  f"{sum(v.get('send', 0) for v in ranks.values()):.2f}s, stage "
-                  f"{sum(v.get('stage', 0) for v in ranks.values()):.2f}s, staged collectives "
-                  f"{sum(v.get('staged_ops', 0) for v in ranks.values())}; longest pump "
-                  f"{(s.get('coordinator_lags') or {}).get('pump', {}).get('max_s', 0):.3f}s, pumps over 10 ms "
-                  f"{(s.get('coordinator_lags') or {}).get('pump', {}).get('over_10ms', 0)}", flush=True)
+            stats[exchange], losses[exchange] = capture(work, exchange, a.hidden, a.steps)
+            f = {x.name.removeprefix(f"capture.exchange={exchange} "): x.shown()
+                 for x in figures({exchange: stats[exchange]}, {})}
+            send, stage = f["ranks' send s"], f["ranks' stage s"]
+            print(f"capture.exchange={exchange}: wall {f['wall s']}s; coordinator receive {f['coordinator receive s']}s, "
+                  f"reply {f['coordinator reply s']}s, pump {f['coordinator pump s']}s; ranks' send "
+                  f"{send}s, stage {stage}s, staged collectives "
+                  f"{f['staged collectives']}; longest pump {f['longest pump s']}s, pumps over 10 ms "
+                  f"{f['pumps over 10 ms']}", flush=True)
     finally:
         if a.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    same = bool(losses["true"]) and losses["true"] == losses["false"]
-    print(f"sandbox rank {SANDBOX}'s losses ({len(losses['true'])} logged) bit-identical between the two: {same}")
-    return 0 if same else 1
+    figs = figures(stats, losses)
+    print(f"sandbox rank {SANDBOX}'s losses ({len(losses['true'])} logged) bit-identical between the two: "
+          f"{figs[-1].shown()}")
+    return report(figs)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -135,7 +136,9 @@ def main() -> int:
     for r in rows:
         if not r["pairs"]:
             print(f"{r['case']}: no pair completed")
-    print(json.dumps(rows, indent=1))
+    # a value not measured is null in the dump, never a NaN that reads as a number
+    print(json.dumps([{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()}
+                      for r in rows], indent=1))
     bad = failures([r if a.check else {**r, "time_goal_pct": None, "memory_goal_pct": None} for r in rows])
     for b in bad:
         print(f"FAIL: {b}", file=sys.stderr)

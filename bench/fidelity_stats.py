@@ -86,12 +86,19 @@ def table(rows: list[dict]) -> str:
     head = (f"{'case':34} {'pairs':>5} {'real ms (sd)':>16} {'predicted ms (sd)':>18} {'err mean':>9} "
             f"{'|err| max':>9} {'err sd':>7} {'mem err max':>11} {'goal':>6}")
     lines = [head]
+
+    def cell(r: dict, key: str, spec: str, width: int, unit: str = "") -> str:
+        """A value, or MISSING where it is missing or not finite (never a printed nan)."""
+        v = r.get(key)
+        return f"{format(v, spec)}{unit}" if _finite(v) else f"{'MISSING':>{width}}"
+
     for r in rows:
         goal = "" if r.get("time_goal_pct") is None else f"±{r['time_goal_pct']:g}%"
         lines.append(
-            f"{r['case']:34} {r['pairs']:5d} {r['real_ms']:9.2f} ({r['real_sd_ms']:5.2f}) "
-            f"{r['predicted_ms']:10.2f} ({r['predicted_sd_ms']:5.2f}) {r['error_mean_pct']:+8.2f}% "
-            f"{r['error_abs_max_pct']:8.2f}% {r['error_sd_pct']:6.2f}% {r['memory_error_max_pct']:10.4f}% {goal:>6}")
+            f"{r['case']:34} {r['pairs']:5d} {cell(r, 'real_ms', '9.2f', 9)} ({cell(r, 'real_sd_ms', '5.2f', 5)}) "
+            f"{cell(r, 'predicted_ms', '10.2f', 10)} ({cell(r, 'predicted_sd_ms', '5.2f', 5)}) "
+            f"{cell(r, 'error_mean_pct', '+8.2f', 9, '%')} {cell(r, 'error_abs_max_pct', '8.2f', 9, '%')} "
+            f"{cell(r, 'error_sd_pct', '6.2f', 7, '%')} {cell(r, 'memory_error_max_pct', '10.4f', 11, '%')} {goal:>6}")
     return "\n".join(lines)
 
 

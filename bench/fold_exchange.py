@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import IS_TRUE, Figure, at_least, report  # noqa: E402
 from gpu_exact import blocked_seconds  # noqa: E402
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
 MOE = ["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
@@ -69,9 +70,41 @@ def capture(out: Path, on: bool, a) -> dict | None:
             "metrics": {r: _METRIC.findall(_logs(d, r)) for r in ranks},
             "folded_exchanged": sum(b.get("folded_exchanged_ops", 0) for b in busy.values()),
             "staged": sum(b.get("staged_ops", 0) for b in busy.values()),
-            "compute_s": stats["coordinator_busy_s"].get("compute", 0.0),
+            "compute_s": (stats.get("coordinator_busy_s") or {}).get("compute"),
             "dp_blocked_s": sum(c[0] for c in dp), "dp_waits": sum(c[1] for c in dp),
-            "scoll_max_s": stats["coordinator_lags"].get("handle_scoll", {}).get("max_s", 0.0)}
+            "scoll_max_s": _scoll_max_s(stats)}
+
+
+def _scoll_max_s(stats: dict) -> float | str | None:
+    """The longest ``handle_scoll``; "none ran" when the capture noted lags but none for it (no
+    staged collective), None when it noted no lags at all (missing)."""
+    lags = stats.get("coordinator_lags")
+    if lags is None:
+        return None
+    return lags["handle_scoll"].get("max_s") if "handle_scoll" in lags else "none ran"
+
+
+def figures(res: dict[bool, dict]) -> list[Figure]:
+    """Both captures' figures: with ``fold_exchange=true`` members must sum at least one op
+    themselves (else the setting did nothing), and every captured rank's losses and checksums
+    must be equal under both (no logged values: missing, not equal)."""
+    out = []
+    for on, r in res.items():
+        at = f"fold_exchange={str(on).lower()}"
+        steps = r.get("steps_ms") or []
+        out += [Figure(f"{at} capture s", r.get("seconds"), fmt=".1f"),
+                Figure(f"{at} step ms (median after the first)", statistics.median(steps[1:]) if len(steps) > 1
+                       else None, fmt=".0f"),
+                Figure(f"{at} ops summed by members", r.get("folded_exchanged"), at_least(1) if on else None),
+                Figure(f"{at} staged to the coordinator", r.get("staged")),
+                Figure(f"{at} coordinator compute s", r.get("compute_s"), fmt=".3f"),
+                Figure(f"{at} longest scoll ms", r["scoll_max_s"] * 1e3 if isinstance(r.get("scoll_max_s"), float)
+                       else r.get("scoll_max_s"), fmt=".1f" if isinstance(r.get("scoll_max_s"), float) else ""),
+                Figure(f"{at} blocked s on data-parallel collectives", r.get("dp_blocked_s"), fmt=".3f")]
+    metrics = [r.get("metrics") or {} for r in res.values()]
+    same = None if not all(m and all(m.values()) for m in metrics) else all(m == metrics[0] for m in metrics)
+    out.append(Figure("losses and parameter checksums equal under both", same, IS_TRUE))
+    return out
 
 
 def main() -> int:
@@ -90,16 +123,19 @@ def main() -> int:
             return 1
         print(f"PP2·EP2 MoE, {a.nodes * 8} ranks, hidden {a.hidden}, {a.steps} steps, data-parallel groups of "
               f"{a.nodes * 4} members (2 captured each):")
+        figs = figures(res)
+        f = {x.name: x.shown() for x in figs}
         for on, r in res.items():
-            steady = statistics.median(r["steps_ms"][1:]) if len(r["steps_ms"]) > 1 else float("nan")
-            print(f"  fold_exchange={str(on).lower():5}: capture {r['seconds']:.1f}s, step (median after the first) "
-                  f"{steady:.0f} ms {r['steps_ms']}, ops summed by members {r['folded_exchanged']}, staged to the "
-                  f"coordinator {r['staged']}, coordinator compute {r['compute_s']:.3f}s, longest scoll "
-                  f"{r['scoll_max_s'] * 1e3:.1f} ms; the captured ranks blocked {r['dp_blocked_s']:.3f}s in "
+            at = f"fold_exchange={str(on).lower()}"
+            print(f"  fold_exchange={str(on).lower():5}: capture {f[at + ' capture s']}s, step (median after the "
+                  f"first) {f[at + ' step ms (median after the first)']} ms {r['steps_ms']}, ops summed by members "
+                  f"{f[at + ' ops summed by members']}, staged to the coordinator {f[at + ' staged to the coordinator']}, "
+                  f"coordinator compute {f[at + ' coordinator compute s']}s, longest scoll {f[at + ' longest scoll ms']} "
+                  f"ms; the captured ranks blocked {f[at + ' blocked s on data-parallel collectives']}s in "
                   f"{r['dp_waits']} waits on data-parallel collectives after the first step")
-        same = res[True]["metrics"] == res[False]["metrics"] and all(res[True]["metrics"].values())
-        print(f"  losses and parameter checksums of ranks {res[True]['ranks']} equal under both: {same}")
-        return 0 if same else 1
+        print(f"  losses and parameter checksums of ranks {res[True]['ranks']} equal under both: "
+              f"{f['losses and parameter checksums equal under both']}")
+        return report(figs)
     finally:
         if not a.keep and a.out is None:
             shutil.rmtree(out, ignore_errors=True)

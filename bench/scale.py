@@ -25,6 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import Figure, report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "bench" / "workers" / "timed_megatron.py"
 SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
@@ -82,9 +85,11 @@ def emulated(layout: str, world: int, work: Path) -> dict:
         "capture_s": float(m.group(3)) if m else None, "init_s": info.get("init_s"),
         "model_parallel_s": info.get("model_parallel_s"),
         "new_group_calls": info.get("new_group_calls"), "rss_before_init_mb": info.get("rss_before_init_mb"),
-        "init_growth_mb": info["rss_after_init_mb"] - info["rss_before_init_mb"], "hwm_mb": info["hwm_mb"],
+        "init_growth_mb": None if None in (info.get("rss_after_init_mb"), info.get("rss_before_init_mb"))
+        else info["rss_after_init_mb"] - info["rss_before_init_mb"], "hwm_mb": info.get("hwm_mb"),
         "step_ms": _median_step(out / "logs", sandbox) or (statistics.median(steps[1:]) * 1e3 if len(steps) > 1 else None),
-        "predicted_ms": report["predicted"]["iteration_time_s"] * 1e3,
+        "predicted_ms": None if report["predicted"].get("iteration_time_s") is None
+        else report["predicted"]["iteration_time_s"] * 1e3,
     }
 
 
@@ -96,8 +101,22 @@ def real_small(layout: str, work: Path) -> float:
 
 
 def _cell(v, width: int, fmt: str) -> str:
-    """A table cell: ``-`` for a value that is missing (never a 0 that reads as measured)."""
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+    """A table cell: ``MISSING`` for a value that is missing (never a 0 that reads as measured)."""
+    return f"{'MISSING':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+
+
+TABLE = (("captured", "d"), ("capture_s", ".1f"), ("init_s", ".2f"), ("new_group_calls", "d"),
+         ("rss_before_init_mb", ".0f"), ("init_growth_mb", ".1f"), ("hwm_mb", ".0f"), ("step_ms", ".1f"),
+         ("predicted_ms", ".1f"))
+
+
+def figures(rows: list[dict], real_ms: float | None = None, want_real: bool = False) -> list[Figure]:
+    """Every table cell of every row, and (``want_real``: the step layout ran) the real 2-rank
+    run's step time that the emulated TP2 steps are compared with."""
+    out = [Figure(f"{r['layout']} {r['world']}: {k}", r.get(k), fmt=fmt) for r in rows for k, fmt in TABLE]
+    if want_real:
+        out.append(Figure("TP2 rank 0 real 2-rank step ms", real_ms, fmt=".1f"))
+    return out
 
 
 def main() -> int:
@@ -124,17 +143,15 @@ def main() -> int:
               f"{_cell(r['init_s'], 8, '.2f')}{_cell(r['new_group_calls'], 10, 'd')}"
               f"{_cell(r['rss_before_init_mb'], 12, '.0f')}{_cell(r['init_growth_mb'], 9, '.1f')}"
               f"{_cell(r['hwm_mb'], 8, '.0f')}{_cell(r['step_ms'], 9, '.1f')}")
-    missing = [f"{r['layout']} {r['world']}: {k}" for r in rows for k in ("init_s", "rss_before_init_mb", "hwm_mb", "step_ms")
-               if r.get(k) is None]
     if real is not None:
         print(f"\nTP2 rank 0, real 2-rank run: step {real:.1f} ms (median after the first)")
         for r in rows:
             if r["layout"] == "TP2" and r["step_ms"]:
                 print(f"  emulated in a {r['world']}-rank world: {r['step_ms']:.1f} ms = {r['step_ms'] / real:.3f}x real")
+    elif "step" in a.only:
+        print("\nTP2 rank 0, real 2-rank run: step MISSING")
     print(f"\nwork dir: {work}")
-    for m in missing:
-        print(f"FAIL: {m} missing", file=sys.stderr)
-    return 1 if missing else 0
+    return report(figures(rows, real, "step" in a.only))
 
 
 if __name__ == "__main__":

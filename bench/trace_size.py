@@ -6,7 +6,8 @@ Captures the bundled dense recipe (``examples/megatron_gpt.py``, TP2·PP2 over `
 logical ranks, folded around ``--sandbox`` unless ``--no-fold``) with ``capture.payload=full``
 (every captured rank's tensors), ``exact`` (only what the sandbox rank consumes) and ``none``,
 and prints per policy the tensor bytes recorded, the trace's bytes on disk and the capture's
-seconds, then the ratios exact/full and none/full. Exits 1 when a capture fails.
+seconds, then the ratios exact/full and none/full. Exits 1 when a capture fails, a figure is
+missing, or the exact trace is not smaller than the full one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import Figure, Goal, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "megatron_gpt.py"
@@ -44,8 +48,33 @@ def capture(out: Path, payload: str, a) -> dict | None:
         return None
     manifest = json.loads((d / "trace" / "manifest.json").read_text())
     stats = manifest["extra"]["capture"]
-    return {"payload": payload, "tensor_bytes": stats.get("tensor_bytes") or 0, "trace_bytes": _size(d / "trace"),
+    return {"payload": payload, "tensor_bytes": stats.get("tensor_bytes"), "trace_bytes": _size(d / "trace"),
             "wall_s": stats.get("wall_s"), "ranks": len(manifest["ranks_captured"])}
+
+
+def _ratio(a, b) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def figures(rows: dict[str, dict]) -> list[Figure]:
+    """Per policy its tensors, trace and seconds; the exact/full and none/full ratios, the exact
+    trace smaller than the full one (it stores only what the sandbox consumes)."""
+    out = []
+    full = rows["full"]
+    for r in rows.values():
+        p = r["payload"]
+        out += [Figure(f"{p} tensors MiB", None if r.get("tensor_bytes") is None else r["tensor_bytes"] / 2**20,
+                       fmt=".2f"),
+                Figure(f"{p} trace MiB", None if r.get("trace_bytes") is None else r["trace_bytes"] / 2**20, fmt=".2f"),
+                Figure(f"{p} trace vs full", _ratio(r.get("trace_bytes"), full.get("trace_bytes")), fmt=".3f"),
+                Figure(f"{p} capture s", r.get("wall_s"), fmt=".1f")]
+    below_one = Goal("< 1", lambda v: v < 1)
+    out += [Figure("exact/full tensors", _ratio(rows["exact"].get("tensor_bytes"), full.get("tensor_bytes")),
+                   below_one, ".3f"),
+            Figure("exact/full trace", _ratio(rows["exact"].get("trace_bytes"), full.get("trace_bytes")), below_one,
+                   ".3f"),
+            Figure("none/full trace", _ratio(rows["none"].get("trace_bytes"), full.get("trace_bytes")), fmt=".4f")]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,18 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     if any(r is None for r in rows.values()):
         print("FAIL: a capture failed", file=sys.stderr)
         return 1
-    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    figs = figures(rows)
+    f = {x.name: x.shown() for x in figs}
     first = rows["full"]
     print(f"dense TP2·PP2, {a.nodes * 8} logical ranks ({first['ranks']} captured), sandbox rank {a.sandbox}, "
           f"{a.steps} steps")
     print(f"{'payload':8} {'tensors MiB':>11} {'trace MiB':>9} {'vs full':>8} {'capture s':>9}")
-    for r in rows.values():
-        print(f"{r['payload']:8} {mib(r['tensor_bytes']):>11} {mib(r['trace_bytes']):>9} "
-              f"{r['trace_bytes'] / first['trace_bytes']:>8.3f} {r['wall_s']:>9.1f}")
-    print(f"exact/full: tensors {rows['exact']['tensor_bytes'] / first['tensor_bytes']:.3f}, "
-          f"trace {rows['exact']['trace_bytes'] / first['trace_bytes']:.3f}; "
-          f"none/full: trace {rows['none']['trace_bytes'] / first['trace_bytes']:.4f}")
-    return 0
+    for p in rows:
+        print(f"{p:8} {f[p + ' tensors MiB']:>11} {f[p + ' trace MiB']:>9} {f[p + ' trace vs full']:>8} "
+              f"{f[p + ' capture s']:>9}")
+    print(f"exact/full: tensors {f['exact/full tensors']}, trace {f['exact/full trace']}; "
+          f"none/full: trace {f['none/full trace']}")
+    return report(figs)
 
 
 if __name__ == "__main__":
