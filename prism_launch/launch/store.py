@@ -2,8 +2,8 @@
 
 - A single-node run's store listens on 127.0.0.1 only: torch's TCPStore binds every interface
   whatever host it is given, so the launcher binds the listening socket itself and hands it
-  over (``master_listen_fd``, in torch since 2.0 and served by the libuv server of 2.11 and
-  2.13 alike). Gloo, which listens on the interface the host name resolves to, is pointed at
+  over (``master_listen_fd``; checked with torch 2.13's libuv server; a torch whose libuv
+  server refuses a socket gets the older server, which has taken one since torch 2.0). Gloo, which listens on the interface the host name resolves to, is pointed at
   loopback by the plan (``EmulatePlan.loopback``) unless ``GLOO_SOCKET_IFNAME`` is set.
 - Every key the run writes or reads sits under a secret prefix
   (``EmulatePlan.store_prefix``, in the 0600 plan file): one who reaches the store (any local
@@ -65,12 +65,19 @@ def loopback_store(timeout: datetime.timedelta, host: str = "127.0.0.1", port: i
     import torch.distributed as dist
 
     host = "127.0.0.1" if host == "localhost" else host
-    sock = _bound(host, port)
-    port = sock.getsockname()[1]
+    try:
+        return _store_on(dist, _bound(host, port), timeout, use_libuv=True)
+    except (TypeError, RuntimeError, ValueError):
+        # a torch whose libuv server will not take a socket: its older server always has
+        return _store_on(dist, _bound(host, port), timeout, use_libuv=False)
+
+
+def _store_on(dist, sock: socket.socket, timeout: datetime.timedelta, *, use_libuv: bool):
+    host, port = sock.getsockname()[:2]
     fd = sock.detach()  # the store's server owns the socket from here
     try:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                             master_listen_fd=fd)
+                             master_listen_fd=fd, use_libuv=use_libuv)
     except BaseException:
         socket.close(fd)
         raise

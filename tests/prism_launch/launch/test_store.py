@@ -71,3 +71,11 @@ def test_keys_under_the_prefix_are_out_of_reach_without_it():
     assert not outsider.check(["prism/summary/3"])
     with pytest.raises(Exception):
         outsider.get("prism/summary/3")
+
+
+def test_the_older_server_takes_the_bound_socket_too():
+    """The fallback for a torch whose libuv server refuses a socket."""
+    from prism_launch.launch.store import _bound, _store_on
+
+    store = _store_on(dist, _bound("127.0.0.1", 0), T, use_libuv=False)
+    assert not store.libuvBackend and _listening(store.port) == ["0100007F"]
