@@ -197,8 +197,9 @@ def main() -> int:
     (work / "summary.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'job':30} {'world':>6} {'capture s':>10} {'emulate s':>10} {'peak GiB':>9} {'pred ms':>9}  bit-identical")
     for r in rows:
-        print(f"{r['job']:30} {r.get('world', ''):>6} {r.get('capture_s') or '-':>10} {r.get('emulate_s') or '-':>10} "
-              f"{r.get('sandbox_peak_gib') or '-':>9} {r.get('predicted_iteration_ms') or '-':>9}  "
+        cell = (lambda k: "MISSING" if r.get(k) is None else r[k])  # noqa: E731 - a 0 is a value, not a gap
+        print(f"{r['job']:30} {r.get('world', ''):>6} {cell('capture_s'):>10} {cell('emulate_s'):>10} "
+              f"{cell('sandbox_peak_gib'):>9} {cell('predicted_iteration_ms'):>9}  "
               f"{'yes' if r.get('logged_bit_identical') and r.get('losses_match_capture') else 'NO'}")
     failed = [(r["job"], f) for r in rows for f in r.get("failures", [])]
     for j, f in failed:
