@@ -9,19 +9,7 @@ import torch
 
 from nccl_ext.core.ops import Collective, ReduceKind
 from nccl_ext.core.ranklist import short_ranks
-
-
-class CaptureError(RuntimeError):
-    """The captured program did something the coordinator cannot complete."""
-
-
-class CaptureDeadlineError(CaptureError):
-    """A rank waited on a peer that never arrived."""
-
-
-class PayloadBudgetError(CaptureError):
-    """An exact capture's tensors passed the payload budget (``payload=auto`` records again
-    with ``none``)."""
+from prism_launch.errors import CaptureDeadlineError, CaptureError, PayloadBudgetError  # noqa: F401 - re-exported
 
 
 @dataclass(slots=True)

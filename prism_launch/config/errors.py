@@ -1,5 +1,5 @@
-"""The one error type of configuration."""
+"""The one error type of configuration (defined in :mod:`prism_launch.errors`)."""
 
+from prism_launch.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and what to do."""
+__all__ = ["ConfigError"]

@@ -21,11 +21,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from prism_launch.errors import ParkingError
+
 CU_PROCESS_STATE_RUNNING, CU_PROCESS_STATE_LOCKED, CU_PROCESS_STATE_CHECKPOINTED, CU_PROCESS_STATE_FAILED = range(4)
-
-
-class ParkingError(RuntimeError):
-    """The driver refused to checkpoint or restore a rank."""
 
 
 class _LockArgs(ctypes.Structure):

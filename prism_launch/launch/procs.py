@@ -42,6 +42,7 @@ from typing import Literal
 from torch.distributed.elastic.multiprocessing.api import Std, to_map
 
 from prism_launch.trace.layout import RankLogs
+from prism_launch.errors import RanksTimeoutError
 from prism_launch.launch.failures import ERROR_FILE_ENV, RankFailure, RunResult, rank_failure
 from prism_launch.launch.heartbeat import Heartbeats, RanksStoppedError, heartbeat_path
 from prism_launch.launch.rank_logs import LOG_LINE_PREFIX_NAME, Tee, start_tee
@@ -63,15 +64,6 @@ _KILL_REAP_TIMEOUT_S = 5.0  # how long to wait for SIGKILLed ranks to be reapabl
 _EXIT_STATUS_LOST = 255  # reported when someone else reaped a rank (e.g. SIGCHLD=SIG_IGN)
 POLL_S = 0.02
 """How often :meth:`RankProcesses.wait` checks the ranks' exits (with an ``on_tick``, it ticks between)."""
-
-
-class RanksTimeoutError(TimeoutError):
-    """Raised by :meth:`RankProcesses.wait` when ranks are still running at the deadline."""
-
-    def __init__(self, ranks: list[int], timeout_s: float) -> None:
-        self.ranks = sorted(ranks)
-        self.timeout_s = timeout_s
-        super().__init__(f"ranks {self.ranks} still running after {timeout_s:g}s")
 
 
 class _Rank:

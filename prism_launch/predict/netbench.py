@@ -52,6 +52,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from prism_launch.errors import NetbenchError
 from prism_launch.predict.cost_model import (
     ClusterSpec,
     LinkSpec,
@@ -67,10 +68,6 @@ KINDS = ("all_reduce", "all_gather", "broadcast", "p2p")
 ELEMENT_BYTES = 4  # float32 payloads
 _UNITS = {"": 1, "B": 1}
 _UNITS.update({f"{u}{suffix}": 1 << (10 * (i + 1)) for i, u in enumerate("KMG") for suffix in ("", "B", "IB")})
-
-
-class NetbenchError(RuntimeError):
-    """The benchmark could not complete; the message says why."""
 
 
 # --------------------------------------------------------------------------- arguments

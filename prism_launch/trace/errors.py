@@ -1,12 +1,19 @@
-"""Errors raised by the PrismTrace storage layer.
-
-Every error derives from :class:`TraceError`, names the trace path involved and
-says what the user can do about it.
-"""
+"""Errors raised by the PrismTrace storage layer: defined in :mod:`prism_launch.errors` with
+every other error of the launcher, named here too for the trace's modules and callers."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from prism_launch.errors import (
+    DEFAULT_CAPTURE_HINT,
+    TraceBusyError,
+    TraceCorruptError,
+    TraceError,
+    TraceKeyError,
+    TraceMissingError,
+    TraceSpaceError,
+    TraceUnwritableError,
+    TraceVersionError,
+)
 
 __all__ = [
     "DEFAULT_CAPTURE_HINT",
@@ -19,163 +26,3 @@ __all__ = [
     "TraceUnwritableError",
     "TraceBusyError",
 ]
-
-#: Generic command suggested when no more specific one is known.
-DEFAULT_CAPTURE_HINT = "prism-launch ... mode=capture ..."
-
-
-class TraceError(Exception):
-    """Base class of every PrismTrace error."""
-
-
-class TraceMissingError(TraceError):
-    """No complete PrismTrace exists at ``path``."""
-
-    def __init__(self, path: str | Path, *, hint: str | None = None, reason: str | None = None) -> None:
-        self.path = Path(path)
-        self.hint = hint
-        self.reason = reason
-        command = hint or DEFAULT_CAPTURE_HINT
-        why = reason or "no manifest.json found"
-        super().__init__(
-            f"No PrismTrace at {self.path} ({why}). "
-            f"Record one first by running the job in capture mode: `{command}`, "
-            f"then point emulation at the trace directory it writes."
-        )
-
-    def __reduce__(self):
-        return (_rebuild_missing, (str(self.path), self.hint, self.reason))
-
-
-class TraceVersionError(TraceError):
-    """The trace was written with an unsupported format version."""
-
-    def __init__(self, path: str | Path, found: object, expected: int | tuple[int, ...]) -> None:
-        self.path = Path(path)
-        self.found = found
-        self.expected = expected
-        readable = ", ".join(map(str, expected)) if isinstance(expected, tuple) else str(expected)
-        super().__init__(
-            f"PrismTrace at {self.path} has format_version={found!r}, but this PrismLLM reads "
-            f"format_version {readable}. Re-capture the trace with this PrismLLM version "
-            f"(run the job with mode=capture), or use the PrismLLM version that wrote it."
-        )
-
-    def __reduce__(self):
-        return (type(self), (str(self.path), self.found, self.expected))
-
-
-class TraceCorruptError(TraceError):
-    """A file of the trace is missing, unreadable or fails its checksum."""
-
-    def __init__(
-        self,
-        path: str | Path,
-        file: str,
-        expected: str | None,
-        actual: str | None,
-        *,
-        reason: str | None = None,
-    ) -> None:
-        self.path = Path(path)
-        self.file = file
-        self.expected = expected
-        self.actual = actual
-        self.reason = reason
-        if reason is None:
-            if actual is None:
-                reason = "file is missing"
-            else:
-                reason = "checksum (sha256) mismatch"
-        detail = f"{reason}"
-        if expected is not None or actual is not None:
-            detail += f"; expected {expected}, got {actual}"
-        super().__init__(
-            f"PrismTrace at {self.path} is corrupt: {file!r}: {detail}. "
-            f"The trace cannot be trusted; delete {self.path} and re-capture it "
-            f"(run the job with mode=capture)."
-        )
-
-    def __reduce__(self):
-        return (_rebuild_corrupt, (str(self.path), self.file, self.expected, self.actual, self.reason))
-
-
-class TraceKeyError(TraceError, KeyError):
-    """A tensor or JSON file asked for by name is not stored in the trace."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-        super().__init__(message)
-
-    def __str__(self) -> str:  # KeyError would otherwise print the repr of the message
-        return self.message
-
-
-class TraceSpaceError(TraceError):
-    """Not enough free disk space for a trace (or report) being written; nothing was published."""
-
-    def __init__(self, path: str | Path, needed: int, free: int, *, during: bool = False) -> None:
-        self.path, self.needed, self.free, self.during = Path(path), int(needed), int(free), during
-        when = "the disk filled up: not enough free space left for" if during else "not enough free disk space for"
-        super().__init__(
-            f"{when} the PrismTrace at {self.path}: needs about {_size(needed)}, {_size(free)} free there. "
-            f"Nothing was written that emulation would accept; free space on that file system or point "
-            f"trace.dir= at one with room, then run again.")
-
-    def __reduce__(self):
-        return (_rebuild_space, (str(self.path), self.needed, self.free, self.during))
-
-
-class TraceUnwritableError(TraceError):
-    """A directory prism-launch must write into cannot be written (checked before any rank starts)."""
-
-    def __init__(self, path: str | Path, blocker: str | Path, reason: str, *, setting: str = "trace.dir") -> None:
-        self.path, self.blocker, self.reason, self.setting = Path(path), Path(blocker), reason, setting
-        super().__init__(
-            f"cannot write {self.path}: {self.blocker} is not writable ({reason}). Make it writable "
-            f"(e.g. chmod u+w {self.blocker}) or set {setting}= to a writable directory; no rank was started.")
-
-    def __reduce__(self):
-        return (_rebuild_unwritable, (str(self.path), str(self.blocker), self.reason, self.setting))
-
-
-class TraceBusyError(TraceError):
-    """Another prism-launch holds the lock of a trace or report directory."""
-
-    def __init__(self, path: str | Path, holder: str, *, setting: str) -> None:
-        self.path, self.holder, self.setting = Path(path), holder, setting
-        super().__init__(
-            f"{self.path} is in use by another prism-launch ({holder}); wait for it to finish, or set "
-            f"{setting}= to another directory to run beside it.")
-
-    def __reduce__(self):
-        return (_rebuild_busy, (str(self.path), self.holder, self.setting))
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-def _rebuild_space(path: str, needed: int, free: int, during: bool) -> TraceSpaceError:
-    return TraceSpaceError(path, needed, free, during=during)
-
-
-def _rebuild_unwritable(path: str, blocker: str, reason: str, setting: str) -> TraceUnwritableError:
-    return TraceUnwritableError(path, blocker, reason, setting=setting)
-
-
-def _rebuild_busy(path: str, holder: str, setting: str) -> TraceBusyError:
-    return TraceBusyError(path, holder, setting=setting)
-
-
-def _rebuild_missing(path: str, hint: str | None, reason: str | None) -> TraceMissingError:
-    return TraceMissingError(path, hint=hint, reason=reason)
-
-
-def _rebuild_corrupt(
-    path: str, file: str, expected: str | None, actual: str | None, reason: str | None
-) -> TraceCorruptError:
-    return TraceCorruptError(path, file, expected, actual, reason=reason)

@@ -7,9 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
-class FoldError(ValueError):
-    """The program's group layout does not fold the way it was asked to."""
+from prism_launch.errors import FoldError
 
 
 @dataclass(slots=True)
