@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError
+from nccl_ext.core.errors import CommDeadlineError
+from nccl_ext.core.pending import LIMIT_KEY
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -163,7 +164,7 @@ def send_frames(conn: Connection, messages: list) -> None:
 
 REST_TIMEOUT_S = 300.0
 """How long the rest of a message may take once its first bytes are there, where the caller
-passes no ``timeout_s`` (``comm.timeout_s``'s default; readers that know the run's pass it).
+passes no ``timeout_s`` (``comm.timeout_s``'s default; a reader that knows the run's passes that).
 A sender writes a message's frames back to back from host memory (:func:`frames`), so a
 message that stops part way is a sender that stopped, not one that computes."""
 
