@@ -11,10 +11,8 @@ spills them to disk as they come), so the launcher holds no step's tensors past 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections import deque
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -25,6 +23,7 @@ from nccl_ext.core.protocol import (Bye, Coll, Group, Hello, LColl, Marker, Memo
 from nccl_ext.exchange.arena import PeerViews
 from nccl_ext.exchange.ipc import is_device_location
 from nccl_ext.core.ops import Collective, ReduceKind, compute, contributors
+from prism_launch.capture.events import EventLog
 from prism_launch.capture.listener import HANDSHAKE_S, RankListener
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, exchanged_terms, weighted_reduction
 from prism_launch.capture.ops_state import (Arrival, CaptureDeadlineError, CaptureError, Lags, OpGroup,
@@ -38,9 +37,15 @@ from prism_launch.capture.staged import StagedResults, recordable
 from prism_launch.capture.synthesized import SynthesizedOps
 
 
-class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
+class Coordinator:
     """Serves ``world_size`` capture ranks; collects events and hands tensors to ``sink``
-    (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`~prism_launch.capture.sink.MemorySink`)."""
+    (anything with ``record_tensors(rank, keys, tensors)``; default a :class:`~prism_launch.capture.sink.MemorySink`).
+
+    It computes collectives and answers ranks itself; its collaborators, each given what it uses:
+    the :class:`~prism_launch.capture.events.EventLog` (groups, ranks, rows), the trace's
+    :class:`~prism_launch.capture.notes.TraceNotes`, the :class:`~prism_launch.capture.staged.StagedResults`,
+    :class:`~prism_launch.capture.p2p.PointToPoint` matching and the
+    :class:`~prism_launch.capture.synthesized.SynthesizedOps` of ranks that complete their own ops."""
 
     def __init__(self, address: str, authkey: bytes, world_size: int, timeout_s: float, *,
                  slots: int | None = None, parker=None, stall_s: float = 30.0, fold=None,
@@ -60,10 +65,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         self._views = PeerViews(exchange) if exchange is not None else None
         """The shared-memory exchange (:mod:`nccl_ext.exchange.arena`): what a trace records is read where
         the member staged it."""
-        self._reads: dict[tuple[int, int], Reads] = {}
-        self._init_notes()
-        self._init_staged(exchange)
         """Tensor bytes this capture may hold (None: no limit); past it, :class:`PayloadBudgetError`."""
+        self._reads: dict[tuple[int, int], Reads] = {}
         self.bytes_recorded = 0
         self.fold = fold
         """A :class:`prism_launch.capture.fold.FoldPlan` when only representative ranks run."""
@@ -75,25 +78,26 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         self._new_conns: list[tuple[Connection, Hello]] = []
         self._conn_lock = threading.Lock()
         self._conns: list[Connection] = []
-        self._rank_of: dict[Connection, int] = {}
-        self._groups: dict[str, OpGroup] = {}
+        self.log = EventLog(world_size)
+        self._rank_of = self.log.rank_of
+        self._groups = self.log.groups
         self._collectives: dict[tuple[str, int], PendingCollective] = {}
-        self._sends: dict[tuple[str, int, int, int], deque] = {}
-        self._recvs: dict[tuple[str, int, int, int], deque] = {}
-        self._next_idx = [0] * world_size
-        self.events: list[dict] = []
         self.finished: set[int] = set()
         self.approximated_groups: list[dict] = []
         """Folded capture: model-parallel groups (by description) created after group discovery
         with uncaptured members — their results are approximations, not exact."""
         self.memory: dict[int, dict] = {}
         """Each rank's memory accounting summary (peak bytes, per-unit samples, method)."""
-        self.t0 = time.monotonic()
-        self.ops_completed = 0
         self.busy_s = {"receive": 0.0, "digest": 0.0, "copy": 0.0, "compute": 0.0, "reply": 0.0, "record": 0.0,
                        "pump": 0.0}
         """Seconds by activity: the coordinator's thread (what a capture waits on when every op
         passes through it), and its worker threads' ``digest`` and ``copy``."""
+        self.notes = TraceNotes(self.scope, self.sink, self.busy_s, self._count)
+        self.staged = StagedResults(exchange, self._views, self.notes)
+        self.p2p = PointToPoint(self.log, self.scope, fold, self.notes, self.staged, self._reads, self.scheduler,
+                                self.busy_s)
+        self.synthesized = SynthesizedOps(self.log, self._collectives, self._views, self.notes, self.staged,
+                                          self.sink, self.busy_s, self._count, self.scheduler, fold)
         self.rank_busy_s: dict[int, dict] = {}
         self.gpu_waits_stalled: list[tuple[int, str]] = []
         """(rank, what) for each rank whose waits on the GPU stopped."""
@@ -103,8 +107,8 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         self._handlers = {
             Hello: self._on_hello, Park: self._on_park, Group: self._on_group, Coll: self._on_coll,
             SColl: self._on_scoll, XColl: self._on_xcoll, Meta: self._on_meta, LColl: self._on_lcoll,
-            PSend: self._on_p2p_meta, PRecv: self._on_p2p_meta, Send: self._on_send_message,
-            XSend: self._on_xsend, Recv: self._on_recv, XRead: self._on_xread, Marker: self._on_marker,
+            PSend: self._on_p2p_meta, PRecv: self._on_p2p_meta, Send: self._on_send, XSend: self._on_xsend,
+            Recv: self._on_recv, XRead: self._on_xread, Marker: self._on_marker,
             Wait: self._on_wait, Memory: self._on_memory, Stats: self._on_stats, Stalled: self._on_stalled,
             Bye: self._on_bye,
         }
@@ -120,8 +124,24 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         with self._conn_lock:
             self._new_conns.append((conn, hello))
 
+    @property
+    def events(self) -> list[dict]:
+        return self.log.events
+
+    @property
+    def ops_completed(self) -> int:
+        return self.log.ops_completed
+
+    @property
+    def t0(self) -> float:
+        return self.log.t0
+
+    def drain(self, wait: bool = False) -> None:
+        """The trace's notes left for after the replies (:meth:`TraceNotes.drain`)."""
+        self.notes.drain(wait)
+
     def close(self) -> None:
-        self._close_notes()
+        self.notes.close()
         self.scheduler.close()
         self._listener.close()
         with self._conn_lock:
@@ -130,7 +150,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
             c.close()
         if self._views is not None:
             self._views.close()
-        self._close_staged()
+        self.staged.close()
 
     # -- the pump ---------------------------------------------------------------------
     def pump(self, timeout_s: float = 0.05) -> None:
@@ -202,10 +222,10 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
     def _on_xcoll(self, conn: Connection, m: XColl, tensors) -> None:
         loc = m.location
         rank = self._rank_of[conn]
-        location, g = None if loc is None else (rank, *loc), self._group(m.key)
+        location, g = None if loc is None else (rank, *loc), self.log.group(m.key)
         # of a folded group's op (summed by its members) the trace reads only a sandbox rank's data
         reads = g.consumed and (g.sources is None or self.scope is None or rank in self.scope)
-        tensors = [] if location is None else self._located(location, reads, f"{m.api} (seq {m.seq}) on "
+        tensors = [] if location is None else self.staged.located(location, reads, f"{m.api} (seq {m.seq}) on "
                                                             f"group {m.key}", lazy=True)
         self._on_collective(conn, m, tensors, location)
 
@@ -219,28 +239,40 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
 
     def _on_coll(self, conn: Connection, m: Coll, tensors) -> None:
         if self.payload == "none" and m.kind == str(Collective.BROADCAST):
-            self._on_carried_broadcast(conn, m, tensors)
+            self.synthesized.on_carried_broadcast(conn, m, tensors)
         else:
             self._on_collective(conn, m, tensors)
 
-    def _on_lcoll(self, conn: Connection, m: LColl, tensors) -> None:
-        self._on_meta(conn, m, tensors, mirrored=True)
+    def _on_meta(self, conn: Connection, m: Meta, tensors) -> None:
+        self.synthesized.on_meta(conn, m)
 
-    def _on_send_message(self, conn: Connection, m: Send, tensors) -> None:
-        self._on_send(conn, m, tensors[0])
+    def _on_lcoll(self, conn: Connection, m: LColl, tensors) -> None:
+        self.synthesized.on_meta(conn, m, mirrored=True)
+
+    def _on_p2p_meta(self, conn: Connection, m: PSend | PRecv, tensors) -> None:
+        self.synthesized.on_p2p_meta(conn, m)
+
+    def _on_send(self, conn: Connection, m: Send, tensors) -> None:
+        self.p2p.on_send(conn, m, tensors[0])
+
+    def _on_xsend(self, conn: Connection, m: XSend, tensors) -> None:
+        self.p2p.on_xsend(conn, m)
+
+    def _on_recv(self, conn: Connection, m: Recv, tensors) -> None:
+        self.p2p.on_recv(conn, m)
 
     def _on_marker(self, conn: Connection, m: Marker, tensors) -> None:
         rank = self._rank_of[conn]
-        self._row(rank, m.unit, "marker", m.name, None, -1, -1, None, m.t, m.t, m.wall, m.cpu, None, None)
+        self.log.row(rank, m.unit, "marker", m.name, None, -1, -1, None, m.t, m.t, m.wall, m.cpu, None, None)
 
     def _on_wait(self, conn: Connection, m: Wait, tensors) -> None:
         ref, unit, t, wall, cpu, t0, t1 = m
         rank = self._rank_of[conn]
-        group = self._group(ref[1])
+        group = self.log.group(ref[1])
         seq, peer, extra = ref[-1], -1, {"ref": ref[0], "blocked_s": None if t0 is None else t1 - t0}
         if ref[0] in ("s", "r"):
             peer, extra["tag"] = ref[2], ref[3]
-        self._row(rank, unit, "wait", "wait", group, seq, peer, None, t, t if t1 is None else t1, wall, cpu,
+        self.log.row(rank, unit, "wait", "wait", group, seq, peer, None, t, t if t1 is None else t1, wall, cpu,
                   None, extra)
 
     def _on_memory(self, conn: Connection, m: Memory, tensors) -> None:
@@ -271,29 +303,6 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
             return None
         return first
 
-    def _row(self, rank, unit, kind, op, group, seq, peer, tensors, t_start, t_end, wall, cpu, key, extra) -> dict:
-        idx = self._next_idx[rank]
-        self._next_idx[rank] = idx + 1
-        first = tensors[0] if tensors else None
-        row = {
-            "rank": rank, "idx": idx, "unit": unit, "kind": kind, "op": op,
-            "group": -1 if group is None else group.id, "seq": seq, "peer": peer,
-            "dtype": wire.dtype_name(first.dtype) if first is not None else "",
-            "shape": list(first.shape) if first is not None else [],
-            "nbytes": sum(t.numel() * t.element_size() for t in tensors or ()),
-            "t_start": t_start - self.t0, "t_end": t_end - self.t0,
-            "compute_wall_s": wall, "compute_cpu_s": cpu, "tensor_key": key,
-            "extra": None if extra is None else json.dumps(extra),
-        }
-        self.events.append(row)
-        return row
-
-    def _group(self, key: str) -> OpGroup:
-        try:
-            return self._groups[key]
-        except KeyError:
-            raise CaptureError(f"op on unregistered group {key}") from None
-
     # -- collectives --------------------------------------------------------------------
     def _on_collective(self, conn, m: Coll | SColl | XColl, tensors, location: tuple | None = None,
                        staged: bool = False) -> None:
@@ -301,7 +310,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         exchanged = isinstance(m, XColl)
         self.lags.note("arrival", time.monotonic() - t)
         rank = self._rank_of[conn]
-        group = self._group(key)
+        group = self.log.group(key)
         kind = Collective(kind)
         reduce = None if reduce is None else ReduceKind(reduce)
         pc = self._collectives.get((key, seq))
@@ -335,15 +344,15 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
                  "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()],
                  "digests": []}
         keep = contribution is not None and self._keeps(group, rank, grank, kind, root)
-        row = self._row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
+        row = self.log.row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
                         f"{tkey}/0" if keep and contribution else None, None)
         # what the trace keeps of the contribution: a staged one is read after the members have
         # their results (they compute them themselves), so no member waits for its digest or copy
-        note = (self._note_contribution, (rank, row, extra, contribution, keep, tkey, location is not None or staged))
+        note = (self.notes.note_contribution, (rank, row, extra, contribution, keep, tkey, location is not None or staged))
         if is_device_location(location):
             pc.held.append(note)
         elif location is not None or staged:
-            self._deferred.append(note)
+            self.notes.defer(*note)
         else:
             note[0](*note[1])
         self.scheduler.issued(rank, op_id)
@@ -414,15 +423,15 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
             arrival.row["t_end"] = now
             t0 = time.perf_counter()
             if arrival.staged and results[grank]:
-                self._reply_staged(arrival, results[grank], shared)
+                self.staged.reply(arrival, results[grank], shared)
             else:
                 wire.send(arrival.conn, protocol.encode(Ok(arrival.op_id)), results[grank])
             self.busy_s["reply"] += time.perf_counter() - t0
             self.scheduler.answered(arrival.rank, arrival.op_id)
         if staged:
             pc.contributions = []
-            self._free_contributions(staged)
-        self.ops_completed += 1
+            self.staged.free_contributions(staged)
+        self.log.ops_completed += 1
 
     def _complete_exchanged(self, pc: PendingCollective) -> None:
         """Every member staged its contribution: each computes its own result from the locations
@@ -440,7 +449,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
             wire.send(arrival.conn, protocol.encode(XOk(arrival.op_id, locations, time.monotonic(), parts)))
             self.scheduler.answered(arrival.rank, arrival.op_id)
         self.busy_s["reply"] += time.perf_counter() - t0
-        self.ops_completed += 1
+        self.log.ops_completed += 1
 
     def _on_read(self, conn, op_id: int, kept: tuple | None = None) -> None:
         """A member has its result (``kept``: where it staged the result the trace keeps of a
@@ -448,19 +457,19 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         (once the trace's notes of the regions are taken); or a member has copied a result the
         coordinator staged."""
         rank = self._rank_of[conn]
-        if self._read_result(rank, op_id):
+        if self.staged.read_result(rank, op_id):
             return
         reads = self._reads.pop((rank, op_id), None)
         if reads is None:
             return
         if kept is not None and reads.result_key is not None:
-            self._record(rank, [f"{reads.result_key}/{i}" for i in range(len(kept[1]))], refs(self._views, rank, *kept),
+            self.notes.record(rank, [f"{reads.result_key}/{i}" for i in range(len(kept[1]))], refs(self._views, rank, *kept),
                          staged=True)
         reads.left -= 1
         if reads.left == 0:
             for fn, args in reads.notes:  # data staged on a GPU: its host copies are complete now
                 fn(*args)
-            self._free_contributions(reads.owners)
+            self.staged.free_contributions(reads.owners)
 
     def _count(self, nbytes: int) -> None:
         self.bytes_recorded += nbytes
@@ -485,15 +494,7 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
                     f"{now - pc.first_t:.1f}s for ranks {describe(tuple(missing))}, which never arrived "
                     f"(deadline {self.timeout_s:g}s; raise it with comm.timeout_s=)"
                 )
-        for (key, src, dst, tag), waiters in self._recvs.items():
-            for _op, _conn, _row, seq, _dst, t in waiters:
-                if now - t > self.timeout_s:
-                    g = self._groups[key]
-                    raise CaptureDeadlineError(
-                        f"recv (seq {seq}, tag {tag}) on group {describe(g.ranks)} ({g.desc or key}): "
-                        f"rank {dst} waited {now - t:.1f}s for a send from rank {src} that never came "
-                        f"(deadline {self.timeout_s:g}s)"
-                    )
+        self.p2p.check_deadlines(now, self.timeout_s)
 
     # -- results --------------------------------------------------------------------------
     def groups(self) -> list[dict]:
@@ -507,6 +508,6 @@ class Coordinator(SynthesizedOps, TraceNotes, StagedResults, PointToPoint):
         if self._collectives:
             pc = next(iter(self._collectives.values()))
             return f"{len(self._collectives)} collective(s) never completed, e.g. {pc.api} seq {pc.seq} on {describe(pc.group.ranks)}"
-        if any(self._recvs.values()):
+        if self.p2p.waiting():
             return "a recv never completed"
         return None

@@ -20,7 +20,7 @@ from prism_launch.capture.piece_refs import materialized
 
 
 SUMMARY_THREADS = 4
-"""Worker threads taking digests, statistics and copies (:meth:`TraceNotes._summarize`, :meth:`TraceNotes._record`)."""
+"""Worker threads taking digests, statistics and copies (:meth:`TraceNotes.summarize`, :meth:`TraceNotes.record`)."""
 
 
 def _summary(tensors: list[torch.Tensor], stats: bool) -> tuple[list[str], list | None, float]:
@@ -36,15 +36,21 @@ def _copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
 
 
 class TraceNotes:
-    """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator` (its ``scope``, ``sink``,
-    ``busy_s`` and ``_count``)."""
+    """The coordinator's notes of the tensors ranks exchange: ``scope`` (the sandbox ranks, None:
+    every rank), the ``sink`` that stores tensors, the coordinator's ``busy_s`` (``digest``,
+    ``copy``, ``record`` seconds) and ``count(nbytes)``, which counts stored bytes against the
+    payload budget."""
 
-    def _init_notes(self) -> None:
+    def __init__(self, scope: frozenset[int] | None, sink, busy_s: dict, count) -> None:
+        self.scope = scope
+        self.sink = sink
+        self.busy_s = busy_s
+        self._count = count
         self._deferred: deque = deque()
         """Work left for after the replies of this pump (:meth:`drain`)."""
         self._summaries: deque = deque()
         """(future, what to do with its result here) of work on the worker threads — digests
-        (:meth:`_summarize`), copies of staged tensors (:meth:`_record`) — in issue order."""
+        (:meth:`summarize`), copies of staged tensors (:meth:`record`) — in issue order."""
         self._pool: ThreadPoolExecutor | None = None
         self._submitted = 0
         self._taken = 0
@@ -52,21 +58,21 @@ class TraceNotes:
         """(summaries submitted so far, what to do once they are taken in): frees of regions that
         the work submitted before them reads (:meth:`after_notes`)."""
 
-    def _close_notes(self) -> None:
+    def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _note_contribution(self, rank: int, row: dict, extra: dict, contribution, keep: bool, tkey: str,
+    def note_contribution(self, rank: int, row: dict, extra: dict, contribution, keep: bool, tkey: str,
                            staged: bool) -> None:
         """A contribution's digest, statistics (a sandbox rank's, what its divergence checks read)
         and, when the trace keeps it, a copy of its data."""
-        self._summarize(rank, row, extra, contribution or (),
+        self.summarize(rank, row, extra, contribution or (),
                         stats=contribution is not None and not keep and rank in (self.scope or ()))
         if keep:
             # a staged piece is the member's until every member has read it: the trace keeps a copy
-            self._record(rank, [f"{tkey}/{i}" for i in range(len(contribution))], contribution, staged)
+            self.record(rank, [f"{tkey}/{i}" for i in range(len(contribution))], contribution, staged)
 
-    def _record(self, rank: int, keys: list[str], tensors: list, staged: bool) -> None:
+    def record(self, rank: int, keys: list[str], tensors: list, staged: bool) -> None:
         """Store ``tensors`` under ``keys``: staged ones (in a rank's arena until it frees the
         region) through a copy made on a worker thread, before the region is freed."""
         if not staged:
@@ -78,11 +84,12 @@ class TraceNotes:
 
         def store(copies: tuple[list, float]) -> None:
             self.busy_s["copy"] += copies[1]
-            self._record(rank, keys, copies[0], staged=False)
+            self.record(rank, keys, copies[0], staged=False)
 
-        self._submit(_copies, store, list(tensors))
+        self.submit(_copies, store, list(tensors))
 
-    def _submit(self, fn, then, *args) -> None:
+    def submit(self, fn, then, *args) -> None:
+        """Run ``fn(*args)`` on a worker thread; ``then(result)`` here, at a :meth:`drain`, in order."""
         self._summaries.append((self._workers().submit(fn, *args), then))
         self._submitted += 1
 
@@ -90,6 +97,10 @@ class TraceNotes:
         """Call ``fn`` once the work noted so far — deferred notes included — is done (the notes
         of staged data read it where it lies): at a later :meth:`drain`, without waiting for it."""
         self._deferred.append((self._queue_after, (fn,)))
+
+    def defer(self, fn, args: tuple) -> None:
+        """Call ``fn(*args)`` at the next :meth:`drain` (after the replies of this pump)."""
+        self._deferred.append((fn, args))
 
     def _queue_after(self, fn) -> None:
         self._after.append((self._submitted, fn))
@@ -100,7 +111,7 @@ class TraceNotes:
         return self._pool
 
     def drain(self, wait: bool = False) -> None:
-        """Do the work left for after the replies (:meth:`_note_contribution` of staged
+        """Do the work left for after the replies (:meth:`note_contribution` of staged
         contributions, digests of sends) and take in the summaries that are done — all of them
         with ``wait``: before a region is freed and before the events are written."""
         while self._deferred:
@@ -113,7 +124,7 @@ class TraceNotes:
         while self._after and self._after[0][0] <= self._taken:
             self._after.popleft()[1]()
 
-    def _summarize(self, rank: int, row: dict, extra: dict, tensors, *, stats: bool) -> None:
+    def summarize(self, rank: int, row: dict, extra: dict, tensors, *, stats: bool) -> None:
         """Set ``row``'s extra once the digests of ``rank``'s contribution or send (and with
         ``stats`` their :func:`piece_stats`) are taken, on a worker thread: the divergence checks
         of a sandbox rank read them, and in a sandbox-scoped trace only sandbox ranks replay (a
@@ -130,9 +141,9 @@ class TraceNotes:
             row["extra"] = json.dumps(extra)
             self.busy_s["digest"] += summary[2]
 
-        self._submit(_summary, fill, list(tensors), stats)
+        self.submit(_summary, fill, list(tensors), stats)
 
-    def _note_send(self, src: int, row: dict, extra: dict, tensor, tkey: str | None, staged: bool) -> None:
-        self._summarize(src, row, extra, (tensor,), stats=tkey is None and src in (self.scope or ()))
+    def note_send(self, src: int, row: dict, extra: dict, tensor, tkey: str | None, staged: bool) -> None:
+        self.summarize(src, row, extra, (tensor,), stats=tkey is None and src in (self.scope or ()))
         if tkey is not None:
-            self._record(src, [tkey], [tensor], staged)
+            self.record(src, [tkey], [tensor], staged)

@@ -35,20 +35,24 @@ class ResultReads:
 
 
 class StagedResults:
-    """Mixed into :class:`~prism_launch.capture.coordinator.Coordinator` (its exchange directory,
-    ``after_notes``)."""
+    """The coordinator's staged data: results it stages in an arena of its own (``exchange``: the
+    exchange's directory, None: none), members' contributions and sends read where they lie
+    (``views``: the coordinator's :class:`~nccl_ext.exchange.arena.PeerViews`), freed once the
+    trace's ``notes`` of them are taken."""
 
-    def _init_staged(self, exchange: str | None) -> None:
+    def __init__(self, exchange: str | None, views, notes) -> None:
+        self._views = views
+        self._notes = notes
         self._result_arena = Arena(exchange, COORDINATOR_ARENA) if exchange is not None else None
         self._result_reads: dict[tuple[int, int], ResultReads] = {}
         self.staged_bytes = 0
         """Bytes of results handed out through the coordinator's arena."""
 
-    def _close_staged(self) -> None:
+    def close(self) -> None:
         if self._result_arena is not None:
             self._result_arena.close()
 
-    def _reply_staged(self, arrival, tensors: list, shared: dict) -> None:
+    def reply(self, arrival, tensors: list, shared: dict) -> None:
         """Stage ``tensors`` (one region per distinct result: members of an all-reduce share it)
         and tell the member where they lie."""
         entry = shared.get(id(tensors))
@@ -60,7 +64,7 @@ class StagedResults:
         self._result_reads[(arrival.rank, arrival.op_id)] = entry[1]
         wire.send(arrival.conn, protocol.encode(SOk(arrival.op_id, entry[0])))
 
-    def _read_result(self, rank: int, op_id: int) -> bool:
+    def read_result(self, rank: int, op_id: int) -> bool:
         """A member has copied its staged result (False: not a staged result)."""
         reads = self._result_reads.pop((rank, op_id), None)
         if reads is None:
@@ -70,7 +74,7 @@ class StagedResults:
             self._result_arena.free(reads.token)
         return True
 
-    def _located(self, location, reads_data: bool, what: str, lazy: bool = False) -> list:
+    def located(self, location, reads_data: bool, what: str, lazy: bool = False) -> list:
         """A member's contribution or send (``location``: rank first) where it lies: views of its
         host arena's region, or — staged on its GPU alone — meta tensors of its pieces (shapes
         and dtypes). ``reads_data``: the trace reads its data (an error where only the GPU has
@@ -87,7 +91,7 @@ class StagedResults:
                                "trace reads (a sandbox rank's data); capture with capture.gpu_exchange_mib=0")
         return refs(None, rank, 0, descs) if lazy else described(descs)
 
-    def _free_contributions(self, owners: list) -> None:
+    def free_contributions(self, owners: list) -> None:
         """Free members' staged contributions once the notes taken of them are done."""
         def free() -> None:
             for conn, op_id in owners:
@@ -96,7 +100,7 @@ class StagedResults:
                 except OSError:
                     pass
 
-        self.after_notes(free)
+        self._notes.after_notes(free)
 
 
 def recordable(kind: Collective, tensors: list, staged: bool) -> list:

@@ -12,26 +12,23 @@ from prism_launch.capture.staged import StagedResults
 from prism_launch.capture.synthesized import SynthesizedOps
 
 
-class Notes(SynthesizedOps, TraceNotes, StagedResults):
-    def __init__(self):
-        self.scope, self.busy_s = None, {"digest": 0.0, "copy": 0.0, "record": 0.0}
-        self.counted = 0
-        self._init_notes()
-
-    def _count(self, nbytes):
-        self.counted += nbytes
+def _ops():
+    busy_s = {"digest": 0.0, "copy": 0.0, "record": 0.0}
+    notes = TraceNotes(None, None, busy_s, lambda nbytes: None)
+    staged = StagedResults(None, None, notes)
+    return notes, SynthesizedOps(None, {}, None, notes, staged, None, busy_s, lambda nbytes: None, None, None)
 
 
 def test_the_free_of_a_rank_that_has_exited_is_dropped_and_a_live_ranks_arrives():
-    notes = Notes()
+    notes, ops = _ops()
     group = SimpleNamespace(id=2)
     gone, gone_peer = Pipe()
     gone_peer.close()
     live, live_peer = Pipe()
     for conn, op_id in ((gone, 3), (live, 4)):
         row, extra = {}, {"kind": "all_reduce"}
-        notes._kept_mirrored(conn, 11, group, 7, (op_id, None, None), row, extra)
+        ops.kept_mirrored(conn, 11, group, 7, (op_id, None, None), row, extra)
     notes.drain(wait=True)  # the coordinator's pump: nothing raised for the closed connection
     notes.drain(wait=True)
     assert wire.recv(live_peer)[0] == ("xfree", 4)
-    notes._close_notes()
+    notes.close()

@@ -47,7 +47,7 @@ def coord(tmp_path):
     for conn in conns[2:]:
         c._handle(conn, Group("tp2", (2, 3), 0, "TENSOR_MODEL_PARALLEL_GROUP"), [])
     yield c, conns, xdir
-    c._close_notes()
+    c.notes.close()
     release_directory(xdir)
 
 
@@ -147,7 +147,7 @@ def test_a_folded_groups_reduction_summed_by_its_members_keeps_the_sandbox_membe
         assert all(any(h == ("xfree", 5) for h in conn.headers()) for conn in conns)
     finally:
         arena.close()
-        c._close_notes()
+        c.notes.close()
         release_directory(xdir)
 
 

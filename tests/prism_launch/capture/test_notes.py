@@ -9,11 +9,8 @@ import torch
 from prism_launch.capture.notes import TraceNotes
 
 
-class Notes(TraceNotes):
-    def __init__(self):
-        self.scope = frozenset({0})
-        self.busy_s = {"digest": 0.0, "copy": 0.0, "record": 0.0}
-        self._init_notes()
+def Notes():
+    return TraceNotes(frozenset({0}), None, {"digest": 0.0, "copy": 0.0, "record": 0.0}, lambda nbytes: None)
 
 
 def test_a_free_waits_for_the_notes_submitted_and_deferred_before_it(monkeypatch):
@@ -32,9 +29,9 @@ def test_a_free_waits_for_the_notes_submitted_and_deferred_before_it(monkeypatch
     monkeypatch.setattr(notes, "_summary", slow)
     n = Notes()
     rows = [{}, {}]
-    n._summarize(0, rows[0], {}, [torch.ones(4)], stats=False)  # submitted now
+    n.summarize(0, rows[0], {}, [torch.ones(4)], stats=False)  # submitted now
     # a note deferred past the replies, then the free of the region both read
-    n._deferred.append((functools.partial(n._summarize, stats=False), (0, rows[1], {}, [torch.ones(4)])))
+    n.defer(functools.partial(n.summarize, stats=False), (0, rows[1], {}, [torch.ones(4)]))
     freed = []
     n.after_notes(lambda: freed.append(True))
     n._summaries[0][0].result()
@@ -44,4 +41,4 @@ def test_a_free_waits_for_the_notes_submitted_and_deferred_before_it(monkeypatch
     gate.set()
     n.drain(wait=True)
     assert freed == [True] and "digests" in rows[1]["extra"]
-    n._close_notes()
+    n.close()
