@@ -72,6 +72,11 @@ class PayloadBudgetError(CaptureError):
     with ``none``)."""
 
 
+class WriterStalledError(CaptureDeadlineError):
+    """The trace writer took nothing for ``comm.timeout_s`` while the coordinator waited for it
+    (:mod:`prism_launch.capture.sink`)."""
+
+
 class RanksTimeoutError(TimeoutError):
     """Raised by :meth:`RankProcesses.wait` when ranks are still running at the deadline."""
 
@@ -82,6 +87,20 @@ class RanksTimeoutError(TimeoutError):
 
     def __reduce__(self):
         return (type(self), (self.ranks, self.timeout_s))
+
+
+class RanksStoppedError(RuntimeError):
+    """Raised by :meth:`RankProcesses.wait`: running ranks whose heartbeat stopped
+    (:mod:`prism_launch.launch.heartbeat`; ``stopped``: rank, pid and age of each); the ranks
+    are left running (call ``close``)."""
+
+    def __init__(self, message: str, stopped: list, limit_s: float) -> None:
+        super().__init__(message)
+        self.stopped = stopped
+        self.limit_s = limit_s
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.stopped, self.limit_s))
 
 
 class ParkingError(RuntimeError):
@@ -194,6 +213,11 @@ class TraceSpaceError(TraceError):
 
     def __reduce__(self):
         return (_rebuild_space, (str(self.path), self.needed, self.free, self.during))
+
+
+class SpillHashError(TraceError):
+    """A spill file's sha256 failed, or did not finish within its bound
+    (:mod:`prism_launch.trace.spill`)."""
 
 
 class TraceUnwritableError(TraceError):

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from prism_launch.capture.ops_state import CaptureDeadlineError
+from prism_launch.errors import WriterStalledError
 from prism_launch.trace.spill import content_address, storable
 
 PENDING_BYTES = 256 << 20
@@ -41,10 +41,6 @@ ALONE_BYTES = 1 << 20
 STALL_S = 300.0
 """How long the writer may take nothing before a wait for it fails, where the capture passes no
 ``stall_s`` (``comm.timeout_s``'s default)."""
-
-
-class WriterStalledError(CaptureDeadlineError):
-    """The trace writer took nothing for ``stall_s`` while the coordinator waited for it."""
 
 
 def _addressed(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, str]]:

@@ -24,9 +24,8 @@ from torch.distributed.elastic.multiprocessing.api import Std
 
 from prism_launch.config import LaunchConfig, StartMethod
 from prism_launch.config.plan import RankPlan
-from prism_launch.errors import Interrupted, RunFailedError
+from prism_launch.errors import Interrupted, RanksStoppedError, RunFailedError
 from prism_launch.launch.env import Topology, torchrun_env
-from prism_launch.launch.heartbeat import RanksStoppedError
 from prism_launch.launch.procs import RankProcesses, RanksTimeoutError, RankSpec, RunResult
 
 HOOK_DIR = Path(__file__).resolve().parents[1] / "rank" / "_hook"

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nccl_ext.core.ranklist import short_ranks
+from prism_launch.errors import RanksStoppedError
 from prism_launch.launch.failures import ERROR_FILE_ENV
 
 EVERY_S = 1.0
@@ -103,7 +105,7 @@ class Heartbeats:
 def stopped_message(stopped: list[Stopped], limit_s: float) -> str:
     """What the launcher says of ranks whose heartbeat stopped."""
     first = stopped[0]
-    others = f"; also ranks {[s.rank for s in stopped[1:]]}" if len(stopped) > 1 else ""
+    others = f"; also ranks {short_ranks(s.rank for s in stopped[1:])}" if len(stopped) > 1 else ""
     return (f"rank {first.rank} (pid {first.pid}) stopped: no heartbeat for {first.age_s:.0f} s, longer than any "
             f"communication wait may last (comm.timeout_s={limit_s:g}). Its process is stopped (SIGSTOP, a "
             f"debugger) or stuck holding the interpreter in one call (the GPU driver behind a wait that never "
@@ -111,11 +113,5 @@ def stopped_message(stopped: list[Stopped], limit_s: float) -> str:
             "torn down; raise comm.timeout_s= if one call of the program legitimately holds the interpreter that long")
 
 
-class RanksStoppedError(RuntimeError):
-    """Raised by :meth:`~prism_launch.launch.procs.RankProcesses.wait`: ranks still running
-    whose heartbeat stopped (the ranks are left running; call ``close``)."""
-
-    def __init__(self, stopped: list[Stopped], limit_s: float) -> None:
-        self.stopped = stopped
-        self.limit_s = limit_s
-        super().__init__(stopped_message(stopped, limit_s))
+def stopped_error(stopped: list[Stopped], limit_s: float) -> RanksStoppedError:
+    return RanksStoppedError(stopped_message(stopped, limit_s), stopped, limit_s)

@@ -44,7 +44,7 @@ from torch.distributed.elastic.multiprocessing.api import Std, to_map
 from prism_launch.trace.layout import RankLogs
 from prism_launch.errors import RanksTimeoutError
 from prism_launch.launch.failures import ERROR_FILE_ENV, RankFailure, RunResult, rank_failure
-from prism_launch.launch.heartbeat import Heartbeats, RanksStoppedError, heartbeat_path
+from prism_launch.launch.heartbeat import Heartbeats, heartbeat_path, stopped_error
 from prism_launch.launch.rank_logs import LOG_LINE_PREFIX_NAME, Tee, start_tee
 from prism_launch.launch.rank_start import RankSpec, fork_rank, load_prctl, spawn_rank
 
@@ -318,7 +318,7 @@ class RankProcesses:
             if heartbeats is not None:
                 stopped = heartbeats.stopped({r: st.pid for r, st in self._ranks.items() if st.exitcode is None})
                 if stopped:
-                    raise RanksStoppedError(stopped, heartbeats.limit_s)
+                    raise stopped_error(stopped, heartbeats.limit_s)
             if on_tick is not None:
                 on_tick()
                 now = time.monotonic()

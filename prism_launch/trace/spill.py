@@ -27,7 +27,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .errors import TraceError, TraceSpaceError
+from prism_launch.errors import SpillHashError
+
+from .errors import TraceSpaceError
 from .layout import TENSOR_INDEX_NAME, TraceLayout, tensor_blob_name
 from .space import free_bytes, is_no_space, needed_bytes
 from .tensors import DTYPE_NAMES
@@ -183,10 +185,6 @@ HASH_BYTES_PER_S = 20 << 20
 core): with :data:`HASH_FLOOR_S`, what bounds the wait for it."""
 
 HASH_FLOOR_S = 60.0
-
-
-class SpillHashError(TraceError):
-    """A spill file's sha256 failed, or did not finish within its bound."""
 
 
 class _Hashing:
