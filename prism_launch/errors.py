@@ -6,7 +6,8 @@ module: a caller tells them apart by type and fields, never by their text.
 - :class:`TraceError` and its subclasses: the PrismTrace storage layer; each names the trace
   path involved and says what the user can do about it.
 - :class:`CaptureError` and its subclasses: the capture coordinator could not complete an op.
-- :class:`FoldError`, :class:`NetbenchError`, :class:`RanksTimeoutError`, :class:`ParkingError`.
+- :class:`FoldError`, :class:`NetbenchError`, :class:`RanksTimeoutError`, :class:`RanksStoppedError`,
+  :class:`ParkingError`.
 
 The communication layer's own errors (a failed op, with its rank, group, op and sequence) are
 in :mod:`nccl_ext.core.errors`.
