@@ -20,6 +20,7 @@ import time
 import torch
 
 from nccl_ext.exchange.device_flags import DeviceFlags, DeviceFlagsUnavailable, restore_context, self_test
+from nccl_ext.capture.progress import RankProgress
 from nccl_ext.core.protocol import Stalled
 from nccl_ext.core.pending import LIMIT_KEY, CommDeadlineError, Pending
 
@@ -58,11 +59,15 @@ CLOSE_POLL_S = 0.02
 
 
 class DeferredWaits:
-    """Mixed into :class:`~nccl_ext.capture.transport.CaptureTransport` (its ``_unparked``,
-    ``_closed``, ``rank``, ``unit``; and, where it has them, its host ``_arena`` and ``_send`` to
-    the coordinator)."""
+    """The deferred waits of one captured rank: given where the rank stands (``progress``: its
+    step, whether it keeps its slot, whether it closed), whether waits may go to the GPU at all
+    (``enabled``: ``capture.gpu_waits``), and ``send`` to its coordinator (None: none)."""
 
-    def _init_deferred(self, enabled: bool) -> None:
+    def __init__(self, progress: RankProgress, enabled: bool, send=None) -> None:
+        self._progress = progress
+        self.rank = progress.rank
+        self._closed = progress.closed
+        self._send = send
         self._defer_enabled = enabled
         self._flags: DeviceFlags | None = None
         self._fold_stream: torch.cuda.Stream | None = None
@@ -75,7 +80,7 @@ class DeferredWaits:
         """op id -> the ops deferred when it was issued (its fold waits for their flags)."""
         self._ready: dict[int, object] = {}
         self._gated: set[int] = set()
-        """Answered ops whose folds wait for their peers' stagings to run (:meth:`_await_staging`)."""
+        """Answered ops whose folds wait for their peers' stagings to run (:meth:`await_staging`)."""
         """op id -> the queuing of its fold, waiting for the folds of the ops in ``_after``."""
         self._draining = False
         self._deferred_error: BaseException | None = None
@@ -89,7 +94,7 @@ class DeferredWaits:
         self._stall: BaseException | None = None
         self._host_results: torch.cuda.Stream | None = None
 
-    def _start_flags(self, device: torch.device, writer: torch.cuda.Stream) -> None:
+    def start_flags(self, device: torch.device, writer: torch.cuda.Stream) -> None:
         """The flags of this rank's GPU (before its first GPU op; ``writer``: the fold's stream),
         or none — said once — where the driver cannot wait on them (every wait then blocks the
         host, as before)."""
@@ -106,32 +111,31 @@ class DeferredWaits:
                   "wait blocks the rank until its peers have arrived", file=sys.stderr, flush=True)
 
     @property
-    def _deferring(self) -> bool:
+    def deferring(self) -> bool:
         """Whether waits may go to the GPU now (flags, and past the program's first steps): the
         orderings that only deferred waits need hold from then on; the first steps run as
         without waits on the GPU."""
-        return self._flags is not None and self.unit >= DEFER_FROM_STEP
+        return self._flags is not None and self._progress.unit >= DEFER_FROM_STEP
 
-    def _may_lock_pages(self) -> bool:
+    def may_lock_pages(self) -> bool:
         """Whether the calling thread may page-lock host memory for the GPU now: the program's
         threads always; this module's helper threads (named ``prism-…``) until waits go to the
         GPU — locking waits for the driver's context lock, which the program holds while it sits
         in a synchronous copy behind a deferred op whose fold a helper would queue."""
-        return not self._deferring or not threading.current_thread().name.startswith(HELPER_PREFIX)
+        return not self.deferring or not threading.current_thread().name.startswith(HELPER_PREFIX)
 
-    def _may_unlock_pages(self) -> bool:
+    def may_unlock_pages(self) -> bool:
         """Whether page-locked host memory may be unlocked now: until waits go to the GPU, by no
         thread after — ``cuMemHostUnregister`` waits for work on the GPU that a deferred wait
         holds (H200: upstream Megatron's dense capture stopped in it, on the program's own
         thread, its tensor-parallel peer waiting for the op it was about to stage)."""
-        return not self._deferring
+        return not self.deferring
 
-    def _before_deferring(self) -> None:
+    def before_deferring(self, arena) -> None:
         """The program's thread, at the step boundary from which waits may be deferred: the
         host arena grows now, page-locked, to twice the most it held at once so far (by at most
         :data:`RESERVE_HEADROOM`; where there is no room, not at all), so that
         the steps after it neither register pages nor leave a drained generation locked."""
-        arena = getattr(self, "_arena", None)
         if self._flags is not None and arena is not None and arena.pin and arena.high_water:
             want = min(2 * arena.high_water, arena.high_water + RESERVE_HEADROOM)
             try:
@@ -140,7 +144,7 @@ class DeferredWaits:
                 print(f"prism-launch: rank {self.rank}: could not grow the host arena ahead to "
                       f"{want / 2**20:.0f} MiB ({e}); it grows as it needs", file=sys.stderr, flush=True)
 
-    def _from_host(self, p: Pending, call) -> None:
+    def from_host(self, p: Pending, call) -> None:
         """Collective ``p`` (``call``) is answered through the host (the coordinator's): where
         waits go to the GPU its results are copied into the program's tensors on a stream of
         their own. The receiving thread's current stream is CUDA's legacy default one, which
@@ -149,14 +153,14 @@ class DeferredWaits:
         program's stream is drained here first (a contribution's copy to the host drains it
         anyway), and its host blocks at the op's wait until the copy is done, so nothing of the
         program's races the copy."""
-        if self._host_results is None or not self._deferring:
+        if self._host_results is None or not self.deferring:
             return
         cuda = [t for t in (*(call.tensors or ()), *(call.outputs or ())) if t.is_cuda]
         if cuda:
             torch.cuda.current_stream(cuda[0].device).synchronize()
             p.apply_stream = self._host_results
 
-    def _gpu_op(self, op_id: int, p: Pending, deferrable: bool = True) -> None:
+    def gpu_op(self, op_id: int, p: Pending, deferrable: bool = True) -> None:
         """Op ``op_id`` (its issue event recorded) will be completed by the GPU exchange: its fold
         is queued after those of the ops deferred so far, and a wait on it may be deferred —
         not where it may be answered through the host instead (a receive whose sender may not
@@ -171,12 +175,12 @@ class DeferredWaits:
         if deferrable:
             p.defer = lambda: self._defer(op_id, p)
 
-    def _await_staging(self, op_id: int) -> None:
+    def await_staging(self, op_id: int) -> None:
         """Op ``op_id`` is answered; its fold waits for its peers' stagings to run on their GPUs."""
         with self._order_lock:
             self._gated.add(op_id)
 
-    def _in_order(self, op_id: int, queue_fold) -> None:
+    def in_order(self, op_id: int, queue_fold) -> None:
         """Queue op ``op_id``'s fold (``queue_fold()``, which writes its flag after its results)
         once the ops deferred before it was issued have queued theirs (reader thread)."""
         with self._order_lock:
@@ -250,7 +254,7 @@ class DeferredWaits:
         """Make the program's current stream wait for op ``op_id`` on the GPU instead of blocking
         (False: wait on the host — parking may still stop this rank, the program's first steps,
         too many are deferred, or the op's fold is queued already)."""
-        if not self._unparked or self.unit < DEFER_FROM_STEP or self._closed.is_set() or p.is_done:
+        if not self._progress.unparked or self._progress.unit < DEFER_FROM_STEP or self._closed.is_set() or p.is_done:
             return False
         with self._order_lock:
             if op_id not in self._open or len(self._deferred) >= MAX_DEFERRED:
@@ -390,26 +394,31 @@ class DeferredWaits:
 
     def _report_stall(self, what: str) -> None:
         """Tell the capture's coordinator (where there is one) that waits on the GPU stopped."""
-        send = getattr(self, "_send", None)
+        send = self._send
         if send is not None:
             try:
                 send(Stalled(self.rank, what))
             except OSError:
                 pass
 
+    @property
+    def deferred_error(self) -> BaseException | None:
+        """The failure of an op whose wait the program passed on the GPU, not raised yet."""
+        return self._deferred_error
+
     def deferred_failed(self, p: Pending, error: BaseException) -> None:
         """Writing a deferred op's results failed after its wait returned: the next op raises it."""
         if self._deferred_error is None:
             self._deferred_error = RuntimeError(f"{p.what}: {error}")
 
-    def _check_deferred(self) -> None:
+    def check_deferred(self) -> None:
         """Raise the failure of an op whose wait the program passed on the GPU."""
         e = self._deferred_error
         if e is not None:
             raise RuntimeError(f"rank {self.rank}: an earlier op failed after the program went on past its wait "
                                f"(its stream waited on the GPU, as over NCCL): {e}") from e
 
-    def _flag_writer(self, op_id: int):
+    def flag_writer(self, op_id: int):
         """What writes op ``op_id``'s flag on the fold's stream once its results are written."""
         flags = self._flags
         return None if flags is None else (lambda stream: flags.signal(stream, op_id))

@@ -65,7 +65,7 @@ class RankExchange:
             self.busy_s["stage"] += time.perf_counter() - t0
         issue = (gpu.issued(), torch.cuda.current_stream(device)) if gpu is not None else None
         if issue is not None:
-            self._gpu_op(op_id, p)
+            self._waits.gpu_op(op_id, p)
         self._xops[op_id] = (call.kind, call.reduce, call.root, group.group_rank(self.rank), call.tensors, device, issue)
         if folded:
             self.folded_exchanged_ops += 1
@@ -106,10 +106,10 @@ class RankExchange:
                          for g, loc in enumerate(locations)]
                 return gpu_results(gpu.fold, kind, views, me, reduce, root)
 
-            self._await_staging(op_id)
+            self._waits.await_staging(op_id)
             gpu.when_staged([loc for g, loc in enumerate(locations) if g != me],
-                            lambda: self._in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results)),
-                            gated=self._deferring)
+                            lambda: self._waits.in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results)),
+                            gated=self._waits.deferring)
             return
         on_device = self._fold_on(device)
 
@@ -157,10 +157,10 @@ class RankExchange:
                 self._keep_result(op_id, out)  # on the fold's stream, before its done event
                 return out
 
-            self._await_staging(op_id)
+            self._waits.await_staging(op_id)
             gpu.when_staged([loc for g, loc in enumerate(locations) if g != me and g in used],
-                            lambda: self._in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results)),
-                            gated=self._deferring)
+                            lambda: self._waits.in_order(op_id, lambda: self._complete_on_gpu(op_id, issue, results)),
+                            gated=self._waits.deferring)
             return
 
         def read() -> list:
@@ -204,7 +204,7 @@ class RankExchange:
         with self._pending_lock:
             p = self._pending.pop(op_id, None)
         t0 = time.perf_counter()
-        self._gpu.complete(p, op_id, issue[0], issue[1], results, self._flag_writer(op_id))
+        self._gpu.complete(p, op_id, issue[0], issue[1], results, self._waits.flag_writer(op_id))
         dt = time.perf_counter() - t0
         self.busy_s["exchange_compute"] += dt
         self.busy_s["x_complete_max"] = max(self.busy_s.get("x_complete_max", 0.0), dt)
@@ -220,11 +220,11 @@ class RankExchange:
         issue = self._recv_issue.pop(op_id, None)
         if issue is not None:
             gpu = self._gpu
-            self._await_staging(op_id)
-            gpu.when_staged([location], lambda: self._in_order(op_id, lambda: self._complete_on_gpu(
+            self._waits.await_staging(op_id)
+            gpu.when_staged([location], lambda: self._waits.in_order(op_id, lambda: self._complete_on_gpu(
                 op_id, issue, lambda: gpu_results(gpu.fold, Collective.BROADCAST,
                                                   [gpu.views(location, self._peers.views)], 0, None, 0))),
-                            gated=self._deferring)
+                            gated=self._waits.deferring)
             return
         on_device = self._fold_on(device)
 
@@ -284,9 +284,9 @@ class RankExchange:
         """This rank's arena and its views of the peers' (opened at first use)."""
         if self._arena is None:
             pinned = self._device_fold is not None  # copies to and from the GPU at the link's speed
-            self._arena = Arena(self._exchange, self.rank, pin=pinned, pin_ok=self._may_lock_pages,
-                                unpin_ok=self._may_unlock_pages)
-            self._peers = PeerViews(self._exchange, pin=pinned, pin_ok=self._may_lock_pages)
+            self._arena = Arena(self._exchange, self.rank, pin=pinned, pin_ok=self._waits.may_lock_pages,
+                                unpin_ok=self._waits.may_unlock_pages)
+            self._peers = PeerViews(self._exchange, pin=pinned, pin_ok=self._waits.may_lock_pages)
         return self._arena, self._peers
 
 

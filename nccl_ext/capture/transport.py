@@ -28,6 +28,7 @@ from nccl_ext.core.protocol import (Alive, Bye, Coll, Free, Go, Group, LColl, Ma
                                     XOk, XRecv, XSend)
 from nccl_ext.capture.rank_exchange import RankExchange
 from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, DeferredWaits
+from nccl_ext.capture.progress import RankProgress
 from nccl_ext.exchange.arena import PIN_COUNTS, Arena, PeerViews
 from nccl_ext.exchange.device_reduce import DeviceFold
 from nccl_ext.exchange.ipc import GpuExchange, start_gpu_exchange
@@ -54,13 +55,16 @@ MIRROR_SCRATCH_BYTES = 16 << 20
 """Slice buffer of a mirrored in-place reduction (:mod:`nccl_ext.core.mirrored`)."""
 
 
-class CaptureTransport(RankExchange, DeferredWaits):
+class CaptureTransport(RankExchange):
     def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
                  captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0,
                  exchange: str | None = None, gpu_exchange_bytes: int = 0, scope: frozenset[int] | None = None,
                  gpu_waits: bool = False, fold_exchange: bool = False):
         self.rank = rank
-        self._init_deferred(gpu_waits)
+        self._progress = RankProgress(rank)
+        self._closed = self._progress.closed
+        self._waits = DeferredWaits(self._progress, gpu_waits, self._send)
+        """Waits on the GPU (:mod:`nccl_ext.capture.deferred_waits`)."""
         self.synthesize = payload == "none"
         """``payload=none``: results are synthesized here (:mod:`nccl_ext.core.synth`); the coordinator
         gets metadata, and the payloads of broadcasts up to ``carry_bytes``."""
@@ -73,14 +77,10 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
         self._next_id = 0
-        self.unit = 0
         self._clock = ComputeClock()
-        self._closed = threading.Event()
         self._go = threading.Semaphore(0)
         self.parked_s = 0.0
         """Time this rank waited for an execution slot."""
-        self._unparked = False
-        """The coordinator said every rank has a slot of its own: blocking waits keep it."""
         self._captured = frozenset(captured) if captured is not None else None
         """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in);
         None: every rank runs."""
@@ -136,6 +136,15 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._await_slot(f"rank {rank}: waiting for a first capture slot")
 
     @property
+    def unit(self) -> int:
+        """The program's step."""
+        return self._progress.unit
+
+    def deferred_failed(self, p: Pending, error: BaseException) -> None:
+        """Writing a deferred op's results failed after its wait returned: the next op raises it."""
+        self._waits.deferred_failed(p, error)
+
+    @property
     def captured(self) -> frozenset[int] | None:
         """The ranks a folded capture runs (None: every rank runs)."""
         return self._captured
@@ -156,7 +165,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self.parked_s += time.monotonic() - t0
 
     def park(self, pending: Pending):
-        if pending.op_id < 0 or self._unparked:
+        if pending.op_id < 0 or self._progress.unparked:
             return None
         self._send(Park(pending.op_id))
         what = f"{pending.what}: resuming after the op completed"
@@ -185,7 +194,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._send(Group(group.key, group.ranks, group.occurrence, group.desc))
 
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
-        self._check_deferred()
+        self._waits.check_deferred()
         what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
         if self.synthesize and not synth.carried(call, self.carry_bytes):
             return self._synthesized(group, seq, call, what)
@@ -198,7 +207,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
                     self._gpu = start_gpu_exchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
                                                    self._xread, self._scope)
                     if self._gpu is not None:
-                        self._start_flags(self._gpu.device, self._gpu.fold.stream)
+                        self._waits.start_flags(self._gpu.device, self._gpu.fold.stream)
         keep = self._mirrored.get(group.key)
         if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
             return self._mirrored_op(group, seq, call, what, keep)
@@ -214,7 +223,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         if (tensors is None and call.standin is not None and self._captured is not None
                 and group.ranks[call.root] not in self._captured):
             tensors, contributes = call.standin, "standin"
-        self._from_host(p, call)
+        self._waits.from_host(p, call)
         header = Coll(op_id, group.key, seq, call.api, str(call.kind),
                       None if call.reduce is None else str(call.reduce), call.root,
                       contributes, self.unit, t, wall, cpu)
@@ -300,7 +309,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         return Pending.done(what, synth.results(call, group.size, group.group_rank(self.rank)))
 
     def send(self, group: GroupInfo, dst: int, tag: int, seq: int, tensor: torch.Tensor) -> Pending:
-        self._check_deferred()
+        self._waits.check_deferred()
         t, wall, cpu = self._span()
         if self.synthesize:
             self._send(PSend(group.key, dst, tag, seq, self.unit, t, wall, cpu, list(tensor.shape),
@@ -323,7 +332,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         return Pending.done("send")
 
     def recv(self, group: GroupInfo, src: int, tag: int, seq: int, like: torch.Tensor) -> Pending:
-        self._check_deferred()
+        self._waits.check_deferred()
         what = f"rank {self.rank}: recv from rank {src} tag {tag} on group {group.key} seq {seq}"
         if self.synthesize:
             t, wall, cpu = self._span()
@@ -338,7 +347,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
             if self._gpu is not None and like.device == self._gpu.device:
                 self._gpu.peers.meet((src,))
                 self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
-                self._gpu_op(op_id, p, deferrable=False)
+                self._waits.gpu_op(op_id, p, deferrable=False)
         self._send(Recv(op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 
@@ -364,8 +373,8 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._send(Marker(name, self.unit, t, wall, cpu))
         if name == "step":
             if self.unit + 1 == DEFER_FROM_STEP:
-                self._before_deferring()
-            self.unit += 1
+                self._waits.before_deferring(self._arena)
+            self._progress.unit += 1
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -373,13 +382,13 @@ class CaptureTransport(RankExchange, DeferredWaits):
         self._closed.set()
         if self._gpu is not None:  # the reads of ops whose folds are still running on the GPU
             self._gpu.close(self.timeout_s)
-        if self._deferred_error is not None:  # no op came after it to raise it
+        if self._waits.deferred_error is not None:  # no op came after it to raise it
             print(f"prism-launch: rank {self.rank}: an op failed after the program went on past its wait: "
-                  f"{self._deferred_error}", file=sys.stderr, flush=True)
+                  f"{self._waits.deferred_error}", file=sys.stderr, flush=True)
         try:
             folds = self._device_fold
             self._send(Stats(self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
-                                             "deferred_waits": self.deferred_waits,
+                                             "deferred_waits": self._waits.deferred_waits,
                                              "staged_ops": self.staged_ops,
                                              "device_folds": folds.device_ops if folds else 0,
                                              "host_folds": folds.host_ops if folds else 0,
@@ -443,7 +452,7 @@ class CaptureTransport(RankExchange, DeferredWaits):
         pass
 
     def _on_free(self, m: Free, tensors) -> None:
-        self._unparked = True
+        self._progress.unparked = True
 
     def _on_mirror(self, m: Mirror, tensors) -> None:
         self._mirrored[m.key] = m.keep

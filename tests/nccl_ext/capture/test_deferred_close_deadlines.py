@@ -61,7 +61,7 @@ def test_an_answered_op_whose_fold_never_wrote_its_flag_has_it_written_at_close(
     flags, rank = _closing_rank(0.2)
     p0 = _issue(rank, 0)
     assert p0.defer()
-    rank._in_order(0, lambda: p0.complete([]))  # answered: its fold is queued and never runs
+    rank.in_order(0, lambda: p0.complete([]))  # answered: its fold is queued and never runs
     rank._closed.set()
     rank._watchdog.join(5.0)
     assert not rank._watchdog.is_alive() and flags.released == [0]

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, MAX_DEFERRED, DeferredWaits
+from nccl_ext.capture.progress import RankProgress
 from nccl_ext.core.pending import Pending
 from nccl_ext.core.protocol import Stalled
 
@@ -40,24 +41,21 @@ class Flags:
     """Ops whose folds wrote their flags on the GPU."""
 
 
-class Rank(DeferredWaits):
-    def __init__(self, flags):
-        self.rank = 7
-        self.unit = DEFER_FROM_STEP
-        self._unparked = True
-        self._closed = threading.Event()
-        self._init_deferred(True)
-        self._flags = flags
+def Rank(flags):
+    """A rank past its first steps that keeps its slot, its waits on the GPU over ``flags``."""
+    w = DeferredWaits(RankProgress(7, unit=DEFER_FROM_STEP, unparked=True), True)
+    w._flags = flags
+    return w
 
 
 def _issue(rank, op_id, timeout_s=30.0):
     p = Pending(f"op {op_id}", timeout_s, op_id)
-    rank._gpu_op(op_id, p)
+    rank.gpu_op(op_id, p)
     return p
 
 
 def _answer(rank, p, queued):
-    rank._in_order(p.op_id, lambda: (queued.append(p.op_id), p.complete([])))
+    rank.in_order(p.op_id, lambda: (queued.append(p.op_id), p.complete([])))
 
 
 def test_ops_issued_after_a_deferred_wait_are_queued_after_its_fold():
@@ -95,7 +93,7 @@ def test_a_deferred_ops_failure_releases_its_flag_and_what_waited_and_is_raised_
     p0.fail(RuntimeError("the peer's process ended"))
     assert flags.released == [0] and queued == [1]
     with pytest.raises(RuntimeError, match="went on past its wait.*the peer's process ended"):
-        rank._check_deferred()
+        rank.check_deferred()
 
 
 def test_a_failure_without_a_deferred_wait_only_releases_the_flag():
@@ -104,7 +102,7 @@ def test_a_failure_without_a_deferred_wait_only_releases_the_flag():
     p = _issue(rank, 0)
     p.fail(RuntimeError("deadline"))
     assert flags.released == [0]
-    rank._check_deferred()
+    rank.check_deferred()
 
 
 def test_an_op_answered_through_the_host_writes_its_flag_after_the_copy():
@@ -121,14 +119,14 @@ def test_an_op_answered_through_the_host_writes_its_flag_after_the_copy():
 def test_no_deferral_while_parking_can_stop_the_rank_in_the_first_steps_past_the_cap_once_answered_or_without_flags():
     flags = Flags()
     rank = Rank(flags)
-    rank._unparked = False
+    rank._progress.unparked = False
     assert not _issue(rank, 0).defer()
-    rank._unparked = True
-    rank.unit = DEFER_FROM_STEP - 1  # the first steps load and compile its kernels
+    rank._progress.unparked = True
+    rank._progress.unit = DEFER_FROM_STEP - 1  # the first steps load and compile its kernels
     assert not _issue(rank, 4).defer()
-    rank.unit = DEFER_FROM_STEP
+    rank._progress.unit = DEFER_FROM_STEP
     done = _issue(rank, 1)
-    rank._in_order(1, lambda: done.complete([]))
+    rank.in_order(1, lambda: done.complete([]))
     assert not done.defer() and flags.waited == []
     rank._deferred = set(range(100, 100 + MAX_DEFERRED))
     assert not _issue(rank, 2).defer()
@@ -143,7 +141,7 @@ def test_a_receive_is_ordered_but_never_deferred():
     p0 = _issue(rank, 0)
     assert p0.defer()
     p1 = Pending("recv 1", 30.0, 1)
-    rank._gpu_op(1, p1, deferrable=False)
+    rank.gpu_op(1, p1, deferrable=False)
     assert p1.defer is None
     _answer(rank, p1, queued)
     assert queued == []  # issued after op 0's deferred wait: queued after its fold
@@ -197,7 +195,7 @@ def test_a_deferred_op_not_written_by_its_deadline_fails_and_releases_the_gpu(mo
     assert set(flags.released) == {1}  # the program's stream goes on; op 0 was written in time
     assert stuck.error is not None and not ok.is_done
     with pytest.raises(RuntimeError) as e:
-        rank._check_deferred()  # the program's next op
+        rank.check_deferred()  # the program's next op
     said = str(e.value)
     assert "deadline exceeded: op 1" in said and "capture.gpu_waits=false" in said and "have not all been staged" in said
     assert "rank 7: deadline exceeded: op 1" in capsys.readouterr().err
@@ -216,7 +214,7 @@ def test_a_deferred_op_whose_peer_never_staged_says_so_at_its_deadline(monkeypat
     rank = Rank(flags)
     p = _issue(rank, 0, timeout_s=0.2)
     assert p.defer()
-    rank._await_staging(0)  # answered; the gate waits for a peer's staging event that never completes
+    rank.await_staging(0)  # answered; the gate waits for a peer's staging event that never completes
     deadline = time.monotonic() + 10
     while p.error is None and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -123,55 +123,61 @@ def test_no_thread_locks_or_unlocks_arena_pages_while_told_not_to(tmp_path, monk
 def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred():
     from nccl_ext.capture.transport import CaptureTransport
     from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, RESERVE_HEADROOM, DeferredWaits
+    from nccl_ext.capture.progress import RankProgress
 
     class FakeArena:
         pin, high_water, reserved = True, 3 << 20, []
 
         def reserve(self, n):
-            self.reserved.append((n, w.unit, w._may_lock_pages()))
+            self.reserved.append((n, t.unit, w.may_lock_pages()))
 
-    w = DeferredWaits()
-    w._flags, w.unit, w._arena = object(), 0, FakeArena()
-    w._span, w._send = (lambda: (0.0, 0.0, 0.0)), (lambda msg: None)
+    t = CaptureTransport.__new__(CaptureTransport)  # only what marker() uses
+    t._progress = RankProgress(0)
+    w = DeferredWaits(t._progress, True)
+    w._flags = object()
+    t._waits, t._arena = w, FakeArena()
+    t._span, t._send = (lambda: (0.0, 0.0, 0.0)), (lambda msg: None)
     for _ in range(DEFER_FROM_STEP + 2):
-        CaptureTransport.marker(w, "step")
+        t.marker("step")
     # once, on the step boundary, while pages may still be locked
-    assert FakeArena.reserved == [(6 << 20, DEFER_FROM_STEP - 1, True)] and w.unit == DEFER_FROM_STEP + 2
+    assert FakeArena.reserved == [(6 << 20, DEFER_FROM_STEP - 1, True)] and t.unit == DEFER_FROM_STEP + 2
     FakeArena.reserved.clear()
     FakeArena.high_water = 8 << 30  # large: grown by at most RESERVE_HEADROOM
-    w._before_deferring()
+    w.before_deferring(t._arena)
     assert FakeArena.reserved[0][0] == (8 << 30) + RESERVE_HEADROOM
     FakeArena.reserved.clear()
-    w2 = DeferredWaits()
-    w2._flags, w2.unit, w2._arena = None, DEFER_FROM_STEP - 1, FakeArena()  # no waits on the GPU: no growth
-    w2._before_deferring()
+    w2 = DeferredWaits(RankProgress(0, unit=DEFER_FROM_STEP - 1), True)  # no waits on the GPU: no growth
+    w2.before_deferring(FakeArena())
     assert FakeArena.reserved == []
 
 
 def test_once_waits_go_to_the_gpu_only_the_program_locks_pages_and_no_thread_unlocks_them():
     from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, HELPER_PREFIX, DeferredWaits
+    from nccl_ext.capture.progress import RankProgress
 
-    w = DeferredWaits()
-    w._flags, w.unit = None, DEFER_FROM_STEP  # no flags: waits never go to the GPU
+    progress = RankProgress(0, unit=DEFER_FROM_STEP)
+    w = DeferredWaits(progress, True)
+    w._flags = None  # no flags: waits never go to the GPU
 
     def on_thread(name):
         seen = []
-        t = threading.Thread(target=lambda: seen.append((w._may_lock_pages(), w._may_unlock_pages())), name=name)
+        t = threading.Thread(target=lambda: seen.append((w.may_lock_pages(), w.may_unlock_pages())), name=name)
         t.start()
         t.join(10)
         return seen.pop()
 
     helper, program = f"{HELPER_PREFIX}capture-reader", "autograd-like"  # backward passes issue ops off the main thread
     assert on_thread(helper) == (True, True) and on_thread(program) == (True, True)
-    w._flags, w.unit = object(), DEFER_FROM_STEP - 1  # the program's first steps
+    w._flags, progress.unit = object(), DEFER_FROM_STEP - 1  # the program's first steps
     assert on_thread(helper) == (True, True)
-    w.unit = DEFER_FROM_STEP
+    progress.unit = DEFER_FROM_STEP
     assert on_thread(helper) == (False, False)
-    assert on_thread(program) == (True, False) and (w._may_lock_pages(), w._may_unlock_pages()) == (True, False)
+    assert on_thread(program) == (True, False) and (w.may_lock_pages(), w.may_unlock_pages()) == (True, False)
 
 
 def test_no_room_to_grow_the_host_arena_ahead_is_said_and_not_fatal(capsys):
     from nccl_ext.capture.deferred_waits import DeferredWaits
+    from nccl_ext.capture.progress import RankProgress
 
     class FullArena:
         pin, high_water = True, 1 << 20
@@ -179,8 +185,8 @@ def test_no_room_to_grow_the_host_arena_ahead_is_said_and_not_fatal(capsys):
         def reserve(self, n):
             raise OSError(28, "capture's shared-memory exchange: no room for a 2 MiB arena")
 
-    w = DeferredWaits()
-    w.rank, w._flags, w._arena = 3, object(), FullArena()
-    w._before_deferring()
+    w = DeferredWaits(RankProgress(3), True)
+    w._flags = object()
+    w.before_deferring(FullArena())
     err = capsys.readouterr().err
     assert "rank 3: could not grow the host arena ahead to 2 MiB" in err and "no room" in err

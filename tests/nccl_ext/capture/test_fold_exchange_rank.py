@@ -52,20 +52,12 @@ class Rank(RankExchange):
         self.busy_s = defaultdict(float)
         self._arena, self._peers = Arena(directory, rank), PeerViews(directory)
         self._fold_scratch = None
-        self._deferring = False
+        self._waits = SimpleNamespace(deferring=False, await_staging=lambda op_id: None,
+                                      in_order=lambda op_id, queue_fold: queue_fold(), flag_writer=lambda op_id: None)
         self.sent = []
 
     def _send(self, message):
         self.sent.append(message)
-
-    def _await_staging(self, op_id):
-        pass
-
-    def _in_order(self, op_id, queue_fold):
-        queue_fold()
-
-    def _flag_writer(self, op_id):
-        return None
 
 
 def _contributions(kind):
