@@ -132,6 +132,15 @@ class PrismProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return self.world.backend_name
 
+    supports_coalescing = False
+    """A batch of point-to-point ops is issued one by one (each is its own op of the transport)."""
+
+    def _get_backend(self, device):
+        """This group is its own backend on every device. torch 2.14's ``batch_isend_irecv``
+        asks any ``ProcessGroup`` for its device's backend (2.13 asked only the plain class);
+        the C++ lookup knows no backend of a group implemented here and raises."""
+        return self
+
     @property
     def group_name(self) -> str:
         return self._name
