@@ -29,8 +29,7 @@ class RankExchange:
     def _receive_result(self, op_id: int, location) -> None:
         """The coordinator staged this rank's result of op ``op_id``: copied from there into the
         program's tensors, then the coordinator may free it (``xread``)."""
-        with self._pending_lock:
-            p = self._pending.pop(op_id, None)
+        p = self._pending.pop(op_id)
         t0 = time.perf_counter()
         try:
             if p is not None:
@@ -49,7 +48,7 @@ class RankExchange:
         computes its result from their pieces (:meth:`_compute_exchanged`). ``folded``: a folded
         group's weighted reduction (:func:`nccl_ext.core.replica_sums.exchangeable`), computed from its
         captured members' pieces into the caller's tensors (:meth:`_compute_folded`)."""
-        op_id, p = self._new_pending(what)
+        op_id, p = self._pending.new(what)
         t, wall, cpu = self._span()
         self._open_exchange()
         device = next((x.device for x in (*(call.tensors or ()), *(call.outputs or ()), *(call.standin or ()))
@@ -201,8 +200,7 @@ class RankExchange:
     def _complete_on_gpu(self, op_id: int, issue: tuple, results) -> None:
         """Complete op ``op_id`` through the GPU exchange (``issue``: the event and program stream
         of its issue; ``results()``: its views and fold, on the fold's stream)."""
-        with self._pending_lock:
-            p = self._pending.pop(op_id, None)
+        p = self._pending.pop(op_id)
         t0 = time.perf_counter()
         self._gpu.complete(p, op_id, issue[0], issue[1], results, self._waits.flag_writer(op_id))
         dt = time.perf_counter() - t0
@@ -245,8 +243,7 @@ class RankExchange:
         this rank is done with the staged regions (``xread``). Results on the device are written
         into the program's tensors on the fold's stream, which is waited for before the program
         is woken (:attr:`Pending.after_apply`)."""
-        with self._pending_lock:
-            p = self._pending.pop(op_id, None)
+        p = self._pending.pop(op_id)
         t0 = time.perf_counter()
         try:
             out = read()

@@ -17,17 +17,17 @@ many logical ranks exist.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import torch
 
-from nccl_ext.core import handshake, mirrored, protocol, replica_sums as folded, synth, wire
-from nccl_ext.core.protocol import (Alive, Bye, Coll, Free, Go, Group, LColl, Marker, Memory, Meta, Mirror, Ok,
-                                    OpFailed, Park, PRecv, PSend, Recv, SColl, Send, SOk, Stats, Wait, XFree,
-                                    XOk, XRecv, XSend)
+from nccl_ext.core import mirrored, replica_sums as folded, synth, wire
+from nccl_ext.core.protocol import (Bye, Coll, Group, LColl, Marker, Memory, Meta, Mirror, Ok, OpFailed, Park,
+                                    PRecv, PSend, Recv, SColl, Send, SOk, Stats, Wait, XFree, XOk, XRecv, XSend)
 from nccl_ext.capture.rank_exchange import RankExchange
 from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, DeferredWaits
+from nccl_ext.capture.link import CoordinatorLink
+from nccl_ext.capture.pending_ops import PendingOps
 from nccl_ext.capture.progress import RankProgress
 from nccl_ext.exchange.arena import PIN_COUNTS, Arena, PeerViews
 from nccl_ext.exchange.device_reduce import DeviceFold
@@ -63,6 +63,17 @@ class CaptureTransport(RankExchange):
         self.rank = rank
         self._progress = RankProgress(rank)
         self._closed = self._progress.closed
+        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0,
+                       "x_until_complete": 0.0, "x_to_reader": 0.0}
+        """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
+        close; ``capture.json``'s ``rank_busy_s``): where a capture's time goes on the rank side.
+        Of its exchanged collectives: from sending its contribution's location until the
+        coordinator saw every member's (``x_until_complete``), and from there until this rank's
+        reader had the answer (``x_to_reader``)."""
+        self._pending = PendingOps(timeout_s)
+        """This rank's ops in flight (:mod:`nccl_ext.capture.pending_ops`)."""
+        self._link = CoordinatorLink(address, authkey, timeout_s, self._progress, self._pending, self.busy_s)
+        """The connection to the coordinator (:mod:`nccl_ext.capture.link`)."""
         self._waits = DeferredWaits(self._progress, gpu_waits, self._send)
         """Waits on the GPU (:mod:`nccl_ext.capture.deferred_waits`)."""
         self.synthesize = payload == "none"
@@ -70,17 +81,8 @@ class CaptureTransport(RankExchange):
         gets metadata, and the payloads of broadcasts up to ``carry_bytes``."""
         self.carry_bytes = carry_bytes
         self.synthesized = 0
-        self._alive = time.monotonic()
         self.timeout_s = timeout_s
-        self._conn = handshake.connect(address, authkey, rank, timeout_s)
-        self._send_lock = threading.Lock()
-        self._pending: dict[int, Pending] = {}
-        self._pending_lock = threading.Lock()
-        self._next_id = 0
         self._clock = ComputeClock()
-        self._go = threading.Semaphore(0)
-        self.parked_s = 0.0
-        """Time this rank waited for an execution slot."""
         self._captured = frozenset(captured) if captured is not None else None
         """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in);
         None: every rank runs."""
@@ -122,18 +124,9 @@ class CaptureTransport(RankExchange):
         """Collectives computed by the coordinator whose contribution and result went through shared memory."""
         self.exchanged_ops = 0
         """Collectives among captured ranks only, computed by their members (:meth:`_exchanged`)."""
-        self.busy_s = {"send": 0.0, "stage": 0.0, "exchange_compute": 0.0, "mirror_compute": 0.0, "apply": 0.0,
-                       "x_until_complete": 0.0, "x_to_reader": 0.0}
-        """Seconds this rank spent on its ops' data by activity (reported to the coordinator at
-        close; ``capture.json``'s ``rank_busy_s``): where a capture's time goes on the rank side.
-        Of its exchanged collectives: from sending its contribution's location until the
-        coordinator saw every member's (``x_until_complete``), and from there until this rank's
-        reader had the answer (``x_to_reader``)."""
         self._x_sent: dict[int, float] = {}
-        self._on_reply = self._reply_table()
-        self._reader = threading.Thread(target=self._read_loop, name="prism-capture-reader", daemon=True)
-        self._reader.start()
-        self._await_slot(f"rank {rank}: waiting for a first capture slot")
+        self._link.start(self._reply_table())
+        self._link.await_slot(f"rank {rank}: waiting for a first capture slot")
 
     @property
     def unit(self) -> int:
@@ -149,46 +142,25 @@ class CaptureTransport(RankExchange):
         """The ranks a folded capture runs (None: every rank runs)."""
         return self._captured
 
-    # -- context switching ----------------------------------------------------------------
-    def _await_slot(self, what: str) -> None:
-        t0 = time.monotonic()
-        while not self._go.acquire(timeout=0.5):
-            if self._closed.is_set():
-                raise RuntimeError(f"{what}: the capture coordinator closed the connection")
-            # the coordinator's heartbeat says this rank is still queued (ranks of payload=none run
-            # one after another, so a rank may wait longer than one op's deadline for its turn)
-            if time.monotonic() - max(t0, self._alive) > self.timeout_s:
-                raise CommDeadlineError(
-                    f"deadline exceeded: {what} ({self.timeout_s:g}s; the coordinator never resumed this rank; "
-                    "raise comm.timeout_s= or capture.slots=)"
-                )
-        self.parked_s += time.monotonic() - t0
+    @property
+    def parked_s(self) -> float:
+        """Time this rank waited for an execution slot."""
+        return self._link.parked_s
 
+    # -- context switching ----------------------------------------------------------------
     def park(self, pending: Pending):
         if pending.op_id < 0 or self._progress.unparked:
             return None
         self._send(Park(pending.op_id))
         what = f"{pending.what}: resuming after the op completed"
-        return lambda: self._await_slot(what)
+        return lambda: self._link.await_slot(what)
 
     # -- sending --------------------------------------------------------------------------
     def _send(self, message: tuple, tensors=()) -> None:
-        t0 = time.perf_counter()
-        messages = wire.frames(protocol.encode(message), list(tensors))  # outside the lock: a GPU tensor's copy may wait
-        with self._send_lock:
-            wire.send_frames(self._conn, messages)
-        self.busy_s["send"] += time.perf_counter() - t0
+        self._link.send(message, tensors)
 
     def _span(self, until: float | None = None) -> tuple[float, float, float]:
         return self._clock.lap(until)
-
-    def _new_pending(self, what: str) -> tuple[int, Pending]:
-        with self._pending_lock:
-            op_id = self._next_id
-            self._next_id += 1
-            p = Pending(what, self.timeout_s, op_id)
-            self._pending[op_id] = p
-        return op_id, p
 
     def register_group(self, group: GroupInfo) -> None:
         self._send(Group(group.key, group.ranks, group.occurrence, group.desc))
@@ -217,7 +189,7 @@ class CaptureTransport(RankExchange):
         if self._exchange is not None and call.kind is not Collective.BARRIER and \
                 group.size <= EXCHANGE_MAX_MEMBERS and (self._captured is None or self._captured.issuperset(group.ranks)):
             return self._exchanged(group, seq, call, what)
-        op_id, p = self._new_pending(what)
+        op_id, p = self._pending.new(what)
         t, wall, cpu = self._span()
         tensors, contributes = call.tensors, call.tensors is not None
         if (tensors is None and call.standin is not None and self._captured is not None
@@ -251,9 +223,7 @@ class CaptureTransport(RankExchange):
         kept = None
         if keep:
             self._open_exchange()
-            with self._pending_lock:
-                op_id = self._next_id
-                self._next_id += 1
+            op_id = self._pending.next_id()
             t0 = time.perf_counter()
             regions, contribution = [], None
             if mine:
@@ -319,9 +289,7 @@ class CaptureTransport(RankExchange):
             # staged in this rank's arena; the receiver reads it there (the coordinator names where)
             # and the region is freed once it has
             self._open_exchange()
-            with self._pending_lock:
-                op_id = self._next_id
-                self._next_id += 1
+            op_id = self._pending.next_id()
             t0 = time.perf_counter()
             gpu = self._gpu if self._gpu is not None and tensor.device == self._gpu.device else None
             location = self._stage(op_id, [tensor], gpu, (self.rank, dst))
@@ -340,7 +308,7 @@ class CaptureTransport(RankExchange):
                              wire.dtype_name(like.dtype), like.numel() * like.element_size()))
             self.synthesized += 1
             return Pending.done(what, [synth.fill(like)])
-        op_id, p = self._new_pending(what)
+        op_id, p = self._pending.new(what)
         t, wall, cpu = self._span()
         if like.is_cuda:
             self._recv_on[op_id] = like.device
@@ -406,53 +374,17 @@ class CaptureTransport(RankExchange):
             self._send(Bye(self.rank))
         except OSError:
             pass
-        # the reader polls every 0.1 s: end it (and drop the tensors it last received) before
-        # Python finalizes (nccl_ext/core/threads.py)
-        if self._reader is not threading.current_thread():
-            self._reader.join(timeout=5.0)
+        self._link.join_reader()
         if self._arena is not None:
             self._arena.close()
             self._peers.close()
 
-    # -- receiving ------------------------------------------------------------------------
-    def _read_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                ready = self._conn.poll(0.1)
-            except (OSError, EOFError):
-                ready = False
-                self._fail_all("the capture coordinator closed the connection")
-                return
-            if ready:
-                try:
-                    header, tensors = wire.recv(self._conn)
-                except (OSError, EOFError):
-                    self._fail_all("the capture coordinator closed the connection")
-                    return
-                message = protocol.decode(header)
-                self._alive = time.monotonic()
-                self._on_reply[type(message)](message, tensors)
-            now = time.monotonic()
-            with self._pending_lock:
-                pend = list(self._pending.values())
-            for p in pend:
-                p.check_deadline(now)
-
+    # -- receiving: the coordinator's replies, on the link's reader thread ------------------
     def _reply_table(self) -> dict:
         """Each reply the coordinator sends once connected (:data:`nccl_ext.core.protocol.REPLIES`)
         -> its handler ``(message, tensors)``."""
-        return {Go: self._on_go, Alive: self._on_alive, Free: self._on_free, Mirror: self._on_mirror,
-                XOk: self._on_xok, SOk: self._on_sok, XRecv: self._on_xrecv, XFree: self._on_xfree,
-                Ok: self._on_done, OpFailed: self._on_done}
-
-    def _on_go(self, m: Go, tensors) -> None:
-        self._go.release()
-
-    def _on_alive(self, m: Alive, tensors) -> None:
-        pass
-
-    def _on_free(self, m: Free, tensors) -> None:
-        self._progress.unparked = True
+        return {**self._link.own_handlers(), Mirror: self._on_mirror, XOk: self._on_xok, SOk: self._on_sok,
+                XRecv: self._on_xrecv, XFree: self._on_xfree, Ok: self._on_done, OpFailed: self._on_done}
 
     def _on_mirror(self, m: Mirror, tensors) -> None:
         self._mirrored[m.key] = m.keep
@@ -461,7 +393,7 @@ class CaptureTransport(RankExchange):
         sent = self._x_sent.pop(m.op_id, None)
         if sent is not None:
             self.busy_s["x_until_complete"] += max(0.0, m.t - sent)
-            self.busy_s["x_to_reader"] += max(0.0, self._alive - m.t)
+            self.busy_s["x_to_reader"] += max(0.0, self._link.alive - m.t)
         self._compute_exchanged(m.op_id, m.locations, m.parts)
 
     def _on_sok(self, m: SOk, tensors) -> None:
@@ -485,21 +417,13 @@ class CaptureTransport(RankExchange):
         """Op ``m.op_id`` completed with ``tensors``, or failed."""
         op_id = m.op_id
         self._recv_on.pop(op_id, None)
-        with self._pending_lock:
-            p = self._pending.pop(op_id, None)
+        p = self._pending.pop(op_id)
         if p is None:
             return
         if isinstance(m, Ok):
             p.complete(tensors)
         else:
             p.fail(CommDeadlineError(m.message) if m.deadline else RuntimeError(m.message))
-
-    def _fail_all(self, why: str) -> None:
-        self._closed.set()
-        with self._pending_lock:
-            pend, self._pending = list(self._pending.values()), {}
-        for p in pend:
-            p.fail(RuntimeError(f"{p.what}: {why}"))
 
 
 def _short(ranks: tuple[int, ...]) -> str:

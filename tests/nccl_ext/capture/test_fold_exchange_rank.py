@@ -4,7 +4,6 @@ GPU exchange stood in for by host tensors (its views, its own staged pieces, its
 caller's tensors get the coordinator's sum, written in place; a sandbox rank stages its result
 and names it in its ``xread``; a virtual rank's ``xread`` names nothing."""
 
-import threading
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ from nccl_ext.exchange.ipc import DEVICE_TAG
 from nccl_ext.core.replica_sums import terms, weighted_sum
 from nccl_ext.core.ops import Collective, ReduceKind
 from nccl_ext.core.pending import Pending
+from nccl_ext.capture.pending_ops import PendingOps
 from nccl_ext.core.protocol import XRead
 
 N = 100  # members; 0 and 1 captured, each standing in for 49 others
@@ -47,8 +47,8 @@ class FakeGpu:
 class Rank(RankExchange):
     def __init__(self, rank: int, directory: str, scope, gpu=None):
         self.rank, self._scope, self._gpu = rank, scope, gpu
-        self._xops, self._xtargets, self._kept, self._pending = {}, {}, {}, {}
-        self._pending_lock = threading.Lock()
+        self._xops, self._xtargets, self._kept = {}, {}, {}
+        self._pending = PendingOps(30.0)
         self.busy_s = defaultdict(float)
         self._arena, self._peers = Arena(directory, rank), PeerViews(directory)
         self._fold_scratch = None
@@ -74,7 +74,7 @@ def _want(kind, contributions, me, reduce):
 def _op(rank: Rank, kind, contributions, me, issue):
     """Issue op 3 as ``_exchanged`` leaves it, then answer it as the coordinator's ``xok`` does."""
     p = Pending(f"rank {me} op", 30.0, 3)
-    rank._pending[3] = p
+    rank._pending.add(3, p)
     mine = [t.clone() for t in contributions[me]]
     targets = [torch.full((37,), float("nan")) for _ in range(2)] if kind is Collective.REDUCE_SCATTER else mine
     rank._xops[3] = (kind, ReduceKind.SUM, None, me, mine, None, issue)

@@ -38,9 +38,11 @@ def test_the_wire_form_of_a_collective_is_a_plain_tuple():
 
 
 def test_the_rank_handles_every_reply():
+    from nccl_ext.capture.link import CoordinatorLink
     from nccl_ext.capture.transport import CaptureTransport
 
     rank = CaptureTransport.__new__(CaptureTransport)  # no coordinator: only its table
+    rank._link = CoordinatorLink.__new__(CoordinatorLink)
     after_handshake = set(REPLIES.values()) - set(protocol.HANDSHAKE)
     assert set(rank._reply_table()) == after_handshake, "a reply the rank cannot handle (or a handler of none)"
 

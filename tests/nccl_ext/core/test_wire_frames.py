@@ -11,7 +11,7 @@ import torch
 
 from nccl_ext.core import wire
 from nccl_ext.core.protocol import Send, XRead
-from nccl_ext.capture.transport import CaptureTransport
+from nccl_ext.capture.link import CoordinatorLink
 
 
 def test_nothing_is_sent_until_every_tensor_is_in_host_memory(monkeypatch):
@@ -34,7 +34,7 @@ def test_nothing_is_sent_until_every_tensor_is_in_host_memory(monkeypatch):
 
 def test_a_message_whose_tensor_waits_holds_neither_the_reader_nor_another_threads_message(monkeypatch):
     a, b = Pipe()
-    transport = CaptureTransport.__new__(CaptureTransport)  # only what _send uses
+    transport = CoordinatorLink.__new__(CoordinatorLink)  # only what send uses
     transport._conn, transport._send_lock, transport.busy_s = a, threading.Lock(), defaultdict(float)
     ready, waiting = threading.Event(), threading.Event()
     taken = wire.tensor_bytes
@@ -46,10 +46,10 @@ def test_a_message_whose_tensor_waits_holds_neither_the_reader_nor_another_threa
         return taken(t)
 
     monkeypatch.setattr(wire, "tensor_bytes", slow)
-    program = threading.Thread(target=transport._send, args=(Send(9, "g", 1, 0, 0, 0, 0.0, 0.0, 0.0), [torch.ones(5)]))
+    program = threading.Thread(target=transport.send, args=(Send(9, "g", 1, 0, 0, 0, 0.0, 0.0, 0.0), [torch.ones(5)]))
     program.start()
     assert waiting.wait(30)
-    reader = threading.Thread(target=transport._send, args=(XRead(8),))
+    reader = threading.Thread(target=transport.send, args=(XRead(8),))
     reader.start()
     reader.join(10)
     assert not reader.is_alive(), "another thread's message waited for the copy"
