@@ -9,9 +9,12 @@ import time
 
 import torch
 
-from nccl_ext.exchange.arena import Arena, PeerViews, detached
+from nccl_ext.capture.deferred_waits import DeferredWaits
+from nccl_ext.capture.pending_ops import PendingOps
+from nccl_ext.capture.progress import RankProgress
+from nccl_ext.exchange.arena import PIN_COUNTS, Arena, PeerViews, detached
 from nccl_ext.exchange.device_reduce import DeviceFold, gpu_results
-from nccl_ext.exchange.ipc import GpuExchange, is_device_location
+from nccl_ext.exchange.ipc import GpuExchange, is_device_location, start_gpu_exchange
 from nccl_ext.core.protocol import XColl, XRead
 from nccl_ext.core.replica_sums import fold_into, shard_indices, weighted_sum
 from nccl_ext.core.groups import GroupInfo
@@ -23,10 +26,148 @@ from nccl_ext.core.wire import untracked_empty
 
 
 class RankExchange:
-    """Mixed into :class:`~nccl_ext.capture.transport.CaptureTransport` (its connection, pending
-    ops, arenas and busy seconds)."""
+    """A captured rank's exchange. Given where the rank stands (``progress``), the exchange's
+    ``directory``, the trace's ``scope`` (the sandbox ranks, None: every rank), the bytes of its
+    GPU exchange (``gpu_bytes``; 0: none), the rank's ops in flight (``pending``), ``send`` to its
+    coordinator, its compute clock's ``span()``, its deferred ``waits`` and its ``busy_s``."""
 
-    def _receive_result(self, op_id: int, location) -> None:
+    def __init__(self, progress: RankProgress, directory: str, scope: frozenset[int] | None, gpu_bytes: int,
+                 pending: PendingOps, send, span, waits: DeferredWaits, busy_s: dict) -> None:
+        self._progress = progress
+        self.rank = progress.rank
+        self._exchange = directory
+        self._scope = scope
+        self._gpu_bytes = gpu_bytes
+        self._pending = pending
+        self._send = send
+        self._span = span
+        self._waits = waits
+        self.busy_s = busy_s
+        self._arena: Arena | None = None
+        self._peers: PeerViews | None = None
+        self._xops: dict[int, tuple] = {}
+        """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
+        self._xtargets: dict[int, list] = {}
+        """op id -> the caller's tensors a folded exchanged reduction writes (:meth:`_compute_folded`)."""
+        self._fold_scratch: torch.Tensor | None = None
+        self._kept: dict[int, tuple] = {}
+        """op id -> (location, arena token) of this rank's kept result of a folded op (:meth:`_keep_result`)."""
+        self._regions: dict[int, tuple] = {}
+        """op id -> the arena region its contribution occupies until every member has read it."""
+        self._device_fold: DeviceFold | None = None
+        """Exchanged results computed on this rank's GPU (:mod:`nccl_ext.exchange.device_reduce`)."""
+        self._gpu: GpuExchange | None = None
+        """Contributions and sends staged on this rank's GPU (:mod:`nccl_ext.exchange.ipc`), or None."""
+        self._recv_on: dict[int, torch.device] = {}
+        """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
+        self._recv_issue: dict[int, tuple] = {}
+        """op id -> (event, program stream) of a pending recv whose result the GPU exchange writes."""
+        self._x_sent: dict[int, float] = {}
+        self.exchanged_ops = 0
+        """Collectives among captured ranks only, computed by their members (:meth:`exchanged`)."""
+        self.folded_exchanged_ops = 0
+
+    @property
+    def unit(self) -> int:
+        return self._progress.unit
+
+    @property
+    def arena(self) -> Arena | None:
+        """This rank's host arena (None until first used)."""
+        return self._arena
+
+    # -- what the transport asks of it ----------------------------------------------------------
+    def start_on_device(self, device: torch.device) -> None:
+        """The rank's first GPU op: its device fold, and its GPU exchange where it has one (with
+        the waits' flags on the fold's stream)."""
+        self._device_fold = DeviceFold(device)
+        if self._gpu_bytes > 0:
+            self._gpu = start_gpu_exchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
+                                           self._xread, self._scope)
+            if self._gpu is not None:
+                self._waits.start_flags(self._gpu.device, self._gpu.fold.stream)
+
+    def put(self, tensors: list) -> tuple:
+        """Stage ``tensors`` in the host arena: ``(gen, descs, region)``."""
+        return self.open()[0].put(tensors)
+
+    def hold(self, op_id: int, region) -> None:
+        """Op ``op_id``'s staged ``region`` (or list of them) is freed when the coordinator says (``xfree``)."""
+        self._regions[op_id] = region
+
+    def stage_send(self, op_id: int, tensor: torch.Tensor, dst: int) -> tuple:
+        """A send staged for its receiver to read (on the GPU where the tensor is on the GPU
+        exchange's device); returns its location."""
+        self.open()
+        t0 = time.perf_counter()
+        gpu = self._gpu if self._gpu is not None and tensor.device == self._gpu.device else None
+        location = self._stage(op_id, [tensor], gpu, (self.rank, dst))
+        self.busy_s["stage"] += time.perf_counter() - t0
+        return location
+
+    def expect_recv(self, op_id: int, p: Pending, like: torch.Tensor, src: int) -> None:
+        """A receive into ``like``: on a GPU, its staged send is copied straight there (by the GPU
+        exchange where ``like`` is on its device)."""
+        if like.is_cuda:
+            self._recv_on[op_id] = like.device
+            if self._gpu is not None and like.device == self._gpu.device:
+                self._gpu.peers.meet((src,))
+                self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
+                self._waits.gpu_op(op_id, p, deferrable=False)
+
+    def forget_recv(self, op_id: int) -> None:
+        """Op ``op_id`` was answered through the coordinator."""
+        self._recv_on.pop(op_id, None)
+
+    def answered(self, op_id: int, locations: list, t: float, parts: list | None, alive: float) -> None:
+        """``xok``: every member's contribution is staged (the coordinator saw the last at ``t``;
+        this rank's reader heard it at ``alive``)."""
+        sent = self._x_sent.pop(op_id, None)
+        if sent is not None:
+            self.busy_s["x_until_complete"] += max(0.0, t - sent)
+            self.busy_s["x_to_reader"] += max(0.0, alive - t)
+        self._compute_exchanged(op_id, locations, parts)
+
+    def free(self, op_id: int) -> None:
+        """``xfree``: every reader is done with op ``op_id``'s regions."""
+        region = self._regions.pop(op_id, None)
+        kept = self._kept.pop(op_id, None)
+        if kept is not None:
+            self._arena.free(kept[1])
+        if region is not None and region[0] == "gpu":
+            self._gpu.free(region[1], self._arena)
+        elif region is not None and self._arena is not None:
+            for r in region if isinstance(region, list) else [region]:
+                self._arena.free(r)
+
+    def close_gpu(self, timeout_s: float) -> None:
+        """The reads of ops whose folds are still running on the GPU."""
+        if self._gpu is not None:
+            self._gpu.close(timeout_s)
+
+    def stats(self) -> dict:
+        """The exchange's counters for the rank's ``stats`` at its close."""
+        folds = self._device_fold
+        return {"device_folds": folds.device_ops if folds else 0,
+                "host_folds": folds.host_ops if folds else 0,
+                "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
+                "left_pageable": ((self._peers.left_pageable if self._peers else 0)
+                                  + (self._arena.left_pageable if self._arena else 0)),
+                "exchanged_ops": self.exchanged_ops,
+                "folded_exchanged_ops": self.folded_exchanged_ops,
+                "gpu_staged": self._gpu.ops if self._gpu else 0,
+                "gpu_full": self._gpu.arena.full if self._gpu else 0,
+                "peers_opened_late": self._gpu.peers.opened_late if self._gpu else 0,
+                "fold_finish": round(folds.finish_s, 3) if folds else 0.0}
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._peers.close()
+
+    # -- the exchange's own work ------------------------------------------------------------------
+
+    def receive_result(self, op_id: int, location) -> None:
         """The coordinator staged this rank's result of op ``op_id``: copied from there into the
         program's tensors, then the coordinator may free it (``xread``)."""
         p = self._pending.pop(op_id)
@@ -34,7 +175,7 @@ class RankExchange:
         try:
             if p is not None:
                 p.after_apply = _results_are_views
-                p.complete(self._open_exchange()[1].views(location))
+                p.complete(self.open()[1].views(location))
         except BaseException as e:  # noqa: BLE001 - the op fails, the program hears it at its wait
             if p is not None:
                 p.fail(RuntimeError(f"{p.what}: reading the staged result failed: {e}"))
@@ -42,7 +183,7 @@ class RankExchange:
             self.busy_s["apply"] += time.perf_counter() - t0
             self._send(XRead(op_id, None))
 
-    def _exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, folded: bool = False) -> Pending:
+    def exchanged(self, group: GroupInfo, seq: int, call: CollectiveCall, what: str, folded: bool = False) -> Pending:
         """A collective among captured ranks only: the contribution is staged in this rank's arena,
         the coordinator gets where it lies, and once every member has staged its own this rank
         computes its result from their pieces (:meth:`_compute_exchanged`). ``folded``: a folded
@@ -50,7 +191,7 @@ class RankExchange:
         captured members' pieces into the caller's tensors (:meth:`_compute_folded`)."""
         op_id, p = self._pending.new(what)
         t, wall, cpu = self._span()
-        self._open_exchange()
+        self.open()
         device = next((x.device for x in (*(call.tensors or ()), *(call.outputs or ()), *(call.standin or ()))
                        if x.is_cuda), None)
         gpu = self._gpu if self._gpu is not None and device == self._gpu.device else None
@@ -183,7 +324,7 @@ class RankExchange:
         lie (from the GPU: copied on the fold's stream, complete once ``xread`` is sent)."""
         if self._scope is not None and self.rank not in self._scope:
             return
-        gen, descs, token = self._open_exchange()[0].put(list(out), non_blocking=True)
+        gen, descs, token = self.open()[0].put(list(out), non_blocking=True)
         self._kept[op_id] = ((gen, descs), token)
 
     def _xread(self, op_id: int) -> None:
@@ -212,7 +353,7 @@ class RankExchange:
         f = self._device_fold
         return f if f is not None and device is not None and device == f.device else None
 
-    def _receive_exchanged(self, op_id: int, location) -> None:
+    def receive_exchanged(self, op_id: int, location) -> None:
         """A send staged in the sender's arena: this rank's copy of it, then the region may go."""
         device = self._recv_on.pop(op_id, None)
         issue = self._recv_issue.pop(op_id, None)
@@ -228,7 +369,7 @@ class RankExchange:
 
         def read() -> list:
             _host_only([location])
-            views = self._open_exchange()[1].views(location)
+            views = self.open()[1].views(location)
             if on_device is not None:
                 with torch.cuda.stream(on_device.stream):
                     out = on_device.results(Collective.BROADCAST, [views], 0, root=0)
@@ -277,7 +418,7 @@ class RankExchange:
                 p.complete(out)
         self.busy_s["apply"] += time.perf_counter() - t0
 
-    def _open_exchange(self) -> tuple[Arena, PeerViews]:
+    def open(self) -> tuple[Arena, PeerViews]:
         """This rank's arena and its views of the peers' (opened at first use)."""
         if self._arena is None:
             pinned = self._device_fold is not None  # copies to and from the GPU at the link's speed

@@ -29,9 +29,6 @@ from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, DeferredWaits
 from nccl_ext.capture.link import CoordinatorLink
 from nccl_ext.capture.pending_ops import PendingOps
 from nccl_ext.capture.progress import RankProgress
-from nccl_ext.exchange.arena import PIN_COUNTS, Arena, PeerViews
-from nccl_ext.exchange.device_reduce import DeviceFold
-from nccl_ext.exchange.ipc import GpuExchange, start_gpu_exchange
 from nccl_ext.core.groups import GroupInfo
 from nccl_ext.core.ops import Collective
 from nccl_ext.core.pending import CommDeadlineError, Pending
@@ -55,7 +52,7 @@ MIRROR_SCRATCH_BYTES = 16 << 20
 """Slice buffer of a mirrored in-place reduction (:mod:`nccl_ext.core.mirrored`)."""
 
 
-class CaptureTransport(RankExchange):
+class CaptureTransport:
     def __init__(self, address: str, authkey: bytes, rank: int, timeout_s: float, *,
                  captured: frozenset[int] | None = None, payload: str = "exact", carry_bytes: int = 0,
                  exchange: str | None = None, gpu_exchange_bytes: int = 0, scope: frozenset[int] | None = None,
@@ -88,43 +85,21 @@ class CaptureTransport(RankExchange):
         None: every rank runs."""
         self._exchange = exchange if payload != "none" else None
         """The shared-memory exchange's directory (:mod:`nccl_ext.exchange.arena`), or None."""
-        self._arena: Arena | None = None
-        self._peers: PeerViews | None = None
-        self._xops: dict[int, tuple] = {}
-        """op id -> (kind, reduce, root, group rank) of an exchanged collective in flight."""
-        self._xtargets: dict[int, list] = {}
-        """op id -> the caller's tensors a folded exchanged reduction writes (:meth:`_compute_folded`)."""
         self._fold_exchange = fold_exchange and self._exchange is not None
         """A folded group's weighted reductions are summed by its captured members from each
         other's staged contributions (:func:`nccl_ext.core.replica_sums.exchangeable`), not by the coordinator."""
-        self._fold_scratch: torch.Tensor | None = None
-        self.folded_exchanged_ops = 0
-        self._kept: dict[int, tuple] = {}
-        """op id -> (location, arena token) of this rank's kept result of a folded op (:meth:`_keep_result`)."""
-        self._regions: dict[int, tuple] = {}
-        """op id -> the arena region its contribution occupies until every member has read it."""
         self._mirrored: dict[str, bool] = {}
         """Keys of folded groups whose collectives this rank computes itself (the coordinator said
         so: it is their only captured member and stands in for every other; :mod:`nccl_ext.core.mirrored`)
         -> whether the trace keeps its data of them (a sandbox rank's: its contribution's digest,
         its result), which then goes through the exchange."""
         self._scratch: dict[torch.device, torch.Tensor] = {}
-        self._device_fold: DeviceFold | None = None
-        """Exchanged results computed on this rank's GPU (:mod:`nccl_ext.exchange.device_reduce`)."""
-        self._gpu_bytes = gpu_exchange_bytes
-        self._scope = scope
-        self._gpu: GpuExchange | None = None
-        """Contributions and sends staged on this rank's GPU (:mod:`nccl_ext.exchange.ipc`), or None."""
-        self._recv_on: dict[int, torch.device] = {}
-        """op id -> the GPU of a pending recv's tensor (its staged send is copied straight there)."""
-        self._recv_issue: dict[int, tuple] = {}
-        """op id -> (event, program stream) of a pending recv whose result the GPU exchange writes."""
+        self._x = RankExchange(self._progress, self._exchange, scope, gpu_exchange_bytes, self._pending, self._send,
+                               self._span, self._waits, self.busy_s)
+        """This rank's side of the shared-memory exchange (:mod:`nccl_ext.capture.rank_exchange`)."""
         self.mirrored_ops = 0
         self.staged_ops = 0
         """Collectives computed by the coordinator whose contribution and result went through shared memory."""
-        self.exchanged_ops = 0
-        """Collectives among captured ranks only, computed by their members (:meth:`_exchanged`)."""
-        self._x_sent: dict[int, float] = {}
         self._link.start(self._reply_table())
         self._link.await_slot(f"rank {rank}: waiting for a first capture slot")
 
@@ -174,21 +149,16 @@ class CaptureTransport(RankExchange):
             # before the program's memory grows, so no peak is measured without it
             self._scratch_on(call.tensors[0].device)
             if self._exchange is not None:
-                self._device_fold = DeviceFold(call.tensors[0].device)
-                if self._gpu_bytes > 0:
-                    self._gpu = start_gpu_exchange(self._exchange, self.rank, self._device_fold, self._gpu_bytes,
-                                                   self._xread, self._scope)
-                    if self._gpu is not None:
-                        self._waits.start_flags(self._gpu.device, self._gpu.fold.stream)
+                self._x.start_on_device(call.tensors[0].device)
         keep = self._mirrored.get(group.key)
         if keep is not None and call.kind in mirrored.SUPPORTED and (not keep or self._exchange is not None):
             return self._mirrored_op(group, seq, call, what, keep)
         if self._fold_exchange and call.tensors and \
                 folded.exchangeable(call.kind, call.reduce, group.ranks, self._captured, EXCHANGE_MAX_MEMBERS):
-            return self._exchanged(group, seq, call, what, folded=True)
+            return self._x.exchanged(group, seq, call, what, folded=True)
         if self._exchange is not None and call.kind is not Collective.BARRIER and \
                 group.size <= EXCHANGE_MAX_MEMBERS and (self._captured is None or self._captured.issuperset(group.ranks)):
-            return self._exchanged(group, seq, call, what)
+            return self._x.exchanged(group, seq, call, what)
         op_id, p = self._pending.new(what)
         t, wall, cpu = self._span()
         tensors, contributes = call.tensors, call.tensors is not None
@@ -201,9 +171,10 @@ class CaptureTransport(RankExchange):
                       contributes, self.unit, t, wall, cpu)
         if self._exchange is not None and contributes is True and tensors and \
                 sum(x.numel() * x.element_size() for x in tensors) >= STAGED_MIN_BYTES:
-            self._open_exchange()
+            self._x.open()
             t0 = time.perf_counter()
-            gen, descs, self._regions[op_id] = self._arena.put(list(tensors))
+            gen, descs, region = self._x.put(list(tensors))
+            self._x.hold(op_id, region)
             self.busy_s["stage"] += time.perf_counter() - t0
             self.staged_ops += 1
             self._send(SColl(*header, (gen, descs)))
@@ -222,12 +193,12 @@ class CaptureTransport(RankExchange):
         device = next((x.device for x in (*mine, *(call.outputs or ()), *(call.standin or ()))), torch.device("cpu"))
         kept = None
         if keep:
-            self._open_exchange()
+            self._x.open()
             op_id = self._pending.next_id()
             t0 = time.perf_counter()
             regions, contribution = [], None
             if mine:
-                gen, descs, region = self._arena.put(list(mine))
+                gen, descs, region = self._x.put(list(mine))
                 regions.append(region)
                 contribution = (gen, descs)
             self.busy_s["stage"] += time.perf_counter() - t0
@@ -240,13 +211,13 @@ class CaptureTransport(RankExchange):
             if call.kind in (Collective.ALL_GATHER, Collective.ALL_TO_ALL):  # pieces of the contribution
                 result = ("c", [by_id[id(x)] for x in out])
             elif out:
-                gen, descs, region = self._arena.put(out)
+                gen, descs, region = self._x.put(out)
                 regions.append(region)
                 result = ("r", gen, descs)
             else:
                 result = None
             self.busy_s["stage"] += time.perf_counter() - t0
-            self._regions[op_id] = regions
+            self._x.hold(op_id, regions)
             kept = (op_id, contribution, result)
         self._send(LColl(group.key, seq, call.api, str(call.kind), None if call.reduce is None else str(call.reduce),
                          call.root, self.unit, t, wall, cpu, [list(x.shape) for x in mine],
@@ -288,12 +259,8 @@ class CaptureTransport(RankExchange):
         if self._exchange is not None and (self._captured is None or dst in self._captured):
             # staged in this rank's arena; the receiver reads it there (the coordinator names where)
             # and the region is freed once it has
-            self._open_exchange()
             op_id = self._pending.next_id()
-            t0 = time.perf_counter()
-            gpu = self._gpu if self._gpu is not None and tensor.device == self._gpu.device else None
-            location = self._stage(op_id, [tensor], gpu, (self.rank, dst))
-            self.busy_s["stage"] += time.perf_counter() - t0
+            location = self._x.stage_send(op_id, tensor, dst)
             self._send(XSend(op_id, group.key, dst, tag, seq, self.unit, t, wall, cpu, location))
             return Pending.done("send")
         self._send(Send(-1, group.key, dst, tag, seq, self.unit, t, wall, cpu), [tensor])
@@ -310,12 +277,7 @@ class CaptureTransport(RankExchange):
             return Pending.done(what, [synth.fill(like)])
         op_id, p = self._pending.new(what)
         t, wall, cpu = self._span()
-        if like.is_cuda:
-            self._recv_on[op_id] = like.device
-            if self._gpu is not None and like.device == self._gpu.device:
-                self._gpu.peers.meet((src,))
-                self._recv_issue[op_id] = (self._gpu.issued(), torch.cuda.current_stream(like.device))
-                self._waits.gpu_op(op_id, p, deferrable=False)
+        self._x.expect_recv(op_id, p, like, src)
         self._send(Recv(op_id, group.key, src, tag, seq, self.unit, t, wall, cpu))
         return p
 
@@ -341,43 +303,29 @@ class CaptureTransport(RankExchange):
         self._send(Marker(name, self.unit, t, wall, cpu))
         if name == "step":
             if self.unit + 1 == DEFER_FROM_STEP:
-                self._waits.before_deferring(self._arena)
+                self._waits.before_deferring(self._x.arena)
             self._progress.unit += 1
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._gpu is not None:  # the reads of ops whose folds are still running on the GPU
-            self._gpu.close(self.timeout_s)
+        self._x.close_gpu(self.timeout_s)  # the reads of ops whose folds are still running on the GPU
         if self._waits.deferred_error is not None:  # no op came after it to raise it
             print(f"prism-launch: rank {self.rank}: an op failed after the program went on past its wait: "
                   f"{self._waits.deferred_error}", file=sys.stderr, flush=True)
         try:
-            folds = self._device_fold
             self._send(Stats(self.rank, {"parked_s": round(self.parked_s, 3), "mirrored_ops": self.mirrored_ops,
-                                             "deferred_waits": self._waits.deferred_waits,
-                                             "staged_ops": self.staged_ops,
-                                             "device_folds": folds.device_ops if folds else 0,
-                                             "host_folds": folds.host_ops if folds else 0,
-                                             "pinned_maps": PIN_COUNTS["pinned"], "pin_refused": PIN_COUNTS["refused"],
-                                             "left_pageable": ((self._peers.left_pageable if self._peers else 0)
-                                                               + (self._arena.left_pageable if self._arena else 0)),
-                                             "exchanged_ops": self.exchanged_ops,
-                                             "folded_exchanged_ops": self.folded_exchanged_ops,
-                                             "gpu_staged": self._gpu.ops if self._gpu else 0,
-                                             "gpu_full": self._gpu.arena.full if self._gpu else 0,
-                                             "peers_opened_late": self._gpu.peers.opened_late if self._gpu else 0,
-                                             "fold_finish": round(folds.finish_s, 3) if folds else 0.0,
-                                             "thread_cpu_s": thread_cpu_seconds(),
-                                             **{k: round(v, 3) for k, v in self.busy_s.items()}}))
+                                         "deferred_waits": self._waits.deferred_waits,
+                                         "staged_ops": self.staged_ops,
+                                         **self._x.stats(),
+                                         "thread_cpu_s": thread_cpu_seconds(),
+                                         **{k: round(v, 3) for k, v in self.busy_s.items()}}))
             self._send(Bye(self.rank))
         except OSError:
             pass
         self._link.join_reader()
-        if self._arena is not None:
-            self._arena.close()
-            self._peers.close()
+        self._x.close()
 
     # -- receiving: the coordinator's replies, on the link's reader thread ------------------
     def _reply_table(self) -> dict:
@@ -390,33 +338,21 @@ class CaptureTransport(RankExchange):
         self._mirrored[m.key] = m.keep
 
     def _on_xok(self, m: XOk, tensors) -> None:
-        sent = self._x_sent.pop(m.op_id, None)
-        if sent is not None:
-            self.busy_s["x_until_complete"] += max(0.0, m.t - sent)
-            self.busy_s["x_to_reader"] += max(0.0, self._link.alive - m.t)
-        self._compute_exchanged(m.op_id, m.locations, m.parts)
+        self._x.answered(m.op_id, m.locations, m.t, m.parts, self._link.alive)
 
     def _on_sok(self, m: SOk, tensors) -> None:
-        self._receive_result(m.op_id, m.location)
+        self._x.receive_result(m.op_id, m.location)
 
     def _on_xrecv(self, m: XRecv, tensors) -> None:
-        self._receive_exchanged(m.op_id, m.location)
+        self._x.receive_exchanged(m.op_id, m.location)
 
     def _on_xfree(self, m: XFree, tensors) -> None:
-        region = self._regions.pop(m.op_id, None)
-        kept = self._kept.pop(m.op_id, None)
-        if kept is not None:
-            self._arena.free(kept[1])
-        if region is not None and region[0] == "gpu":
-            self._gpu.free(region[1], self._arena)
-        elif region is not None and self._arena is not None:
-            for r in region if isinstance(region, list) else [region]:
-                self._arena.free(r)
+        self._x.free(m.op_id)
 
     def _on_done(self, m: Ok | OpFailed, tensors) -> None:
         """Op ``m.op_id`` completed with ``tensors``, or failed."""
         op_id = m.op_id
-        self._recv_on.pop(op_id, None)
+        self._x.forget_recv(op_id)
         p = self._pending.pop(op_id)
         if p is None:
             return

@@ -123,6 +123,8 @@ def test_no_thread_locks_or_unlocks_arena_pages_while_told_not_to(tmp_path, monk
 def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred():
     from nccl_ext.capture.transport import CaptureTransport
     from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, RESERVE_HEADROOM, DeferredWaits
+    from types import SimpleNamespace
+
     from nccl_ext.capture.progress import RankProgress
 
     class FakeArena:
@@ -135,7 +137,7 @@ def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred()
     t._progress = RankProgress(0)
     w = DeferredWaits(t._progress, True)
     w._flags = object()
-    t._waits, t._arena = w, FakeArena()
+    t._waits, t._x = w, SimpleNamespace(arena=FakeArena())
     t._span, t._send = (lambda: (0.0, 0.0, 0.0)), (lambda msg: None)
     for _ in range(DEFER_FROM_STEP + 2):
         t.marker("step")
@@ -143,7 +145,7 @@ def test_the_host_arena_grows_locked_at_the_step_from_which_waits_are_deferred()
     assert FakeArena.reserved == [(6 << 20, DEFER_FROM_STEP - 1, True)] and t.unit == DEFER_FROM_STEP + 2
     FakeArena.reserved.clear()
     FakeArena.high_water = 8 << 30  # large: grown by at most RESERVE_HEADROOM
-    w.before_deferring(t._arena)
+    w.before_deferring(t._x.arena)
     assert FakeArena.reserved[0][0] == (8 << 30) + RESERVE_HEADROOM
     FakeArena.reserved.clear()
     w2 = DeferredWaits(RankProgress(0, unit=DEFER_FROM_STEP - 1), True)  # no waits on the GPU: no growth

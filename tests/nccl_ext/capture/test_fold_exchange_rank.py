@@ -16,6 +16,7 @@ from nccl_ext.core.replica_sums import terms, weighted_sum
 from nccl_ext.core.ops import Collective, ReduceKind
 from nccl_ext.core.pending import Pending
 from nccl_ext.capture.pending_ops import PendingOps
+from nccl_ext.capture.progress import RankProgress
 from nccl_ext.core.protocol import XRead
 
 N = 100  # members; 0 and 1 captured, each standing in for 49 others
@@ -44,20 +45,18 @@ class FakeGpu:
         p.complete(results())
 
 
-class Rank(RankExchange):
-    def __init__(self, rank: int, directory: str, scope, gpu=None):
-        self.rank, self._scope, self._gpu = rank, scope, gpu
-        self._xops, self._xtargets, self._kept = {}, {}, {}
-        self._pending = PendingOps(30.0)
-        self.busy_s = defaultdict(float)
-        self._arena, self._peers = Arena(directory, rank), PeerViews(directory)
-        self._fold_scratch = None
-        self._waits = SimpleNamespace(deferring=False, await_staging=lambda op_id: None,
-                                      in_order=lambda op_id, queue_fold: queue_fold(), flag_writer=lambda op_id: None)
-        self.sent = []
-
-    def _send(self, message):
-        self.sent.append(message)
+def Rank(rank: int, directory: str, scope, gpu=None) -> RankExchange:
+    """A rank's exchange over host arenas, its messages to the coordinator in ``.sent`` (its waits
+    on the GPU: none deferred)."""
+    sent = []
+    waits = SimpleNamespace(deferring=False, await_staging=lambda op_id: None,
+                            in_order=lambda op_id, queue_fold: queue_fold(), flag_writer=lambda op_id: None)
+    x = RankExchange(RankProgress(rank), directory, scope, 0, PendingOps(30.0), sent.append,
+                     lambda: (0.0, 0.0, 0.0), waits, defaultdict(float))
+    x._gpu = gpu
+    x._arena, x._peers = Arena(directory, rank), PeerViews(directory)
+    x.sent = sent
+    return x
 
 
 def _contributions(kind):
