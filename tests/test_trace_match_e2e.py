@@ -42,3 +42,18 @@ def test_the_order_is_named_only_when_it_moved(captured):
                    "--layers", "2"], cwd=d)
     assert r.returncode == 1
     assert "script args differ in order only" in r.stderr, r.stderr[-2000:]
+
+
+def test_without_trace_dir_the_refusal_points_at_the_trace_beside_it(tmp_path):
+    """The default folder's name keys the arguments: declaring --out output-only only at
+    emulation names another folder, and the refusal shows the capture's beside it."""
+    r = run_prism([*BASE, "mode=capture", HANG, *RECIPE], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [captured] = [p for p in (tmp_path / "prism_traces").iterdir() if p.is_dir()]
+    r = run_prism([*BASE, "trace.ignore_args=[--out]", "mode=emulate", HANG, "--out", "run2", "--hidden-size", "64",
+                   "--layers", "2"], cwd=tmp_path)
+    assert r.returncode == 1
+    assert captured.name in r.stderr and "trace.dir=<it>" in r.stderr, r.stderr[-2000:]
+    r = run_prism([*BASE, "trace.ignore_args=[--out]", "mode=emulate", f"trace.dir={captured}", HANG,
+                   "--out", "run2", "--hidden-size", "64", "--layers", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]

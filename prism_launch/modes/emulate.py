@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prism_launch.config import Mode, Timing, VirtualHost
 from prism_launch.config.plan import EmulatePlan, PrefetchPlan, RankPlan
-from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError
+from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError, TraceMissingError
 from prism_launch.config.registry import output_args
 from prism_launch.launch.args_match import compare_args
 from prism_launch.modes.context import RunContext, program_config
@@ -26,7 +26,17 @@ from nccl_ext.core.ranklist import short_ranks
 def open_trace(ctx: RunContext) -> TraceReader:
     """The run's trace, refused (naming what differs and how to capture again) when it was
     recorded for another program, config or library versions."""
-    reader = TraceReader(ctx.trace.root, hint=ctx.capture_command())
+    try:
+        reader = TraceReader(ctx.trace.root, hint=ctx.capture_command())
+    except TraceMissingError as e:
+        others = [] if ctx.cfg.trace.dir else _same_script_traces(ctx.trace.root)
+        if not others:
+            raise
+        raise TraceMissingError(e.path, hint=e.hint, reason=(
+            f"{e.reason or 'no trace'}; this folder's name keys the script, its arguments (output-only flags' "
+            f"values aside) and the config, and other traces of the same script lie beside it: "
+            f"{', '.join(p.name for p in others[:5])}{' ...' if len(others) > 5 else ''}. One captured with "
+            "other values of a flag declared output-only only now is used with trace.dir=<it>")) from None
     recorded = reader.manifest.fingerprint
     extra = reader.manifest.extra or {}
     # the arguments: the recorded ones against today's under today's output-only flags (a flag
@@ -54,6 +64,15 @@ def open_trace(ctx: RunContext) -> TraceReader:
         raise TraceMismatchError(f"trace {ctx.trace.root} was captured for a different {', '.join(differs)}; "
                                  + "; ".join(details) + f". Capture again: {ctx.capture_command()}")
     return reader
+
+
+def _same_script_traces(root: Path) -> list[Path]:
+    """Traces beside a default trace folder (``<script stem>-<key>``) of the same script stem."""
+    stem = root.name.rpartition("-")[0]
+    if not stem or not root.parent.is_dir():
+        return []
+    return sorted(p for p in root.parent.glob(f"{stem}-*")
+                  if p != root and p.name.rpartition("-")[0] == stem and (p / "manifest.json").is_file())
 
 
 def local_sandbox(ctx: RunContext) -> list[int]:
