@@ -27,13 +27,16 @@ def timeout_seconds(timeout) -> float | None:
 class Pending:
     """One outstanding op: completed by a transport, observed by the process group."""
 
-    __slots__ = ("what", "deadline", "timeout_s", "op_id", "waiting_for", "after_apply", "apply_stream",
+    __slots__ = ("what", "where", "deadline", "timeout_s", "op_id", "waiting_for", "after_apply", "apply_stream",
                  "device_done", "defer", "_event", "_value",
                  "_error", "_callbacks", "_lock")
 
     def __init__(self, what: str, timeout_s: float, op_id: int = -1):
         self.what = what
         """Names the logical rank, the op, its group and sequence number (every error says it)."""
+        self.where: dict = {}
+        """The same as fields (``rank``, ``group``, ``op``, ``seq``), set by the process group
+        that issued the op: every :class:`CommError` this op raises carries them."""
         self.op_id = op_id
         """The transport's id of this op (-1: none)."""
         self.timeout_s = timeout_s
@@ -135,10 +138,10 @@ class Pending:
     def deadline_error(self) -> CommDeadlineError:
         return CommDeadlineError(
             f"deadline exceeded: {self.what}: not complete after {self.timeout_s:g} s{self._waiting()} "
-            f"({LIMIT_KEY}; raise it with {LIMIT_KEY}= if the peer is only slow)")
+            f"({LIMIT_KEY}; raise it with {LIMIT_KEY}= if the peer is only slow)", **self.where)
 
     def timeout_error(self, timeout_s: float, by: str = "Work.wait(timeout=)") -> CommDeadlineError:
         """The caller's own limit passed first (the op stays outstanding until its deadline)."""
         return CommDeadlineError(
             f"timed out: {self.what}: not complete within the caller's timeout of {timeout_s:g} s ({by})"
-            f"{self._waiting()}; the op's own deadline is {LIMIT_KEY}={self.timeout_s:g}")
+            f"{self._waiting()}; the op's own deadline is {LIMIT_KEY}={self.timeout_s:g}", **self.where)

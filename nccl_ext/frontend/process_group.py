@@ -169,14 +169,16 @@ class PrismProcessGroup(dist.ProcessGroup):
         """``op(*args)``; an error of the backend below (e.g. gloo's, when a physical peer's
         connection is already closed) is raised as a :class:`PeerClosedError` naming this rank
         and ``what``; the transport's own errors (:class:`CommError`) name the op already."""
+        where = {"rank": self.world.rank, "group": self.info.desc or self.info.key, "op": api, "seq": seq}
         try:
-            return op(*args)
+            pending = op(*args)
         except RuntimeError as e:
             if isinstance(e, CommError) or type(e).__module__.partition(".")[0] == "nccl_ext":
                 raise  # this layer's own error types name the op already
             raise PeerClosedError(f"rank {self.world.rank}: {what}: {first_line(e)} (a physical peer's process ended "
-                                  "or closed its connection: see its log)", rank=self.world.rank,
-                                  group=self.info.desc or self.info.key, op=api, seq=seq) from e
+                                  "or closed its connection: see its log)", **where) from e
+        pending.where = where  # its deadline and timeout errors carry them as fields
+        return pending
 
     def _group_size(self) -> int:
         return self.info.size
@@ -366,6 +368,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             seq, self._monitored = self._monitored, self._monitored + 1
         label = (f"rank {self.world.rank}: monitored_barrier seq {seq} on group {self.info.desc or self.info.key} "
                  f"(ranks {short_ranks(self.info.ranks)})")
+        where = {"rank": self.world.rank, "group": self.info.desc or self.info.key, "op": "monitored_barrier",
+                 "seq": seq}
 
         def left() -> float:
             return max(deadline - time.monotonic(), 1e-3)
@@ -377,7 +381,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             except CommDeadlineError as e:
                 raise CommDeadlineError(
                     f"{label}: this rank arrived, but group rank 0 (rank {self.info.ranks[0]}) did not release it "
-                    f"within {limit:g} s; rank 0's error names the ranks that failed to arrive") from e
+                    f"within {limit:g} s; rank 0's error names the ranks that failed to arrive", **where) from e
             return
         works = [(m, self.recv([torch.zeros(1)], m, MONITORED_BARRIER_TAG)) for m in range(1, n)]
         failed = []
@@ -392,7 +396,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             raise CommDeadlineError(
                 f"{label}: ranks {short_ranks(failed)} failed to pass monitored_barrier within {limit:g} s"
                 f"{'' if wait_all_ranks else ' (the first found; wait_all_ranks=True lists all)'} "
-                f"(its timeout=, or {LIMIT_KEY} when none is given)")
+                f"(its timeout=, or {LIMIT_KEY} when none is given)", **where)
         for m in range(1, n):
             self.send([torch.zeros(1)], m, MONITORED_BARRIER_TAG).wait(left())
 
@@ -566,14 +570,14 @@ class PrismWork(dist.Work):
                 raise CommDeadlineError(
                     f"timed out: {p.what}: its result arrived, but writing it into the caller's tensors did not end "
                     f"within the caller's timeout of {limit:g} s (Work.wait(timeout=)); the op's own deadline is "
-                    f"{LIMIT_KEY}={p.timeout_s:g}")
+                    f"{LIMIT_KEY}={p.timeout_s:g}", **p.where)
             return
         bound = max(p.deadline - time.monotonic(), 1.0)
         if not self._applied.wait(bound):
             raise CommDeadlineError(
                 f"deadline exceeded: {p.what}: its result arrived, but writing it into the caller's tensors did not "
                 f"end by the op's deadline ({bound:.1f} s more) ({LIMIT_KEY}={p.timeout_s:g}; raise it with "
-                f"{LIMIT_KEY}= if the copy is only slow)")
+                f"{LIMIT_KEY}= if the copy is only slow)", **p.where)
 
     def is_completed(self) -> bool:
         return self._applied.is_set()

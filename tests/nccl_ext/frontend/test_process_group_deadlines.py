@@ -123,3 +123,38 @@ def test_monitored_barrier_on_a_member_whose_rank_0_never_releases_it():
         pg.monitored_barrier(0.5)
     assert time.monotonic() - t0 < 2.0
     world.transport.close()
+
+
+def test_a_deadline_error_carries_rank_group_op_and_sequence_as_fields():
+    world, pg = _world(0, TinyRecording((0, 1), {(1, 0, 5, 0): 30.0}), timeout_s=0.3)
+    work = pg.recv([torch.zeros(1)], 1, 5)
+    with pytest.raises(CommDeadlineError) as err:
+        work.wait()
+    e = err.value
+    assert (e.rank, e.group, e.op, e.seq) == (0, "default_pg", "recv", 0)
+    world.transport.close()
+
+
+def test_a_backend_error_at_issue_is_a_peer_closed_error_and_the_layers_own_pass_as_they_are():
+    from nccl_ext.core.errors import CommError, DivergenceError, PeerClosedError
+
+    world, pg = _world(0, TinyRecording((0, 1), {}))
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:1234\nmore")
+
+    def closed(*a):
+        raise gloo
+
+    with pytest.raises(PeerClosedError) as err:
+        pg._issue("send seq 3 to rank 1 tag 0 on group default_pg", "send", 3, closed)
+    e = err.value
+    assert (e.rank, e.group, e.op, e.seq) == (0, "default_pg", "send", 3) and e.__cause__ is gloo
+    assert str(e).startswith("rank 0: send seq 3 to rank 1 tag 0 on group default_pg: [gloo/transport/tcp/pair.cc"
+                             ":598] Connection closed by peer [127.0.0.1]:1234 (a physical peer's process ended")
+    for own in (DivergenceError("rank 0: recv: not in the trace; capture again"), CommError("rank 9 says")):
+        def raises(*a, own=own):
+            raise own
+
+        with pytest.raises(type(own)) as err:
+            pg._issue("recv", "recv", 0, raises)
+        assert err.value is own  # not wrapped, whatever its text says
+    world.transport.close()
