@@ -12,6 +12,13 @@ slots. It waits for a slot ("go") before its program communicates for the first 
 hands it back when it blocks on an op that is not complete (:meth:`park`), and waits for
 a slot again once the op is done — so ``capture.slots`` ranks compute at a time however
 many logical ranks exist.
+
+The transport composes collaborators, each with its own state: the coordinator link
+(:mod:`nccl_ext.capture.link`: handshake, sending, the reader, heartbeats, the slot), the ops in
+flight (:mod:`nccl_ext.capture.pending_ops`), the waits deferred to the GPU
+(:mod:`nccl_ext.capture.deferred_waits`) and the shared-memory exchange
+(:mod:`nccl_ext.capture.rank_exchange`); they share only where the rank stands
+(:class:`~nccl_ext.capture.progress.RankProgress`) and its ``busy_s``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ from enum import StrEnum
 
 import torch
 
+from nccl_ext.core.errors import DivergenceError
+
 HOST_SCALAR_SITES = ("megatron/core/timers.py", "megatron/training/training.py:pretrain",
                      "megatron/training/training.py:checkpoint_and_decide_exit")
 """Default call sites whose small collectives carry wall-clock times or counters."""
@@ -138,7 +140,7 @@ class DivergenceLog:
 
     def __init__(self, rank: int, stats, *, strict: bool, rtol: float | None = None,
                  sites: tuple[str, ...] = HOST_SCALAR_SITES, max_elements: int = HOST_SCALAR_MAX_ELEMENTS,
-                 error: type[Exception] = RuntimeError):
+                 error: type[Exception] = DivergenceError):
         self.rank, self.stats, self.strict, self.rtol = rank, stats, strict, rtol
         self.sites, self.max_elements, self._error = tuple(sites), max_elements, error
         self._warned: set[tuple[str, str, str]] = set()

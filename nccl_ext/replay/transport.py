@@ -118,8 +118,7 @@ class ReplayTransport:
         self.unit = 0
         self.stats = ReplayStats()
         self.divergences = DivergenceLog(rank, self.stats, strict=strict, rtol=divergence_rtol,
-                                         sites=host_scalar_sites, max_elements=host_scalar_max_elements,
-                                         error=DivergenceError)
+                                         sites=host_scalar_sites, max_elements=host_scalar_max_elements)
         self._gids: dict[str, int] = {}
         self._lock = threading.Lock()
         self._t0 = time.monotonic()

@@ -30,7 +30,8 @@ def _summary(tensors: list[torch.Tensor], stats: bool) -> tuple[list[str], list 
     return digests, [piece_stats(t) for t in tensors] if stats else None, time.perf_counter() - t0
 
 
-def _copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+def copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+    """Detached copies of ``tensors`` (staged pieces, whose regions are freed after the op), and the seconds taken."""
     t0 = time.perf_counter()
     return [detached(t) for t in materialized(tensors)], time.perf_counter() - t0
 
@@ -86,7 +87,7 @@ class TraceNotes:
             self.busy_s["copy"] += copies[1]
             self.record(rank, keys, copies[0], staged=False)
 
-        self.submit(_copies, store, list(tensors))
+        self.submit(copies, store, list(tensors))
 
     def submit(self, fn, then, *args) -> None:
         """Run ``fn(*args)`` on a worker thread; ``then(result)`` here, at a :meth:`drain`, in order."""

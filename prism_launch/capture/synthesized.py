@@ -9,7 +9,7 @@ from nccl_ext.core import protocol, wire
 from nccl_ext.core.protocol import Coll, LColl, Meta, Ok, PSend, PRecv
 from nccl_ext.core.ops import Collective
 from prism_launch.capture.events import EventLog
-from prism_launch.capture.notes import TraceNotes, _copies
+from prism_launch.capture.notes import TraceNotes, copies
 from prism_launch.capture.ops_state import Arrival, PendingCollective
 from prism_launch.capture.slots import SlotScheduler
 from prism_launch.capture.staged import StagedResults
@@ -79,7 +79,7 @@ class SynthesizedOps:
             self.busy_s["record"] += time.perf_counter() - t0
 
         if pieces:
-            self._notes.submit(_copies, store, pieces)
+            self._notes.submit(copies, store, pieces)
         self._count(sum(x.numel() * x.element_size() for x in out))
         # the rank may have finished and closed its connection meanwhile (a mirrored op does not
         # wait for the coordinator): its region needs no freeing then
