@@ -7,7 +7,7 @@ module: a caller tells them apart by type and fields, never by their text.
   path involved and says what the user can do about it.
 - :class:`CaptureError` and its subclasses: the capture coordinator could not complete an op.
 - :class:`FoldError`, :class:`NetbenchError`, :class:`RanksTimeoutError`, :class:`RanksStoppedError`,
-  :class:`ParkingError`.
+  :class:`ParkingError`, :class:`UnsafePathError`.
 
 The communication layer's own errors (a failed op, with its rank, group, op and sequence) are
 in :mod:`nccl_ext.core.errors`.
@@ -102,6 +102,10 @@ class RanksStoppedError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.stopped, self.limit_s))
+
+
+class UnsafePathError(PermissionError):
+    """A folder or file another user could change (or a symbolic link where none may be)."""
 
 
 class ParkingError(RuntimeError):
@@ -219,6 +223,10 @@ class TraceSpaceError(TraceError):
 class SpillHashError(TraceError):
     """A spill file's sha256 failed, or did not finish within its bound
     (:mod:`prism_launch.trace.spill`)."""
+
+
+class TraceUnsafeError(TraceError):
+    """A trace (or the signing key) lies where another user could change it."""
 
 
 class TraceUnwritableError(TraceError):

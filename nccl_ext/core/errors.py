@@ -9,6 +9,8 @@ wherever the raiser knows them (None where it does not).
 
 from __future__ import annotations
 
+import pickle
+
 
 class CommError(RuntimeError):
     """A communication op failed; the message names the rank, the op, its group and sequence
@@ -59,11 +61,29 @@ class DeviceFlagsUnavailable(RuntimeError):
     """The driver cannot wait on flags here (no ``libcuda``, no stream memory operations)."""
 
 
+class WireDeadlineError(CommDeadlineError, TimeoutError):
+    """The rest of a message did not arrive by its deadline. Also an ``OSError``: the connection
+    is unusable past a partial message, and readers treat it as a connection that broke."""
+
+
+class ProtocolError(RuntimeError):
+    """A message that is not part of this protocol, or a peer of another protocol version."""
+
+
+class HandshakeTimeout(TimeoutError):
+    """The peer did not finish the handshake by its deadline."""
+
+
+class RestrictedPayloadError(pickle.UnpicklingError):
+    """A restricted payload names a global outside the allow-list."""
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an error's message for a one-line report, or its type's name where
     the message is empty (formatting only: nothing is decided by the text)."""
     return next(iter(str(error).strip().splitlines()), type(error).__name__)
 
 
-__all__ = ["CommDeadlineError", "CommError", "DeviceFlagsUnavailable", "DivergenceError", "PeerClosedError",
-           "UncapturedRootError", "first_line"]
+__all__ = ["CommDeadlineError", "CommError", "DeviceFlagsUnavailable", "DivergenceError", "HandshakeTimeout",
+           "PeerClosedError", "ProtocolError", "RestrictedPayloadError", "UncapturedRootError", "WireDeadlineError",
+           "first_line"]

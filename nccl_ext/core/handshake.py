@@ -15,11 +15,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from nccl_ext.core import protocol, wire
+from nccl_ext.core.errors import HandshakeTimeout
 from nccl_ext.core.protocol import PROTOCOL_VERSION, Hello, ProtocolError, Refused, Welcome
-
-
-class HandshakeTimeout(TimeoutError):
-    """The peer did not finish the handshake by its deadline."""
 
 
 class _Deadlined:

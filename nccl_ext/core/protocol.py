@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from nccl_ext.core.errors import ProtocolError
+
 PROTOCOL_VERSION = 1
 """Raised whenever a message's fields or meaning change: a rank and a coordinator of different
 versions refuse each other by name at connection instead of misreading fields."""
-
-
-class ProtocolError(RuntimeError):
-    """A message that is not part of this protocol, or a peer of another protocol version."""
 
 
 # -- handshake --------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nccl_ext.core.errors import CommDeadlineError
+from nccl_ext.core.errors import CommDeadlineError, WireDeadlineError
 from nccl_ext.core.pending import LIMIT_KEY
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -167,11 +167,6 @@ REST_TIMEOUT_S = 300.0
 passes no ``timeout_s`` (``comm.timeout_s``'s default; a reader that knows the run's passes that).
 A sender writes a message's frames back to back from host memory (:func:`frames`), so a
 message that stops part way is a sender that stopped, not one that computes."""
-
-
-class WireDeadlineError(CommDeadlineError, TimeoutError):
-    """The rest of a message did not arrive by its deadline. Also an ``OSError``: the connection
-    is unusable past a partial message, and readers treat it as a connection that broke."""
 
 
 def recv(conn: Connection, timeout_s: float | None = REST_TIMEOUT_S, what: str = "a peer's message"

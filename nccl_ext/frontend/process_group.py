@@ -132,13 +132,9 @@ class PrismProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return self.world.backend_name
 
-    supports_coalescing = False
-    """A batch of point-to-point ops is issued one by one (each is its own op of the transport)."""
+    supports_coalescing = False  # a batch of point-to-point ops is issued op by op
 
-    def _get_backend(self, device):
-        """This group is its own backend on every device. torch 2.14's ``batch_isend_irecv``
-        asks any ``ProcessGroup`` for its device's backend (2.13 asked only the plain class);
-        the C++ lookup knows no backend of a group implemented here and raises."""
+    def _get_backend(self, device):  # torch 2.14's batch_isend_irecv asks any ProcessGroup (C++ knows none here)
         return self
 
     @property
@@ -166,9 +162,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         return PrismWork(pending, apply, self.world.transport, ("c", self.info.key, seq))
 
     def _issue(self, what: str, api: str, seq: int, op, *args) -> Pending:
-        """``op(*args)``; an error of the backend below (e.g. gloo's, when a physical peer's
-        connection is already closed) is raised as a :class:`PeerClosedError` naming this rank
-        and ``what``; the transport's own errors (:class:`CommError`) name the op already."""
+        """``op(*args)``; an error of the backend below (gloo's, when a physical peer's connection is
+        closed) is raised as a :class:`PeerClosedError`; the layer's own errors name the op already."""
         where = {"rank": self.world.rank, "group": self.info.desc or self.info.key, "op": api, "seq": seq}
         try:
             pending = op(*args)
@@ -368,8 +363,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             seq, self._monitored = self._monitored, self._monitored + 1
         label = (f"rank {self.world.rank}: monitored_barrier seq {seq} on group {self.info.desc or self.info.key} "
                  f"(ranks {short_ranks(self.info.ranks)})")
-        where = {"rank": self.world.rank, "group": self.info.desc or self.info.key, "op": "monitored_barrier",
-                 "seq": seq}
+        where = dict(rank=self.world.rank, group=self.info.desc or self.info.key, op="monitored_barrier", seq=seq)
 
         def left() -> float:
             return max(deadline - time.monotonic(), 1e-3)

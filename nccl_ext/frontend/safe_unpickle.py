@@ -30,6 +30,8 @@ import _compat_pickle
 import io
 import pickle
 
+from nccl_ext.core.errors import RestrictedPayloadError
+
 __all__ = ["ALLOWED_PREFIXES", "RestrictedPayloadError", "RestrictedUnpickler", "install", "installed", "loads", "uninstall"]
 
 ALLOWED_PREFIXES = ("megatron", "deepspeed", "torchtitan", "torch.distributed.checkpoint")
@@ -51,10 +53,6 @@ _ALLOWED = frozenset({
     *(f"numpy.{core}.numeric._frombuffer" for core in ("_core", "core")),
     "numpy.ndarray", "numpy.dtype",
 })  # fmt: skip
-
-
-class RestrictedPayloadError(pickle.UnpicklingError):
-    """A restricted payload names a global outside the allow-list."""
 
 
 def _refuse(what: str) -> RestrictedPayloadError:

@@ -20,13 +20,11 @@ import os
 import stat
 from pathlib import Path
 
+from prism_launch.errors import UnsafePathError
+
 __all__ = ["UnsafePathError", "check_private", "ensure_private_dir", "open_private_file"]
 
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
-
-
-class UnsafePathError(PermissionError):
-    """A folder or file another user could change (or a symbolic link where none may be)."""
 
 
 def _refuse(path: Path, what: str, hint: str) -> UnsafePathError:

@@ -11,6 +11,7 @@ from prism_launch.errors import (
     TraceKeyError,
     TraceMissingError,
     TraceSpaceError,
+    TraceUnsafeError,
     TraceUnwritableError,
     TraceVersionError,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "TraceCorruptError",
     "TraceKeyError",
     "TraceSpaceError",
+    "TraceUnsafeError",
     "TraceUnwritableError",
     "TraceBusyError",
 ]

@@ -28,7 +28,7 @@ from pathlib import Path
 from prism_launch.config.private_dirs import check_private, ensure_private_dir
 
 from .durable import write_bytes_durable
-from .errors import TraceError
+from .errors import TraceUnsafeError
 from .manifest import Manifest
 
 __all__ = ["SIGNATURE_NAME", "Authorship", "TraceUnsafeError", "authorship", "key_path", "object_trust", "sign",
@@ -40,10 +40,6 @@ SIGNATURE_NAME = "manifest.sig"
 _ALG = "hmac-sha256"
 _KEY_BYTES = 32
 _KEY_HINT = "Remove the folder if it is yours (a new key is made; traces signed with the old one are then foreign)."
-
-
-class TraceUnsafeError(TraceError):
-    """A trace (or the signing key) lies where another user could change it."""
 
 
 class Authorship(enum.StrEnum):
