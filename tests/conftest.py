@@ -96,3 +96,12 @@ def assert_emulation_bit_identical(base: list, captured: Path, sandbox: int, pro
     import json
 
     assert json.loads((tmp_path / "report" / "report.json").read_text())["ranks"][str(sandbox)]["divergences"] == []
+
+
+def rank_log_dirs(run_dir: Path) -> list[int]:
+    """The ranks that logged under one run folder of ``--log-dir`` (the folder also holds the
+    run's ``plan.json``, private to its owner)."""
+    plan = run_dir / "plan.json"
+    if plan.exists():
+        assert plan.stat().st_mode & 0o077 == 0, oct(plan.stat().st_mode)
+    return sorted(int(p.name) for p in run_dir.iterdir() if p.is_dir())

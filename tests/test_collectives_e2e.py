@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.conftest import WORKERS, rank_lines, run_prism
+from tests.conftest import WORKERS, rank_lines, rank_log_dirs, run_prism
 
 SCRIPT = WORKERS / "collectives.py"
 DATA_MOVEMENT = {"broadcast", "all_gather", "all_gather_into_tensor", "all_to_all_single", "all_to_all", "gather",
@@ -91,7 +91,7 @@ def test_emulation_is_bit_identical_to_capture(captured, tmp_path, sandbox, host
     # only the sandbox ranks ran (plus the assistant, logged under the world size)
     [run_dir] = list((tmp_path / "logs").iterdir())
     assistant = [NPROC] if host == "assistant" else []
-    assert sorted(int(p.name) for p in run_dir.iterdir()) == sorted(sandbox) + assistant
+    assert rank_log_dirs(run_dir) == sorted(sandbox) + assistant
     if host == "assistant":
         streams = report["assistant"]["streams"]
         assert sorted(map(int, streams)) == sorted(sandbox)

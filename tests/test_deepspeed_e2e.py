@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.conftest import EXAMPLES, logged_metrics, rank_lines, run_prism
+from tests.conftest import EXAMPLES, logged_metrics, rank_lines, rank_log_dirs, run_prism
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'prism-launch[deepspeed]')")
 
@@ -86,7 +86,7 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             assert entry["ops"] > 10
         # the virtual ranks never ran: only the sandbox ranks and the assistant (logged under the world size) did
         [run_dir] = list((out / "logs").iterdir())
-        assert sorted(int(p.name) for p in run_dir.iterdir()) == sorted(sandbox) + [nproc]
+        assert rank_log_dirs(run_dir) == sorted(sandbox) + [nproc]
         assert sorted(int(r) for r, v in report["ranks"].items() if not v["sandbox"]) == \
             sorted(set(range(nproc)) - set(sandbox))
 
