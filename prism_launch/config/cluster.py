@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ClusterSpec", "LinkSpec", "cluster_from_config", "load_cluster", "preset_dir"]
+__all__ = ["ClusterSpec", "GpuSpec", "LinkSpec", "cluster_from_config", "load_cluster", "preset_dir"]
 
 
 # --------------------------------------------------------------------------- specs
@@ -39,6 +39,35 @@ class LinkSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class GpuSpec:
+    """One GPU of the target cluster as its datasheet states it (dense figures, no sparsity):
+    what compute spans measured on another device are scaled to, and the peak that MFU is
+    reported against. A figure left null is unknown: nothing that needs it is computed."""
+
+    name: str = "unknown"
+    """The GPU's model as ``torch.cuda.get_device_name`` spells it (``NVIDIA H100 80GB HBM3``) or
+    a short form of it (``H100 SXM``); a trace measured on a GPU of the same name is not scaled."""
+    peak_bf16_tflops: float | None = None
+    """Peak dense BF16 tensor-core rate in TFLOP/s (1e12 FLOP/s): the peak MFU is reported
+    against, and the rate FLOP-bound kernels are scaled by."""
+    peak_fp8_tflops: float | None = None
+    """Peak dense FP8 tensor-core rate in TFLOP/s (null: the GPU has no FP8 tensor cores)."""
+    hbm_bandwidth_tbps: float | None = None
+    """Peak memory (HBM) bandwidth in TB/s (1e12 B/s): the rate memory-bound kernels are scaled by."""
+    memory_gb: float | None = None
+    """Memory of one GPU in GB (1e9 B) as the datasheet states it (``gpu_memory_gib`` is what
+    the OOM verdict uses)."""
+
+    def validate(self, where: str = "cluster.gpu") -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"{where}.name must be a non-empty string (got {self.name!r})")
+        for f in ("peak_bf16_tflops", "peak_fp8_tflops", "hbm_bandwidth_tbps", "memory_gb"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"{where}.{f} must be a finite number > 0 or null (got {v!r})")
+
+
+@dataclass(kw_only=True, slots=True)
 class ClusterSpec:
     """The target cluster's shape and interconnect (a Hydra ``cluster`` preset)."""
 
@@ -59,6 +88,9 @@ class ClusterSpec:
     device: str = "cuda"
     """Kind of device the cluster's ranks compute on (``cuda`` or ``cpu``): a prediction whose
     compute spans were measured on another kind says so in its report (they are not scaled)."""
+    gpu: GpuSpec = field(default_factory=GpuSpec)
+    """The cluster's GPU (name, datasheet peaks): compute measured on another GPU is scaled to it,
+    and a prediction's MFU is reported against its ``peak_bf16_tflops``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +112,9 @@ class ClusterSpec:
             if not isinstance(link, LinkSpec):
                 raise ValueError(f"cluster.{field_name} must be a LinkSpec (got {type(link).__name__})")
             link.validate(f"cluster.{field_name}")
+        if not isinstance(self.gpu, GpuSpec):
+            raise ValueError(f"cluster.gpu must be a GpuSpec (got {type(self.gpu).__name__})")
+        self.gpu.validate()
 
     @property
     def network_share_gbps(self) -> float:

@@ -10,6 +10,9 @@ An :class:`Integration` says which of its modules fill which role:
 - ``moe``: finds MoE token dispatches in a trace (``dispatches``/``describe``);
 - ``waits``: vouches for or against waits on the GPU during capture (``capture.gpu_waits``
   unset) for a recipe's script arguments (``gpu_waits(script_args) -> (bool, why) | None``);
+- ``workload``: what one step of a recipe processes, from its script arguments
+  (``tokens_per_step(script_args, world_size, embedded_tokens)``, and the framework's own FLOP
+  count as a cross-check: ``shape``/``num_floating_point_operations``);
 - ``recipe_flags``: script flags by which a recipe of this kind is recognised (DeepSpeed's
   ``--deepspeed_config``), so its compat layer joins by default and ``warm_imports`` are
   imported before ranks are forked.
@@ -28,7 +31,7 @@ from typing import Literal
 
 from prism_launch.config.errors import ConfigError
 
-Role = Literal["compat", "renderer", "moe", "waits"]
+Role = Literal["compat", "renderer", "moe", "waits", "workload"]
 ENTRY_POINT_GROUP = "prism_launch.integrations"
 
 
@@ -45,6 +48,9 @@ class Integration:
     """Module that finds MoE token dispatches in a trace (``dispatches``/``describe``)."""
     waits: str | None = None
     """Module whose ``gpu_waits(script_args)`` vouches for or against ``capture.gpu_waits``."""
+    workload: str | None = None
+    """Module whose ``tokens_per_step(script_args, world_size, embedded_tokens)`` says how many
+    tokens a step trains on (throughput in reports and sweeps)."""
     compat_devices: tuple[str, ...] = ("cpu",)
     """The devices (``cpu``, ``cuda``) on which the ``compat`` module is activated."""
     recipe_flags: tuple[str, ...] = ()
@@ -61,6 +67,7 @@ BUILTIN: tuple[Integration, ...] = (
     # Megatron-LM's output flags, checked against megatron/training/arguments.py (core_r0.19.0)
     Integration(name="megatron", compat="integrations.megatron_compat", renderer="integrations.megatron_flags",
                 moe="integrations.megatron_moe", waits="integrations.megatron_flags",
+                workload="integrations.megatron_workload",
                 # (not --data-cache-path: ranks read the dataset index cache that rank 0 builds there)
                 output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")),
     Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",
@@ -69,6 +76,12 @@ BUILTIN: tuple[Integration, ...] = (
                 # DeepSpeedExamples' and HF-style training scripts' output and run-name flags
                 output_args=("--output_dir", "--output-dir", "--save_dir", "--logging_dir", "--log_dir",
                              "--tensorboard_dir", "--job_name", "--run_name")),
+    Integration(name="torchtitan", compat="integrations.torchtitan_compat", renderer="integrations.torchtitan_flags",
+                recipe_flags=("--job.config_file", "--job.config-file", "--model.name", "--model.flavor"),
+                # torchtitan's output folders (config/job_config.py of 0.2.2: all relative to --job.dump_folder)
+                output_args=("--job.dump_folder", "--metrics.save_tb_folder",
+                             "--profiling.save_traces_folder", "--profiling.save_memory_snapshot_folder",
+                             "--checkpoint.folder", "--comm.save_traces_folder")),
 )
 
 

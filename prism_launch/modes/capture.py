@@ -311,6 +311,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     if fold.folded:
         writer.write_json(TraceLayout.FOLD, {**fold.to_dict(), "approximated_groups": coord.approximated_groups})
     from prism_launch.modes.context import program_config
+    from prism_launch.rank.flops import measuring_device
 
     writer.commit(
         fingerprint=ctx.fingerprint, versions=fp.versions(), world_size=ws, topology=ctx.topo.to_dict(),
@@ -319,6 +320,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
                "program_config": program_config(ctx.cfg), "capture_wall_s": wall,
                "ops": coord.ops_completed, "log_dir": str(log_dir), "capture": stats, "payload": payload,
                "carry_bytes": ctx.cfg.capture.carry_bytes,
+               "measuring_device": measuring_device(coord.memory, str(ctx.cfg.device)),
                # the sandbox ranks an exact trace is for (it stores only what they consume)
                "payload_ranks": sorted(set(ctx.cfg.sandbox.ranks)) if payload == "exact" else None},
     )

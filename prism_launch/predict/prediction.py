@@ -59,10 +59,23 @@ def graph_source(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout):
 def calibration_method(calibrated: TraceReader) -> dict:
     """How a calibrated trace's spans were measured (its manifest's record of the slices)."""
     extra = calibrated.manifest.extra
-    keys = ("method", "ranks_per_slice", "devices", "device", "measure", "slice_size")
+    keys = ("method", "ranks_per_slice", "devices", "device", "measure", "slice_size", "by_class", "repeats")
     out = {k: extra.get(k) for k in keys}
     out["slices"] = len(extra.get("slices") or [])
+    out["shard_classes"] = len(extra.get("shard_classes") or [])
     return out
+
+
+def scaled_rows(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, compute: str) -> tuple[list[dict], dict, object]:
+    """The graph's event rows, their compute spans scaled from the measuring device to the
+    cluster's GPU (:mod:`prism_launch.predict.gpu_scaling`), with how, and the counted FLOPs."""
+    from prism_launch.predict.throughput import counted, scale_rows
+
+    rows = reader.events().to_pylist()
+    count = counted(bare)
+    device = reader.manifest.extra.get("measuring_device") or bare.manifest.extra.get("measuring_device")
+    scaling = scale_rows(rows, device, cfg.cluster.gpu, count, compute)
+    return rows, scaling, count
 
 
 def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[int, list[float]]:
@@ -72,7 +85,7 @@ def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[in
     from prism_launch.predict.simulate import graph_from_events, replay
 
     reader, _source, compute = graph_source(cfg, bare, trace)
-    rows = reader.events().to_pylist()
+    rows, _scaling, _count = scaled_rows(cfg, bare, reader, compute)
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
     return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True).issue_times
@@ -84,7 +97,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
     from prism_launch.predict.simulate import graph_from_events, replay
 
     reader, source, compute = graph_source(cfg, bare, trace)
-    rows = reader.events().to_pylist()
+    rows, scaling, count = scaled_rows(cfg, bare, reader, compute)
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     world = reader.manifest.world_size
     graph = graph_from_events(rows, groups, world, compute=compute)
@@ -119,13 +132,32 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
         "calibration": calibration_method(reader) if source == "calibrated" else None,
         "cluster": cfg.cluster.name,
         "compute_device": str(cfg.device),
-        "compute_scaled": False,
+        "compute_scaled": bool(scaling.get("scaled")),
+        "gpu_scaling": scaling,
+        "cluster_gpu": cfg.cluster.gpu.name,
         "cluster_device": cfg.cluster.device,
         "critical_path": _summarize_path(rep.critical_path),
         "stragglers": rep.stragglers,
         "ranks_replayed": len(rep.ranks),
     }
+    predicted["throughput"] = _throughput(cfg, bare, count, rep.iteration_time_s, world, fold)
+    from prism_launch.predict.throughput import mfu_warning
+
+    predicted["mfu_warning"] = mfu_warning(predicted) or None
     return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline, "replay": rep}
+
+
+def _throughput(cfg: PrismConfig, bare: TraceReader, count, iteration_s: float, world: int, fold: dict | None) -> dict:
+    from prism_launch.predict.throughput import step_flops, throughput, tokens
+
+    n_tokens, how = tokens(cfg, bare, count)
+    out = throughput(iteration_s, step_flops(count, world, fold), n_tokens, world, cfg.cluster.gpu)
+    out.update(tokens_source=how, flops_source=(f"FlopCounterMode over step {count.step} of "
+                                                f"{len(count.per_rank)} captured rank(s)") if count.per_rank
+               else "not counted (trace captured before ranks counted FLOPs)")
+    if count.incomplete:
+        out["flops_incomplete_ranks"] = count.incomplete
+    return out
 
 
 def _summarize_path(path: list[dict]) -> dict:

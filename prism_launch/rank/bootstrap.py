@@ -22,6 +22,7 @@ from prism_launch.rank import transports
 from prism_launch.trace.layout import RankLogs
 
 _TRACKER: list = []
+_FLOPS: list = []  # a capture rank's StepFlops (prism_launch.rank.flops)
 
 
 def logical_rank() -> tuple[int, int]:
@@ -48,10 +49,18 @@ def _finish_memory() -> None:
     from nccl_ext.frontend import install
 
     world = install.current_world()
+    summary = None
     if _TRACKER and world is not None:
         tracker = _TRACKER.pop()
         tracker.stop()
-        world.transport.report_memory(tracker.summary())
+        summary = tracker.summary()
+    if _FLOPS and world is not None:  # the rank's summary carries its counted step and its device
+        from prism_launch.rank.flops import device_info
+
+        flops, device = _FLOPS.pop()
+        summary = {**(summary or {}), "model_flops": flops.summary(), "device": device_info(device)}
+    if summary is not None:
+        world.transport.report_memory(summary)
 
 
 def finish() -> None:
@@ -125,8 +134,16 @@ def activate(plan: RankPlan) -> None:
                         subgroups=plan.subgroups,
                         restrict_objects=plan.emulate is not None and not plan.emulate.trusted_objects)
         tracker = _start_memory(plan)
+        flops = None
+        if plan.mode == "capture" and not (plan.capture is not None and plan.capture.discover_file):
+            from prism_launch.rank.flops import StepFlops
+
+            flops = StepFlops()
+            _FLOPS.append((flops, plan.device))
 
         def on_step() -> None:
+            if flops is not None:
+                flops.on_step()
             world = install.current_world()
             if world is not None and world.step_boundary() and tracker is not None:
                 tracker.mark_unit(len(tracker.samples))

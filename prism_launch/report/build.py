@@ -163,8 +163,14 @@ def _compute_label(pred: dict) -> str:
 
 def compute_caveat(pred: dict) -> str:
     """What the table says when the compute spans were measured on another kind of device than
-    the target cluster's (they are not scaled: only communication is the cluster's)."""
+    the target cluster's, or on another GPU that could not be scaled to the cluster's (only
+    communication is then the cluster's)."""
     measured, target = pred.get("compute_device"), pred.get("cluster_device")
+    scaling = pred.get("gpu_scaling") or {}
+    if (measured == target == "cuda" and not pred.get("compute_scaled") and scaling.get("why")
+            and scaling.get("measuring_device") != pred.get("cluster_gpu")):
+        return (f"; compute is {scaling.get('measuring_device') or 'the measuring GPU'}'s as measured, not scaled to "
+                f"{pred.get('cluster_gpu')}: {scaling['why']}")
     if not measured or not target or measured == target or pred.get("compute_scaled"):
         return ""
     kind = {"cuda": "GPU", "cpu": "CPU"}
@@ -187,7 +193,40 @@ def prediction_lines(pred: dict) -> list[str]:
         f"  critical path over the whole replayed run ({steps} steps, the first included): "
         f"{path['compute_s'] * 1e3:.1f} ms compute + {path['comm_s'] * 1e3:.1f} ms communication, "
         f"through ranks {shown}",
+        *throughput_lines(pred),
     ]
+
+
+def _num(v: float | None, fmt: str, unknown: str = "unknown") -> str:
+    return unknown if v is None else format(v, fmt)
+
+
+def throughput_lines(pred: dict) -> list[str]:
+    """Throughput and MFU of the predicted iteration, the compute scaling behind it, and the
+    MFU warning where the figure is implausible (an older report without them: none)."""
+    t = pred.get("throughput")
+    if t is None:
+        return []
+    toks = (f"{_num(t['tokens_per_s'], ',.0f')} tokens/s, {_num(t['tokens_per_s_per_gpu'], ',.1f')} tokens/s/GPU"
+            if t.get("tokens_per_step") else f"tokens unknown ({t.get('tokens_source')})")
+    peak = t.get("peak_bf16_tflops")
+    mfu = (f"MFU {t['mfu']:.2%} of {pred.get('cluster_gpu')}'s {peak:g} TFLOP/s BF16" if t.get("mfu") is not None
+           else "MFU unknown (" + ("no counted FLOPs" if not t.get("model_flops_per_step")
+                                   else f"cluster.gpu {pred.get('cluster_gpu')} has no peak") + ")")
+    lines = [f"  throughput {toks}; model {_num(t.get('model_tflops_per_gpu'), '.4g')} TFLOP/s per GPU; {mfu}",
+             f"    model FLOPs per step {_num(t.get('model_flops_per_step'), '.4g')} ({t.get('flops_source')}); "
+             f"tokens per step {_num(t.get('tokens_per_step'), ',')} ({t.get('tokens_source')})"]
+    s = pred.get("gpu_scaling") or {}
+    if s.get("scaled"):
+        lines.append(f"  compute scaled {s['measuring_device']} -> {s['target_gpu']}: FLOP-bound x{s['compute_factor']:.3f}, "
+                     f"memory-bound x{s['memory_factor']:.3f}, mean x{s['mean_factor']:.3f} over "
+                     f"{s['compute_fraction']:.0%} FLOP-bound / {s['memory_fraction']:.0%} memory-bound / "
+                     f"{s['comm_fraction']:.0%} communication time (kernel mix: {s['mix_source']})")
+    elif s.get("why"):
+        lines.append(f"  compute not scaled: {s['why']}")
+    if pred.get("mfu_warning"):
+        lines.append(f"  [bold red]warning[/bold red]: {pred['mfu_warning']}")
+    return lines
 
 
 def _divergence_kinds(r: dict) -> str:

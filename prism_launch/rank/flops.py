@@ -1,0 +1,125 @@
+"""A capture rank's model FLOPs and tokens of one training step, counted where the program
+runs them, and the device it measures on.
+
+:class:`StepFlops` enters torch's ``FlopCounterMode`` (a TorchDispatchMode: it composes with
+the CPU compatibility layer's TorchFunctionMode, which sits on the other mode stack) when the
+first step ends and leaves it when the second ends, so it counts step 2 alone: the first
+step is warm-up (lazy allocations, compilation) and every later step repeats it. The count is
+the matmul/attention FLOPs of the forward, the backward and any recompute the program really
+runs. The same pass sums, per embedding table, the token ids looked up: the tokens this rank's
+pipeline stage embedded in the step (word and position tables see the same ids; the largest
+sum is taken). Counting costs Python per torch op, for one step of each captured rank only.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Any
+
+__all__ = ["COUNTED_STEP", "StepFlops", "device_info"]
+
+COUNTED_STEP = 2
+"""The step counted (1-based): the first after warm-up."""
+
+
+class StepFlops:
+    """Counts step :data:`COUNTED_STEP`'s FLOPs; :meth:`on_step` is called after every step."""
+
+    def __init__(self) -> None:
+        self.steps_done = 0
+        self._counter: Any = None
+        self._t0 = 0.0
+        self._tables: dict[tuple, int] = {}
+        self.result: dict | None = None
+
+    def _embedding(self, weight_shape, indices_shape, *args, out_shape=None, **kwargs) -> int:
+        n = 1
+        for d in indices_shape:
+            n *= int(d)
+        key = tuple(weight_shape)
+        self._tables[key] = self._tables.get(key, 0) + n
+        return 0  # a lookup: no FLOPs
+
+    def on_step(self) -> None:
+        self.steps_done += 1
+        try:
+            if self.steps_done == COUNTED_STEP - 1:
+                self._start()
+            elif self.steps_done == COUNTED_STEP and self._counter is not None:
+                self._stop(complete=True)
+        except Exception as e:  # noqa: BLE001 - counting never breaks the program it watches
+            self._counter = None
+            self.result = {"step": COUNTED_STEP, "error": f"{type(e).__name__}: {e}"}
+
+    def _start(self) -> None:
+        import torch
+        from torch.utils.flop_counter import FlopCounterMode
+
+        mapping = {torch.ops.aten.embedding: self._embedding}
+        self._counter = FlopCounterMode(display=False, custom_mapping=mapping)
+        self._t0 = time.perf_counter()
+        self._counter.__enter__()
+
+    def _stop(self, complete: bool) -> None:
+        counter, self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        self.result = {
+            "step": COUNTED_STEP,
+            "flops": int(counter.get_total_flops()),
+            "embedded_tokens": max(self._tables.values()) if self._tables else None,
+            "complete": complete,
+            "counting_wall_s": round(time.perf_counter() - self._t0, 6),
+            "counted_by": "torch.utils.flop_counter.FlopCounterMode",
+        }
+
+    def summary(self) -> dict | None:
+        """The count (None before it began); a step begun but not ended is marked incomplete."""
+        if self._counter is not None:
+            try:
+                self._stop(complete=False)
+            except Exception as e:  # noqa: BLE001
+                self.result = {"step": COUNTED_STEP, "error": f"{type(e).__name__}: {e}"}
+        return self.result
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_info(device: str) -> dict:
+    """The device this rank measures its compute spans on: for CUDA, ``get_device_properties``
+    (name, SMs, memory, clocks and bus width where this torch exposes them, and the bandwidth
+    they give); for the CPU, its model and core count."""
+    if device != "cuda":
+        return {"kind": "cpu", "name": _cpu_model(), "cores": os.cpu_count()}
+    import torch
+
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    out: dict = {"kind": "cuda", "name": p.name, "sm_count": p.multi_processor_count,
+                 "memory_bytes": int(p.total_memory), "capability": f"{p.major}.{p.minor}"}
+    for attr in ("clock_rate", "memory_clock_rate", "memory_bus_width", "L2_cache_size"):
+        v = getattr(p, attr, None)
+        if v is not None:
+            out[attr] = int(v)
+    if out.get("memory_clock_rate") and out.get("memory_bus_width"):  # kHz, bits; DDR: 2 transfers a clock
+        out["memory_bandwidth_bytes_s"] = 2 * out["memory_clock_rate"] * 1e3 * out["memory_bus_width"] / 8
+    return out
+
+
+def measuring_device(summaries: dict, device: str) -> dict | None:
+    """The device a capture's spans were measured on, for its manifest: the lowest captured
+    rank's report; with none (no rank reported), this machine's CPU for ``device=cpu``, else None."""
+    for r in sorted(summaries, key=int):
+        info = (summaries[r] or {}).get("device")
+        if info:
+            return info
+    return device_info("cpu") if device == "cpu" else None

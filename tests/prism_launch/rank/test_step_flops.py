@@ -1,0 +1,56 @@
+"""The capture rank's FLOP counter: one step (the second) counted, under the CPU
+compatibility layer's TorchFunctionMode, with the tokens its embedding looked up."""
+
+import torch
+
+from integrations.cpu_compat_mode import CudaAsCpuMode
+from prism_launch.rank.flops import COUNTED_STEP, StepFlops, device_info
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, vocab=50, seq=6, hidden=8):
+        super().__init__()
+        self.words = torch.nn.Embedding(vocab, hidden)
+        self.pos = torch.nn.Embedding(seq, hidden)
+        self.lin = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, ids):
+        x = self.words(ids) + self.pos(torch.arange(ids.shape[1]).expand_as(ids))
+        return self.lin(x).sum()
+
+
+def _train(steps: int, counter: StepFlops, batch=3, seq=6, hidden=8):
+    torch.manual_seed(0)
+    model = Tiny(seq=seq, hidden=hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CudaAsCpuMode():
+        for _ in range(steps):
+            ids = torch.randint(0, 50, (batch, seq), device="cuda")  # the CPU layer maps it
+            model(ids).backward()
+            opt.step()
+            opt.zero_grad()
+            counter.on_step()
+
+
+def test_counts_the_second_step_alone_under_the_cpu_layer():
+    counter = StepFlops()
+    _train(4, counter)
+    r = counter.summary()
+    assert r["step"] == COUNTED_STEP == 2 and r["complete"]
+    # Linear 8x8 on 18 tokens: forward 2*18*8*8, backward twice that (input and weight grads)
+    assert r["flops"] == 3 * 2 * 18 * 8 * 8
+    assert r["embedded_tokens"] == 18  # word and position tables each saw 3x6 ids; not 36
+    assert r["counted_by"].endswith("FlopCounterMode")
+
+
+def test_a_run_of_one_step_counts_nothing_and_an_unfinished_step_says_so():
+    one = StepFlops()
+    _train(1, one)
+    assert one.summary() is not None and one.summary()["complete"] is False
+    none = StepFlops()
+    assert none.summary() is None
+
+
+def test_cpu_device_info():
+    info = device_info("cpu")
+    assert info["kind"] == "cpu" and info["name"] and info["cores"] >= 1
