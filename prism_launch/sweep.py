@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from prism_launch.launch.args import LaunchArgs
     from prism_launch.config import PrismConfig
 
-COLUMNS = ("point", "overrides", "status", "iteration_time_s", "peak_memory_bytes", "oom", "oom_ranks",
+COLUMNS = ("point", "overrides", "status", "rank", "iteration_time_s", "mfu", "tokens_per_s_per_gpu", "tokens_per_s",
+           "model_tflops_per_gpu", "peak_memory_bytes", "oom", "oom_ranks",
            "moe_expert_imbalance", "moe_ep_rank_imbalance", "moe_a2a_wait_excess_s", "moe_dropped_tokens",
            "world_size", "wall_s", "script_args", "report")
 
@@ -69,8 +70,13 @@ def summarize_report(report: dict) -> dict:
     oom_ranks = pred.get("oom_ranks")
     moe = (report.get("moe") or {}).get("overall") or {}
     effect = (report.get("moe") or {}).get("effect") or {}
+    tp = pred.get("throughput") or {}
     return {
         "iteration_time_s": pred.get("iteration_time_s"),
+        "mfu": tp.get("mfu"),
+        "tokens_per_s_per_gpu": tp.get("tokens_per_s_per_gpu"),
+        "tokens_per_s": tp.get("tokens_per_s"),
+        "model_tflops_per_gpu": tp.get("model_tflops_per_gpu"),
         "peak_memory_bytes": max(peaks) if peaks else None,
         "oom": None if oom_ranks is None else bool(oom_ranks),
         "oom_ranks": None if oom_ranks is None else len(oom_ranks),
@@ -296,6 +302,8 @@ def write_summary(rows: list[dict], sweep_dir: Path) -> tuple[Path, Path]:
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
     labels = varying(rows)
+    for i, r in enumerate(ranked(rows), 1):  # 1: the fastest predicted point; none for a failed one
+        r["rank"] = i if r["status"] == "ok" and r.get("iteration_time_s") is not None else None
     import io
 
     buf = io.StringIO()
@@ -319,7 +327,7 @@ def plot_summary(rows: list[dict], labels: list[str], path: Path) -> None:
     ok = [(r, lab) for r, lab in zip(rows, labels) if r["status"] == "ok" and r.get("iteration_time_s") is not None]
     bad = [(r, lab) for r, lab in zip(rows, labels) if r["status"] != "ok"]
     moe = [(r, lab) for r, lab in ok if r.get("moe_expert_imbalance") is not None]
-    panels = 2 + bool(moe)
+    panels = 3 + bool(moe)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 1.6 + 0.45 * max(1, len(rows))), squeeze=False)
     axes = axes[0]
     ys = list(range(len(ok)))
@@ -328,14 +336,31 @@ def plot_summary(rows: list[dict], labels: list[str], path: Path) -> None:
                  color=["tab:red" if r.get("oom") else "tab:blue" for r, _ in ok])
     axes[0].set_yticks(ys, names)
     axes[0].invert_yaxis()
-    axes[0].set_xlabel("predicted iteration time (ms); red: OOM")
+    axes[0].set_xlabel("predicted iteration time (ms); red: OOM; * fastest")
+    fastest = fastest_point(ok)
+    if fastest is not None:
+        axes[0].annotate("* fastest", (ok[fastest][0]["iteration_time_s"] * 1e3, fastest), fontsize=8,
+                         color="k", va="center", ha="left", fontweight="bold")
     mem = [(r.get("peak_memory_bytes") or 0) / 2**20 for r, _ in ok]
     axes[1].barh(ys, mem, color="tab:green")
     axes[1].set_yticks(ys, [""] * len(ys))
     axes[1].invert_yaxis()
     axes[1].set_xlabel("peak memory, max over ranks (MiB)")
+    ax = axes[2]
+    mfu = [r.get("mfu") for r, _ in ok]
+    if any(v is not None for v in mfu):
+        ax.barh(ys, [100 * (v or 0) for v in mfu], color="tab:purple")
+        ax.set_xlabel("MFU (% of the cluster GPU's peak BF16)")
+    else:  # a cpu cluster has no peak: the throughput per GPU instead
+        ax.barh(ys, [r.get("tokens_per_s_per_gpu") or 0 for r, _ in ok], color="tab:purple")
+        ax.set_xlabel("tokens/s per GPU (no MFU: the cluster has no GPU peak)")
+    ax.set_yticks(ys, [""] * len(ys))
+    ax.invert_yaxis()
+    for y, (r, _) in enumerate(ok):
+        if r.get("tokens_per_s_per_gpu") is not None:
+            ax.annotate(f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU", (0, y), fontsize=7, va="center")
     if moe:
-        ax = axes[2]
+        ax = axes[3]
         ax.scatter([r["moe_expert_imbalance"] for r, _ in moe], [r["iteration_time_s"] * 1e3 for r, _ in moe])
         for r, lab in moe:
             ax.annotate(lab, (r["moe_expert_imbalance"], r["iteration_time_s"] * 1e3), fontsize=7)
@@ -348,6 +373,13 @@ def plot_summary(rows: list[dict], labels: list[str], path: Path) -> None:
     fig.tight_layout(rect=(0, 0.04 * min(len(bad), 5), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def fastest_point(ok: list[tuple[dict, str]]) -> int | None:
+    """Index in ``ok`` (rows with a prediction) of the shortest predicted iteration."""
+    times = [r.get("iteration_time_s") for r, _ in ok]
+    known = [i for i, t in enumerate(times) if t is not None]
+    return min(known, key=lambda i: times[i]) if known else None
 
 
 def ranked(rows: list[dict], rank_by: str = "iteration_time_s") -> list[dict]:
@@ -368,7 +400,7 @@ def print_table(rows: list[dict], *, rank_by: str = "iteration_time_s", csv_path
     labels = dict(zip((id(r) for r in rows), varying(rows)))
     table = Table(title=f"prism-launch sweep: {len(rows)} points, ranked by {rank_by}", title_justify="left")
     for name, just in (("#", "right"), ("point", "right"), ("overrides", "left"), ("iter time (ms)", "right"),
-                       ("peak mem (MiB)", "right"), ("OOM", "left"), ("MoE max/mean expert", "right"),
+                       ("MFU", "right"), ("tok/s/GPU", "right"), ("peak mem (MiB)", "right"), ("OOM", "left"), ("MoE max/mean expert", "right"),
                        ("MoE max/mean EP rank", "right"), ("status", "left")):
         table.add_column(name, justify=just, overflow="fold")
     for i, r in enumerate(ranked(rows, rank_by), 1):
@@ -377,7 +409,10 @@ def print_table(rows: list[dict], *, rank_by: str = "iteration_time_s", csv_path
         status = r["status"]
         style = "" if status == "ok" else ("yellow" if status.startswith("invalid") else "red")
         table.add_row(str(i), _cell(r.get("point")), labels[id(r)],
-                      "" if it is None else f"{it * 1e3:.2f}", "" if mem is None else f"{mem / 2**20:.1f}",
+                      "" if it is None else f"{it * 1e3:.2f}",
+                      "" if r.get("mfu") is None else f"{r['mfu']:.1%}",
+                      "" if r.get("tokens_per_s_per_gpu") is None else f"{r['tokens_per_s_per_gpu']:,.1f}",
+                      "" if mem is None else f"{mem / 2**20:.1f}",
                       "" if r.get("oom") is None else ("yes" if r["oom"] else "no"),
                       "" if ei is None else f"{ei:.2f}", "" if ri is None else f"{ri:.2f}", status, style=style)
     console.print(table)
