@@ -17,6 +17,10 @@ pre-drop count: it is derived from the recipe's flags (sequence length, micro-ba
 top-k, tp with sequence parallelism, cp) when they are given, else reported as not derivable.
 With ``--moe-pad-expert-input-to-capacity`` the dispatcher exchanges fixed capacities and no
 counts: such traces show no dispatches.
+
+The counts are read from the events (``extra["ints"]``, kept by value in every payload mode:
+:mod:`nccl_ext.core.routing_counts`), or from stored tensors in older traces. Nothing here
+depends on recognising a flag but the dropped-token count without an aux loss.
 """
 
 from __future__ import annotations
@@ -29,6 +33,17 @@ from integrations.megatron_flags import get_flag
 
 def _extra(row: dict) -> dict:
     return json.loads(row["extra"]) if row.get("extra") else {}
+
+
+def _values(row: dict, read_tensor: Callable[[int, str], object]) -> list[int] | None:
+    """A count op's values: recorded by value in every payload mode (``extra["ints"]``,
+    :mod:`nccl_ext.core.routing_counts`), else from a stored tensor (older traces), else None."""
+    ints = _extra(row).get("ints")
+    if ints:
+        return [int(x) for x in ints[0]]
+    if row.get("tensor_key"):
+        return [int(x) for x in read_tensor(row["rank"], row["tensor_key"]).tolist()]
+    return None
 
 
 def _is_count_op(row: dict, kind: str) -> bool:
@@ -53,12 +68,61 @@ def _tokens_from_args(script_args: list[str]) -> tuple[int | None, str]:
     return seq // cp // (tp if sp else 1) * mbs * topk, "from the recipe's flags"
 
 
+class LayerOrder:
+    """Which MoE layer of its pipeline stage each token dispatch of one rank is, from the op order
+    alone (no flag read): a forward pass runs its layers' dispatches in order, each followed by
+    the same few all-to-alls (tokens, maybe probabilities, the combine); a backward pass or a
+    pipeline send/receive lies between two forward passes. So a dispatch starts layer 0 again
+    after a step marker or a point-to-point op, or when more all-to-alls than the fewest ever
+    seen between two dispatches precede it; on a rank without point-to-point ops whose gaps are
+    all alike, every dispatch is its forward pass's only MoE layer."""
+
+    def __init__(self, evs: list[dict]) -> None:
+        self._gathers: list[tuple[int, int, bool]] = []   # (idx, all-to-alls since the last, boundary since)
+        self._has_p2p = any(r["kind"] == "p2p" for r in evs)
+        self._layer: dict[int, int] | None = None
+        self._evs = evs
+
+    def _scan(self) -> dict[int, int]:
+        gaps: list[tuple[int, int, bool]] = []
+        a2a, boundary, seen = 0, True, False
+        pending = None
+        for row in self._evs:
+            if row["kind"] in ("p2p", "marker"):
+                boundary = True
+                continue
+            if row["kind"] != "collective":
+                continue
+            if _is_count_op(row, "all_gather"):
+                pending = row
+                continue
+            if _extra(row).get("kind") == "all_to_all":
+                if pending is not None:  # a dispatch: the gather, then its token all-to-all
+                    gaps.append((pending["idx"], a2a if seen else -1, boundary or not seen))
+                    a2a, boundary, seen, pending = 0, False, True, None
+                a2a += 1
+        clean = [c for _i, c, b in gaps if not b]
+        fewest = min(clean) if clean else 0
+        alike = bool(clean) and max(clean) == fewest and not self._has_p2p
+        out, layer = {}, 0
+        for i, c, b in gaps:
+            layer = 0 if (b or c > fewest or alike) else layer + 1
+            out[i] = layer
+        return out
+
+    def layer_of(self, gather: dict) -> int | None:
+        if self._layer is None:
+            self._layer = self._scan()
+        return self._layer.get(gather["idx"])
+
+
 def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
                     read_tensor: Callable[[int, str], object], script_args: list[str] | None = None) -> dict:
     """Every token dispatch in the trace.
 
     Returns ``{"dispatches": [...], "notes": [...]}``; a dispatch is ``{"unit", "group",
-    "seq", "num_experts", "counts": {rank: [tokens per expert]}, "pre_drop": {rank: [...]} | None,
+    "seq", "layer" (of the stage, :class:`LayerOrder`), "num_experts", "counts": {rank: [tokens per
+    expert]}, "pre_drop": {rank: [...]} | None,
     "ep_group": {rank: [ranks of its EP group]}, "splits": {rank: [tokens sent per EP rank]}}``.
     """
     by_rank: dict[int, list[dict]] = {}
@@ -67,6 +131,7 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
     found: dict[tuple[int, int], dict] = {}
     for rank, evs in by_rank.items():
         evs.sort(key=lambda r: r["idx"])
+        layers = LayerOrder(evs)
         pre = None
         pending = None
         for row in evs:
@@ -86,9 +151,9 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
                 key = (gather["group"], gather["seq"])
                 d = found.setdefault(key, {"unit": gather["unit"], "group": gather["group"], "seq": gather["seq"],
                                            "num_experts": gather["shape"][0], "keys": {}, "pre_keys": {},
-                                           "ep_group": {}, "splits": {}})
-                d["keys"][rank] = gather["tensor_key"]
-                d["pre_keys"][rank] = pre_row["tensor_key"] if pre_row is not None else None
+                                           "ep_group": {}, "splits": {}, "layer": layers.layer_of(gather)})
+                d["keys"][rank] = _values(gather, read_tensor)
+                d["pre_keys"][rank] = _values(pre_row, read_tensor) if pre_row is not None else None
                 d["ep_group"][rank] = list(groups[row["group"]])
                 d["splits"][rank] = [s[0] if s else 0 for s in _extra(row).get("shapes", [])]
     dispatches, incomplete = [], 0
@@ -97,15 +162,14 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
         if any(d["keys"].get(m) is None for m in members):
             incomplete += 1  # e.g. a folded trace: some members were not captured
             continue
-        d["counts"] = {m: [int(x) for x in read_tensor(m, d["keys"][m]).tolist()] for m in members}
+        d["counts"] = {m: d["keys"][m] for m in members}
         pre_ok = all(d["pre_keys"].get(m) for m in members)
-        d["pre_drop"] = ({m: [int(x) for x in read_tensor(m, d["pre_keys"][m]).tolist()] for m in members}
-                         if pre_ok else None)
+        d["pre_drop"] = {m: d["pre_keys"][m] for m in members} if pre_ok else None
         del d["keys"], d["pre_keys"]
         dispatches.append(d)
     notes = []
     if incomplete:
-        notes.append(f"{incomplete} dispatches skipped: not every member of their gather is in the trace")
+        notes.append(f"{incomplete} dispatches skipped: not every member of their gather recorded its counts")
     out = {"dispatches": dispatches, "notes": notes, "dropped_source": None}
     if dispatches:
         if all(d["pre_drop"] is not None for d in dispatches):

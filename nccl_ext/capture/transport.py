@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from nccl_ext.core import mirrored, replica_sums as folded, synth, wire
-from nccl_ext.core.protocol import (Bye, Coll, Group, LColl, Marker, Memory, Meta, Mirror, Ok, OpFailed, Park,
+from nccl_ext.core import mirrored, replica_sums as folded, routing_counts, synth, wire
+from nccl_ext.core.protocol import (Bye, Coll, Group, Ints, LColl, Marker, Memory, Meta, Mirror, Ok, OpFailed, Park,
                                     PRecv, PSend, Recv, SColl, Send, SOk, Stats, Wait, XFree, XOk, XRecv, XSend)
 from nccl_ext.capture.rank_exchange import RankExchange
 from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, DeferredWaits
@@ -150,6 +150,9 @@ class CaptureTransport:
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         self._waits.check_deferred()
         what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
+        ints = routing_counts.small_ints(call.kind, call.tensors)
+        if ints is not None:  # kept by value in every payload mode (MoE routing statistics)
+            self._send(Ints(group.key, seq, ints))
         if self.synthesize and not synth.carried(call, self.carry_bytes):
             return self._synthesized(group, seq, call, what)
         if not self._scratch and self._captured is not None and call.tensors and call.tensors[0].is_cuda:

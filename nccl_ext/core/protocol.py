@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from nccl_ext.core.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Raised whenever a message's fields or meaning change: a rank and a coordinator of different
 versions refuse each other by name at connection instead of misreading fields."""
 
@@ -119,6 +119,14 @@ class Meta(NamedTuple):
     shapes: list
     dtypes: list
     nbytes: int
+
+
+class Ints(NamedTuple):
+    """The values of the rank's small integer contribution to its next op on group ``key`` at
+    ``seq`` (:mod:`nccl_ext.core.routing_counts`), sent just before the op's own message."""
+    key: str
+    seq: int
+    values: list
 
 
 class LColl(NamedTuple):
@@ -313,7 +321,7 @@ class XFree(NamedTuple):
 
 RANK_MESSAGES: dict[str, type] = {
     "hello": Hello, "park": Park, "group": Group, "coll": Coll, "scoll": SColl, "xcoll": XColl,
-    "meta": Meta, "lcoll": LColl, "psend": PSend, "precv": PRecv, "send": Send, "xsend": XSend,
+    "meta": Meta, "ints": Ints, "lcoll": LColl, "psend": PSend, "precv": PRecv, "send": Send, "xsend": XSend,
     "recv": Recv, "xread": XRead, "marker": Marker, "wait": Wait, "memory": Memory, "stats": Stats,
     "stalled": Stalled, "bye": Bye,
 }

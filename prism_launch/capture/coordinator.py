@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from nccl_ext.core import protocol, wire
-from nccl_ext.core.protocol import (Bye, Coll, Group, Hello, LColl, Marker, Memory, Meta, Mirror, Ok, Park, PRecv,
-                                    PSend, Recv, SColl, Send, Stalled, Stats, Wait, XColl, XOk, XRead, XSend)
+from nccl_ext.core.protocol import (Bye, Coll, Group, Hello, Ints, LColl, Marker, Memory, Meta, Mirror, Ok, Park,
+                                    PRecv, PSend, Recv, SColl, Send, Stalled, Stats, Wait, XColl, XOk, XRead, XSend)
 from nccl_ext.exchange.arena import PeerViews
 from nccl_ext.exchange.ipc import is_device_location
 from nccl_ext.core.ops import Collective, ReduceKind, compute, contributors
@@ -107,6 +107,7 @@ class Coordinator:
         self._handlers = {
             Hello: self._on_hello, Park: self._on_park, Group: self._on_group, Coll: self._on_coll,
             SColl: self._on_scoll, XColl: self._on_xcoll, Meta: self._on_meta, LColl: self._on_lcoll,
+            Ints: self._on_ints,
             PSend: self._on_p2p_meta, PRecv: self._on_p2p_meta, Send: self._on_send, XSend: self._on_xsend,
             Recv: self._on_recv, XRead: self._on_xread, Marker: self._on_marker,
             Wait: self._on_wait, Memory: self._on_memory, Stats: self._on_stats, Stalled: self._on_stalled,
@@ -246,6 +247,9 @@ class Coordinator:
     def _on_meta(self, conn: Connection, m: Meta, tensors) -> None:
         self.synthesized.on_meta(conn, m)
 
+    def _on_ints(self, conn: Connection, m: Ints, tensors) -> None:
+        self.log.note_ints(self._rank_of[conn], m.key, m.seq, m.values)
+
     def _on_lcoll(self, conn: Connection, m: LColl, tensors) -> None:
         self.synthesized.on_meta(conn, m, mirrored=True)
 
@@ -343,6 +347,7 @@ class Coordinator:
                  "shapes": [list(t.shape) for t in contribution or ()],
                  "dtypes": [wire.dtype_name(t.dtype) for t in contribution or ()],
                  "digests": []}
+        self.log.take_ints(rank, key, seq, extra)
         keep = contribution is not None and self._keeps(group, rank, grank, kind, root)
         row = self.log.row(rank, unit, "collective", api, group, seq, -1, contribution, t, t, wall, cpu,
                         f"{tkey}/0" if keep and contribution else None, None)

@@ -21,6 +21,19 @@ class EventLog:
         self.rank_of: dict[Connection, int] = {}
         self.ops_completed = 0
         self._next_idx = [0] * world_size
+        self._ints: dict[tuple[int, str, int], list] = {}
+        """(rank, group key, seq) -> the values of a small integer contribution
+        (:class:`nccl_ext.core.protocol.Ints`), until the op's own message makes its row."""
+
+    def note_ints(self, rank: int, key: str, seq: int, values: list) -> None:
+        self._ints[(rank, key, seq)] = values
+
+    def take_ints(self, rank: int, key: str, seq: int, extra: dict) -> dict:
+        """``extra`` with the op's integer values (``"ints"``: one list per tensor) when the rank sent them."""
+        values = self._ints.pop((rank, key, seq), None)
+        if values is not None:
+            extra["ints"] = values
+        return extra
 
     def group(self, key: str) -> OpGroup:
         try:

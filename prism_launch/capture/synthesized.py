@@ -44,6 +44,7 @@ class SynthesizedOps:
         group = self._log.group(key)
         extra = {"kind": kind, "reduce": reduce, "root": root, "n": len(shapes), "shapes": shapes,
                  "dtypes": dtypes, "digests": [], "mirrored" if mirrored else "synthesized": True}
+        self._log.take_ints(rank, key, seq, extra)
         kept = m.kept if mirrored else None
         row = self._log.row(rank, unit, "collective", api, group, seq, -1, None, t, t, wall, cpu, None,
                             None if kept is not None else extra)

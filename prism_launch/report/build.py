@@ -95,7 +95,7 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
     try:
         from prism_launch.report.moe_stats import moe_stats
 
-        moe = moe_stats(cfg, reader, trace)
+        moe = moe_stats(cfg, reader, trace, plot_dir=out.root)
     except Exception as e:  # noqa: BLE001 - the MoE section never breaks a report
         moe = {"error": f"{type(e).__name__}: {e}"}
     if moe:

@@ -10,12 +10,19 @@ finds. The report's ``moe`` section:
   and data-parallel replicas), ``expert_imbalance`` = max / mean tokens per expert,
   ``ep_rank_imbalance`` = max / mean tokens received per EP rank (each rank of an EP group, the
   device load), dropped tokens;
+  ``*_cv`` the coefficients of variation (standard deviation / mean);
 - ``per_dispatch``: the same max / mean for each single dispatch (one layer, one micro-batch);
+- ``per_layer``: tokens per expert of each MoE layer of each stage (the i-th dispatch of a forward
+  pass on an EP group is layer i of that stage);
 - ``per_rank``: per step, tokens received and sent, all-to-all bytes sent, dropped tokens;
 - ``effect``: a global replay with timelines for the EP ranks; the exposed all-to-all wait
   per iteration on the most loaded EP rank vs the mean. The most loaded rank computes longest
   and the others wait for it at the all-to-alls: ``a2a_wait_excess_s`` (mean wait minus the
-  most loaded rank's wait) is the time the imbalance adds to each iteration.
+  most loaded rank's wait) is the time the imbalance adds to each iteration;
+- ``plot``: ``moe_expert_load.png`` beside the report, tokens per expert over steps.
+
+The counts come from the events (kept by value in every payload mode), so the section is there
+for ``exact`` and ``none`` traces alike; of a folded capture they are the captured ranks'.
 """
 
 from __future__ import annotations
@@ -42,6 +49,32 @@ def _ratio(values) -> float | None:
         return None
     mean = sum(values) / len(values)
     return max(values) / mean if mean > 0 else None
+
+
+def _cv(values) -> float | None:
+    """Coefficient of variation (population standard deviation / mean)."""
+    values = list(values)
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    return statistics.pstdev(values) / mean if mean > 0 else None
+
+
+def _per_layer(dispatches: list[dict], E: int) -> list[dict]:
+    """Tokens per expert of each MoE layer of each stage (dispatches grouped by their EP group's
+    first rank and their layer index), summed over steps and micro-batches."""
+    load: dict[tuple[int, int], list[int]] = {}
+    for d in dispatches:
+        if d.get("layer") is None:
+            continue
+        first = min(next(iter(d["ep_group"].values())))
+        tpe = load.setdefault((first, d["layer"]), [0] * E)
+        for c in d["counts"].values():
+            for e, n in enumerate(c):
+                tpe[e] += n
+    return [{"ep_group_first_rank": g, "layer": layer, "tokens_per_expert": tpe,
+             "expert_imbalance": _ratio(tpe), "expert_cv": _cv(tpe)}
+            for (g, layer), tpe in sorted(load.items())]
 
 
 def aggregate(found: dict, rows: list[dict]) -> dict | None:
@@ -91,7 +124,9 @@ def aggregate(found: dict, rows: list[dict]) -> dict | None:
             "step": u,
             "tokens_per_expert": step_experts[u],
             "expert_imbalance": _ratio(step_experts[u]),
+            "expert_cv": _cv(step_experts[u]),
             "ep_rank_imbalance": _ratio(recv[u][r] for r in ranks),
+            "ep_rank_cv": _cv(recv[u][r] for r in ranks),
             "dropped_tokens": sum(dropped[u].values()) if dropped_known else None,
             "a2a_bytes": sum(a2a_bytes[u].values()),
         })
@@ -105,10 +140,14 @@ def aggregate(found: dict, rows: list[dict]) -> dict | None:
         "ep_sizes": sorted(ep_sizes),
         "dispatches": len(dispatches),
         "dispatches_verified": verified,
+        "ranks_counted": len(ranks),
         "overall": {
             "tokens_per_expert": total_experts,
+            "hottest_expert": max(range(E), key=lambda e: (total_experts[e], -e)),
             "expert_imbalance": _ratio(total_experts),
+            "expert_cv": _cv(total_experts),
             "ep_rank_imbalance": _ratio(total_recv.values()),
+            "ep_rank_cv": _cv(total_recv.values()),
             "tokens_per_ep_rank": {str(r): n for r, n in total_recv.items()},
             "dropped_tokens": sum(sum(dropped[u].values()) for u in units) if dropped_known else None,
             "routed_tokens": sum(total_experts),
@@ -117,6 +156,7 @@ def aggregate(found: dict, rows: list[dict]) -> dict | None:
         "per_dispatch": {"expert_imbalance_mean": statistics.fmean(valid) if valid else None,
                          "expert_imbalance_max": max(valid) if valid else None},
         "per_step": per_step,
+        "per_layer": _per_layer(dispatches, E),
         "per_rank": {str(r): {"steps": units,
                               "received_tokens": [recv[u][r] for u in units],
                               "sent_tokens": [sent[u][r] for u in units],
@@ -196,8 +236,40 @@ def effect(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None, tok
     }
 
 
-def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None = None) -> dict | None:
-    """The report's ``moe`` section, or None when the trace has no MoE token dispatch."""
+PLOT = "moe_expert_load.png"
+"""The report's plot of tokens per expert over steps (beside ``report.json``)."""
+
+
+def plot_expert_load(moe: dict, path: Path) -> None:
+    """Tokens routed to each expert per step (a heat map) and max/mean per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s["step"] for s in moe["per_step"]]
+    load = [[s["tokens_per_expert"][e] for s in moe["per_step"]] for e in range(moe["num_experts"])]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(6.0, 0.4 * len(steps) + 4), 7), height_ratios=[3, 1],
+                                  sharex=True)
+    im = ax.imshow(load, aspect="auto", origin="lower", interpolation="nearest",
+                   extent=(min(steps) - 0.5, max(steps) + 0.5, -0.5, moe["num_experts"] - 0.5))
+    fig.colorbar(im, ax=ax, label="tokens routed")
+    ax.set_ylabel("expert")
+    ax.set_title(f"MoE expert load per step ({moe['ranks_counted']} ranks' routers)")
+    ax2.plot(steps, [s["expert_imbalance"] or 0 for s in moe["per_step"]], marker="o", label="experts max/mean")
+    ax2.plot(steps, [s["ep_rank_imbalance"] or 0 for s in moe["per_step"]], marker="s", label="EP ranks max/mean")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("max / mean")
+    ax2.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None = None,
+              plot_dir: Path | None = None) -> dict | None:
+    """The report's ``moe`` section, or None when the trace has no MoE token dispatch; with
+    ``plot_dir`` also the expert-load plot there (:data:`PLOT`)."""
     name = cfg.integration.moe
     if not name:
         return None
@@ -209,11 +281,22 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
     stats = aggregate(found, rows)
     if stats is None:
         if found.get("notes"):  # dispatches there, but not every member's counts are in the trace
-            payload = reader.manifest.extra.get("payload")
-            return {"error": f"{'; '.join(found['notes'])} (capture.payload={payload}); capture with "
-                             "capture.payload=full for MoE routing statistics"}
+            return {"error": f"{'; '.join(found['notes'])}: a trace recorded before token counts were kept "
+                             "by value in every payload mode; capture it again for MoE routing statistics"}
         return None
     stats["detector"] = name
+    stats["payload"] = reader.manifest.extra.get("payload")
+    stats["counts_source"] = ("every captured rank's routed-token counts, recorded by value in every payload mode "
+                              "(extra.ints of the count collectives)")
+    if TraceLayout.FOLD in reader.json_files():
+        fold = reader.read_json(TraceLayout.FOLD)
+        stats["fold"] = {"captured_ranks": len(fold["captured"]), "world_size": fold["world_size"],
+                         "note": "counts of the captured ranks' routers; an uncaptured rank routes as the captured "
+                                 "stand-in it mirrors"}
+    if plot_dir is not None:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+        plot_expert_load(stats, plot_dir / PLOT)
+        stats["plot"] = PLOT
     if trace is not None:
         tokens = {int(r): n for r, n in stats["overall"]["tokens_per_ep_rank"].items()}
         stats["effect"] = effect(cfg, reader, trace, tokens)
@@ -227,17 +310,20 @@ def print_moe(moe: dict, console=None) -> None:
     console = console or Console(file=sys.stderr, highlight=False)
     table = Table(title=f"MoE routing ({moe['num_experts']} experts, EP {moe['ep_sizes']}, "
                         f"{moe['dispatches']} dispatches)", title_justify="left")
-    for name in ("step", "tokens/expert max/mean", "tokens/EP rank max/mean", "dropped", "all-to-all MiB"):
+    for name in ("step", "tokens/expert max/mean", "CV", "tokens/EP rank max/mean", "CV", "dropped",
+                 "all-to-all MiB"):
         table.add_column(name, justify="right")
 
     def fmt(v, spec=".3f"):
         return "" if v is None else format(v, spec)
 
     for s in moe["per_step"]:
-        table.add_row(str(s["step"]), fmt(s["expert_imbalance"]), fmt(s["ep_rank_imbalance"]),
-                      "" if s["dropped_tokens"] is None else str(s["dropped_tokens"]), f"{s['a2a_bytes'] / 2**20:.2f}")
+        table.add_row(str(s["step"]), fmt(s["expert_imbalance"]), fmt(s.get("expert_cv")), fmt(s["ep_rank_imbalance"]),
+                      fmt(s.get("ep_rank_cv")), "" if s["dropped_tokens"] is None else str(s["dropped_tokens"]),
+                      f"{s['a2a_bytes'] / 2**20:.2f}")
     o = moe["overall"]
-    table.add_row("all", fmt(o["expert_imbalance"]), fmt(o["ep_rank_imbalance"]),
+    table.add_row("all", fmt(o["expert_imbalance"]), fmt(o.get("expert_cv")), fmt(o["ep_rank_imbalance"]),
+                  fmt(o.get("ep_rank_cv")),
                   "n/a" if o["dropped_tokens"] is None else str(o["dropped_tokens"]), f"{o['a2a_bytes'] / 2**20:.2f}",
                   style="bold")
     console.print(table)
@@ -245,6 +331,12 @@ def print_moe(moe: dict, console=None) -> None:
     console.print(f"  per dispatch (layer x micro-batch): tokens/expert max/mean {fmt(pd['expert_imbalance_mean'])} "
                   f"on average, {fmt(pd['expert_imbalance_max'])} at worst; dropped tokens: "
                   f"{moe.get('dropped_source') or 'not derivable'}")
+    layers = moe.get("per_layer") or []
+    if layers:
+        worst = max(layers, key=lambda x: x["expert_imbalance"] or 0)
+        console.print(f"  per layer: {len(layers)} (stage, layer) pairs; most imbalanced: layer {worst['layer']} of "
+                      f"the stage whose EP group starts at rank {worst['ep_group_first_rank']}, tokens/expert "
+                      f"max/mean {fmt(worst['expert_imbalance'])}; hottest expert overall: {o.get('hottest_expert')}")
     eff = moe.get("effect") or {}
     if eff:
         w = eff["a2a_wait_s"]

@@ -1,0 +1,41 @@
+"""Small integer collectives, recorded by value in every payload mode.
+
+A MoE token dispatcher exchanges how many tokens each rank routes to every expert before it
+moves the tokens (megatron-core's alltoall dispatcher all-gathers ``num_local_tokens_per_expert``,
+an int64 ``[num_experts]``; DeepSpeed's exchanges its counts with an all-to-all). Those few
+integers are what routing statistics need, and a trace that keeps no tensors (``payload=none``)
+or only a sandbox rank's consumption (``exact``) would otherwise lose them. So a captured rank
+sends the values of every small integer contribution to an all-gather, all-reduce or
+all-to-all with the op (:class:`nccl_ext.core.protocol.Ints`), whatever the payload policy;
+the trace keeps them in the event's ``extra["ints"]``. Nothing here knows about MoE: what
+reads them decides what they mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nccl_ext.core.ops import Collective
+
+INTS_MAX_BYTES = 4096
+"""Contributions of at most this many bytes (all tensors together) are recorded by value:
+a count per expert for up to 512 experts in int64."""
+
+_KINDS = (Collective.ALL_GATHER, Collective.ALL_REDUCE, Collective.ALL_TO_ALL)
+
+
+def small_ints(kind: Collective, tensors) -> list[list[int]] | None:
+    """The values of ``tensors`` (one flat list per tensor) when they form a small integer
+    contribution to a collective that exchanges counts, else None. On a GPU this reads the
+    few bytes back (a synchronisation the dispatcher makes anyway for its split sizes)."""
+    if kind not in _KINDS or not tensors:
+        return None
+    total = 0
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex() or t.dtype is torch.bool:
+            return None
+        total += t.numel() * t.element_size()
+        if total > INTS_MAX_BYTES:
+            return None
+    with torch.no_grad():
+        return [[int(v) for v in t.detach().reshape(-1).cpu().tolist()] for t in tensors]
