@@ -104,7 +104,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
     model = make_cost_model(cfg.replay.cost_model, cfg.cluster)
     pipeline = _pipeline_of(rows, sandbox[0])
     tl_ranks = _timeline_ranks(cfg, world, sandbox, pipeline)
-    rep = replay(graph, model, timeline_ranks=tl_ranks)
+    rep = replay(graph, model, timeline_ranks=tl_ranks, record_issue=True)  # issue times: the pipeline picture's
 
     limit = int(cfg.cluster.gpu_memory_gib * 2**30)
     ranks = {}
@@ -144,7 +144,8 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
     from prism_launch.predict.throughput import mfu_warning
 
     predicted["mfu_warning"] = mfu_warning(predicted) or None
-    return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline, "replay": rep}
+    return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline, "replay": rep,
+            "rows": rows, "compute_clock": compute}
 
 
 def _throughput(cfg: PrismConfig, bare: TraceReader, count, iteration_s: float, world: int, fold: dict | None) -> dict:
