@@ -110,6 +110,11 @@ def throughput(iteration_s: float, flops: float | None, tokens_per_step: int | N
     return out
 
 
+def percent(v: float) -> str:
+    """A fraction as a percentage that stays readable when tiny (CPU-time spans give ~1e-7)."""
+    return f"{v:.2%}" if v >= 1e-4 or v == 0 else f"{v * 100:.1e}%"
+
+
 def mfu_warning(pred: dict) -> str:
     """Why an MFU outside :data:`MFU_BAND` on a GPU cluster is suspect ("" inside it, on a CPU
     cluster, or with no MFU)."""
@@ -131,7 +136,7 @@ def mfu_warning(pred: dict) -> str:
         causes.append("FLOPs counted may include recompute, or the cluster's GPU peak is wrong")
     causes.append(f"check the cluster ({pred.get('cluster')}) is the one meant")
     side = "below" if mfu < lo else "above"
-    return (f"MFU {mfu:.1%} is {side} the plausible {lo:.0%}-{hi:.0%} of training on GPUs; likely: "
+    return (f"MFU {percent(mfu)} is {side} the plausible {lo:.0%}-{hi:.0%} of training on GPUs; likely: "
             + "; ".join(causes))
 
 

@@ -210,7 +210,9 @@ def throughput_lines(pred: dict) -> list[str]:
     toks = (f"{_num(t['tokens_per_s'], ',.0f')} tokens/s, {_num(t['tokens_per_s_per_gpu'], ',.1f')} tokens/s/GPU"
             if t.get("tokens_per_step") else f"tokens unknown ({t.get('tokens_source')})")
     peak = t.get("peak_bf16_tflops")
-    mfu = (f"MFU {t['mfu']:.2%} of {pred.get('cluster_gpu')}'s {peak:g} TFLOP/s BF16" if t.get("mfu") is not None
+    from prism_launch.predict.throughput import percent
+
+    mfu = (f"MFU {percent(t['mfu'])} of {pred.get('cluster_gpu')}'s {peak:g} TFLOP/s BF16" if t.get("mfu") is not None
            else "MFU unknown (" + ("no counted FLOPs" if not t.get("model_flops_per_step")
                                    else f"cluster.gpu {pred.get('cluster_gpu')} has no peak") + ")")
     lines = [f"  throughput {toks}; model {_num(t.get('model_tflops_per_gpu'), '.4g')} TFLOP/s per GPU; {mfu}",
