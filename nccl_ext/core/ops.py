@@ -65,6 +65,36 @@ def reduce_kind(op) -> ReduceKind:
     )
 
 
+def premul_factor(op):
+    """The factor of a ``ReduceOp.PREMUL_SUM(factor)`` (a float or a one-element tensor); None
+    for any other op."""
+    import torch.distributed as dist
+
+    if getattr(op, "op", op) != dist.ReduceOp.RedOpType.PREMUL_SUM:
+        return None
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        raise NotImplementedError(f"reduce op {op!r}: a PREMUL_SUM without its factor (build it with "
+                                  "ReduceOp.PREMUL_SUM(factor)) is not supported by the prism process group")
+    return factor
+
+
+def reduce_inputs(opts, tensors: list[torch.Tensor]) -> tuple[ReduceKind, list[torch.Tensor]]:
+    """The reduction and the tensors this rank contributes for a reducing collective's
+    ``opts``: ``PREMUL_SUM(f)`` (FSDP2's gradient division by a factor other than the group
+    size) is a SUM of every input multiplied by ``f`` first, as NCCL computes it; the products
+    are fresh tensors (the caller's inputs are left as they are). Other ops contribute the
+    tensors themselves."""
+    if opts is None:
+        return ReduceKind.SUM, list(tensors)
+    factor = premul_factor(opts.reduceOp)
+    if factor is None:
+        return reduce_kind(opts.reduceOp), list(tensors)
+    with torch.no_grad():
+        return ReduceKind.SUM, [t * (factor.to(t.device, t.dtype) if isinstance(factor, torch.Tensor) else factor)
+                                for t in tensors]
+
+
 def fold(kind: ReduceKind, tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce ``tensors`` left to right in the given (group-rank) order, into ``out`` when given
     (the device data path's pool scratch) or a fresh buffer outside the program's allocator.

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from nccl_ext.core.call import CollectiveCall
 from nccl_ext.core.groups import GroupInfo, GroupRegistry
-from nccl_ext.core.ops import Collective, ReduceKind, reduce_kind
+from nccl_ext.core.ops import Collective, reduce_inputs
 from nccl_ext.core.errors import CommDeadlineError, CommError, PeerClosedError, first_line
 from nccl_ext.core.pending import LIMIT_KEY, Pending, short_ranks, timeout_seconds
 from nccl_ext.core.results import copy_pieces, no_grad_copy, own_copies
@@ -180,19 +180,19 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     # -- collectives --------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
-        return self._all_reduce("allreduce", tensors, red, opts)
+        return self._all_reduce("allreduce", tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
-        return self._all_reduce("allreduce_coalesced", tensors, red, opts)
+        return self._all_reduce("allreduce_coalesced", tensors, opts)
 
-    def _all_reduce(self, api, tensors, red, opts):
+    def _all_reduce(self, api, tensors, opts):
+        red, inputs = reduce_inputs(opts, tensors)  # (PREMUL_SUM: SUM of premultiplied copies)
+
         def apply(res):
             for t, r in zip(tensors, res, strict=True):
                 no_grad_copy(t, r, api)
 
-        return self._submit(CollectiveCall(api, Collective.ALL_REDUCE, list(tensors), reduce=red), apply, opts)
+        return self._submit(CollectiveCall(api, Collective.ALL_REDUCE, inputs, reduce=red), apply, opts)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -209,14 +209,14 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank
-        red = reduce_kind(opts.reduceOp)
+        red, inputs = reduce_inputs(opts, tensors)
 
         def apply(res):
             if self.rank() == root:
                 for t, r in zip(tensors, res, strict=True):
                     no_grad_copy(t, r, "reduce")
 
-        return self._submit(CollectiveCall("reduce", Collective.REDUCE, list(tensors), reduce=red, root=root), apply, opts)
+        return self._submit(CollectiveCall("reduce", Collective.REDUCE, inputs, reduce=red, root=root), apply, opts)
 
     def allgather(self, output_lists, input_list, opts=None):
         return self._all_gather_lists("allgather", output_lists, input_list, opts)
@@ -256,13 +256,13 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self._submit(CollectiveCall(api, Collective.ALL_GATHER, list(inputs)), apply, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
         n = self._group_size()
         pieces = []
         for lst in input_lists:
             if len(lst) != n:
                 raise ValueError(f"reduce_scatter: expected {n} input tensors per output, got {len(lst)}")
             pieces.extend(lst)
+        red, pieces = reduce_inputs(opts, pieces)
 
         def apply(res):
             for t, r in zip(outputs, res, strict=True):
@@ -284,7 +284,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_tensors("reduce_scatter_tensor_coalesced", outputs, inputs, opts)
 
     def _reduce_scatter_tensors(self, api, outputs, inputs, opts):
-        red = reduce_kind(opts.reduceOp) if opts is not None else ReduceKind.SUM
+        red, inputs = reduce_inputs(opts, inputs)
         n = self._group_size()
         pieces = []
         for out, inp in zip(outputs, inputs, strict=True):

@@ -24,13 +24,38 @@ def versions() -> dict[str, str]:
     return out
 
 
+def module_origin(name: str) -> str | None:
+    """The file ``python -m name`` runs, found without importing ``name``'s parent packages:
+    ``importlib.util.find_spec`` executes every parent's ``__init__`` in the launcher (a heavy
+    framework import, and one that can fail there: ``torchtitan``'s imports Triton, which a
+    CPU-only torch lacks, before a rank's compatibility layer can stand in for it). Falls back
+    to ``find_spec`` for top-level packages only another finder knows (editable installs, zip
+    imports)."""
+    import importlib.machinery
+    import sys
+
+    parts = name.split(".")
+    spec, search = None, None
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        loaded = sys.modules.get(full)
+        spec = getattr(loaded, "__spec__", None) or importlib.machinery.PathFinder.find_spec(full, search)
+        if spec is None:
+            # a top-level package only another finder knows; a submodule missing from its found
+            # package's folders is missing (without running the package to say so)
+            spec = importlib.util.find_spec(name) if i == 0 else None
+            break
+        search = spec.submodule_search_locations
+    return None if spec is None else spec.origin
+
+
 def script_digest(script: str, *, module: bool) -> str:
     path: Path | None = None
     if module:
-        spec = importlib.util.find_spec(script)
-        if spec is None or spec.origin is None:
+        origin = module_origin(script)
+        if origin is None:
             raise FileNotFoundError(f"module {script!r} not found (python -m {script} would fail too)")
-        path = Path(spec.origin)
+        path = Path(origin)
     else:
         path = Path(script)
         if not path.exists():

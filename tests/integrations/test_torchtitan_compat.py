@@ -1,0 +1,64 @@
+"""torchtitan's compatibility layer on a CPU-only torch: ``import torchtitan`` works without
+Triton (its kernels module sees a stand-in only while it runs, torch never does), MoE token
+permutation takes torchtitan's CPU path, a Triton kernel launch says why it cannot run, and
+``nccl`` backends become ``gloo``. The launcher finds ``-m torchtitan.train``'s file without
+running ``torchtitan/__init__.py``."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from integrations.torchtitan_compat import gloo_for_nccl
+from prism_launch.trace.fingerprint import module_origin
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize(("asked", "given"), [
+    ("nccl", "gloo"), ("cuda:nccl,cpu:gloo", "gloo"), ("cpu:gloo,cuda:nccl", "gloo"), ("gloo", "gloo"), (None, None),
+])
+def test_nccl_becomes_gloo(asked, given):
+    assert gloo_for_nccl(asked) == given
+
+
+def test_module_origin_does_not_run_parent_packages(tmp_path, monkeypatch):
+    pkg = tmp_path / "heavy_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('the parent package ran')\n")
+    (pkg / "train.py").write_text("print('train')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_origin("heavy_pkg.train") == str(pkg / "train.py")
+    assert "heavy_pkg" not in sys.modules
+    assert module_origin("heavy_pkg.missing") is None
+
+
+def test_torchtitan_imports_without_triton():
+    pytest.importorskip("tokenizers", reason="torchtitan's dependencies are not installed")
+    from importlib.util import find_spec
+
+    if find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed (pip install 'prism-launch[torchtitan]')")
+    if find_spec("triton") is not None:
+        pytest.skip("Triton is installed: the stand-in is not used")
+    code = textwrap.dedent("""
+        import sys, torch
+        from integrations import torchtitan_compat as tc
+        tc.install()
+        import torchtitan.train
+        from torchtitan.models.moe import utils, kernels
+        assert "triton" not in sys.modules and "triton.language" not in sys.modules
+        counts = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
+        idx, sizes, offsets = utils.generate_permute_indices(counts, 2, 2, 32, 4)
+        ref = kernels.generate_permute_indices.__wrapped__(counts, 2, 2, 32, 4, use_cpu=True)
+        assert torch.equal(idx, ref[0]) and torch.equal(sizes, ref[1])
+        try:
+            kernels.generate_permute_indices.__wrapped__(counts, 2, 2, 32, 4, use_cpu=False)
+        except tc.TritonUnavailable as e:
+            print("refused:", e)
+        import torch.distributed.tensor._random as r
+        print("ok", r.is_rng_supported_mesh.__name__)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "refused: torchtitan launched its Triton kernel" in r.stdout and "ok" in r.stdout
