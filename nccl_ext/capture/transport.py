@@ -293,9 +293,8 @@ class CaptureTransport:
 
     def returned(self) -> None:
         # on CUDA the op's trip to the coordinator is not the program's compute (NCCL enqueues and
-        # returns); on CPU it stays in the span, as in emulation (nccl_ext/core/spans.py:SpanRecorder)
-        if torch.cuda.is_initialized():
-            self._clock.skip()
+        # returns); on CPU its host work stays in the span, as in emulation (nccl_ext/core/spans.py)
+        self._clock.returned(torch.cuda.is_initialized())
 
     def waited(self, ref: tuple, t0: float | None, t1: float | None) -> None:
         """Record where the rank blocked on an op (or found it done) — the dependency the

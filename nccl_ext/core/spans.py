@@ -13,11 +13,22 @@ class ComputeClock:
     CPU time is the issuing thread's own (one compute thread per rank), so it is free of the
     time-slicing that distorts wall time when many logical ranks share a few cores. Time a
     rank spends blocked in a wait is the wait's, not the next span's (:meth:`resume`).
+
+    An op call's own handling, from its issue to its return to the program (:meth:`returned`),
+    is the op's on CUDA (NCCL enqueues and returns): both clocks restart. On CPU a real gloo
+    op is host work of the same kind on the same core, which the network model's link time
+    does not cover, so the thread CPU time of the call stays in the span, on both clocks — but
+    not the call's wall time beyond it: that is waiting for peers (a capture's exchange with
+    its group, a sandbox's virtual peers), which the replay prices as communication. The wall
+    span on CPU is then the program's compute as it ran (waiting for a core, its process's
+    other threads and the machine's load included) plus the op calls' host work.
     """
 
     def __init__(self) -> None:
         self._last_wall = time.monotonic()
         self._last_cpu: dict[int, float] = {threading.get_ident(): time.thread_time()}
+        self._op_cpu = 0.0
+        """CPU seconds of op calls since the last lap whose wall time was cut (CPU :meth:`returned`)."""
 
     def lap(self, until: float | None = None) -> tuple[float, float, float]:
         """``(now, wall_s, cpu_s)`` since the previous lap; ``until`` ends the span early."""
@@ -25,9 +36,10 @@ class ComputeClock:
         cpu = time.thread_time()
         tid = threading.get_ident()
         last_cpu = self._last_cpu.get(tid, cpu)
-        span = (now, now - self._last_wall, max(cpu - last_cpu, 0.0))
+        span = (now, max(now - self._last_wall, 0.0) + self._op_cpu, max(cpu - last_cpu, 0.0))
         self._last_wall = now
         self._last_cpu[tid] = cpu
+        self._op_cpu = 0.0
         return span
 
     def resume(self, t: float) -> None:
@@ -39,6 +51,18 @@ class ComputeClock:
         its return to the program): the next span starts now, on both clocks."""
         self._last_wall = time.monotonic()
         self._last_cpu[threading.get_ident()] = time.thread_time()
+        self._op_cpu = 0.0
+
+    def returned(self, on_device: bool) -> None:
+        """An op call returns to the program (the previous lap was its issue). ``on_device``
+        (CUDA): :meth:`skip`. On CPU: the call's thread CPU time stays in the span on both
+        clocks, its wall time beyond that does not (see the class docstring)."""
+        if on_device:
+            self.skip()
+            return
+        now, cpu = time.monotonic(), time.thread_time()
+        self._op_cpu += max(cpu - self._last_cpu.get(threading.get_ident(), cpu), 0.0)
+        self._last_wall = now
 
 
 class DeviceClock:
@@ -142,11 +166,13 @@ class SpanRecorder:
     def returned(self) -> None:
         """An op call returns to the program. On CUDA its handling here was the op's time (the real
         backend, NCCL, enqueues and returns; this layer's host path synchronizes and copies); on CPU
-        it stays in the span: a real gloo op is host work of the same kind on the same core, which
-        the network model's link time does not cover (two-rank dense CPU job: -18.4% mean error
-        with it left out, within 5% with it kept)."""
-        if self.device.active():
-            self.clock.skip()
+        its thread CPU time stays in the span (a real gloo op is host work of the same kind on the
+        same core, which the network model's link time does not cover: two-rank dense CPU job,
+        -18.4% mean error with it left out) and its wall time beyond that does not (waiting for
+        peers is the replay's communication: :meth:`ComputeClock.returned`)."""
+        active = self.device.active()
+        self.clock.returned(active)
+        if active:
             self.device.resume()
 
     def step(self) -> None:

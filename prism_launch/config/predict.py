@@ -39,13 +39,19 @@ class CalibrateConfig:
     takes: one rank per device (the GPUs present on CUDA, the cores on CPU), so no two ranks of a
     slice share a device and no measured span carries another rank's contention."""
     ranks: list[int] | None = None
-    """Ranks to calibrate (default: every captured rank)."""
+    """Ranks to calibrate, each measured itself (default: one member of every shard class,
+    :mod:`prism_launch.predict.shard_classes`, its median applied to the whole class)."""
+    repeats: int = 3
+    """Measurements per shard class (distinct members where the class has them); the per-event
+    median becomes the class's spans."""
     measure: Measure = Measure.device
     """Which clock of the slice runs becomes the calibrated compute span."""
     in_auto: bool | None = None
     """Whether ``mode=auto`` calibrates after capturing. Default: on CUDA only (see replay.compute)."""
 
     def validate(self, world_size: int) -> None:
+        if self.repeats < 1:
+            raise ConfigError(f"calibrate.repeats must be >= 1 (got {self.repeats})")
         if self.slice_size is not None and self.slice_size < 1:
             raise ConfigError(f"calibrate.slice_size must be >= 1 (got {self.slice_size})")
         bad = [r for r in (self.ranks or []) if not 0 <= r < world_size]

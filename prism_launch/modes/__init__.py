@@ -48,7 +48,10 @@ def real(ctx: RunContext) -> Path:
 
 def auto(ctx: RunContext) -> Path:
     """Capture when no matching trace exists (or around sandbox ranks a folded capture left
-    out), calibrate when asked (``calibrate.in_auto``) and not done yet, then emulate."""
+    out), calibrate when asked (``calibrate.in_auto``, the default on CUDA, whatever the
+    capture's payload policy: ``payload=none`` traces too) and not done yet, then emulate. On
+    CUDA a trace is never replayed uncalibrated from host time: with ``calibrate.in_auto=false``
+    the run is refused up front unless ``replay.compute`` names a host clock."""
     from prism_launch.modes.emulate import open_trace
 
     reader, why = None, None
@@ -71,6 +74,11 @@ def auto(ctx: RunContext) -> Path:
         auto_capture(ctx)
         reader = open_trace(ctx)
     calibrating = ctx.cfg.calibrate.in_auto and not ctx.trace.calibrated.exists()
+    if ctx.cfg.on_cuda and not calibrating and not ctx.trace.calibrated.exists():
+        # refused before any rank runs: the replay would otherwise stop after the emulation
+        from prism_launch.predict.compute_source import select
+
+        select(ctx.cfg, reader, ctx.trace)
     from prism_launch.modes.emulate import trace_scope, uncovered
 
     if uncovered(ctx, reader) or (calibrating and trace_scope(reader) is not None):

@@ -1,6 +1,8 @@
 """``mode=calibrate``: slices of captured ranks run for real as sandbox ranks against the
 bare trace, one slice after another; their measured compute spans become the calibrated
-trace (:mod:`prism_launch.predict.calibrate`). Each slice runs under its own config value —
+trace (:mod:`prism_launch.predict.calibrate`): by default one member of each shard class
+(:mod:`prism_launch.predict.shard_classes`), repeated, the median for the whole class. Each
+slice runs under its own config value —
 its sandbox ranks, no virtual lateness, no divergence hashing, its own report directory."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from prism_launch.launch.progress import phase
 from prism_launch.modes.context import RunContext
 from prism_launch.modes.emulate import emulate
 from prism_launch.predict.calibrate import apply_spans, slices, write_calibrated
+from prism_launch.predict.shard_classes import classes_of_trace, measurement_slices
 from prism_launch.trace import TraceLayout, TraceReader
 
 
@@ -33,7 +36,10 @@ def slice_context(ctx: RunContext, ranks: list[int], index: int) -> RunContext:
 
 
 def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
-    """Run the slices, write ``<trace>/calibrated``; returns its layout."""
+    """Run the slices, write ``<trace>/calibrated``; returns its layout. By default one member of
+    every shard class is measured ``calibrate.repeats`` times (distinct members where the class
+    has them) and the class gets the per-event median; ``calibrate.ranks`` measures those ranks
+    each for itself, once."""
     cal = ctx.cfg.calibrate
     devices = devices_present(ctx.cfg.on_cuda)
     kind = "GPU" if ctx.cfg.on_cuda else "CPU core"
@@ -41,7 +47,15 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
     if per_slice < cal.slice_size:
         print(f"prism-launch: calibrate.slice_size={cal.slice_size} but this machine has {devices} {kind}(s): "
               f"slices of {per_slice}, so no two ranks of a slice share a device", file=sys.stderr)
-    todo = slices(cal.ranks if cal.ranks is not None else reader.manifest.ranks_captured, per_slice)
+    if cal.ranks is not None:
+        classes, repeats = None, 1
+        todo = slices(cal.ranks, per_slice)
+    else:
+        classes, repeats = classes_of_trace(reader), cal.repeats
+        todo = measurement_slices(classes, repeats, per_slice)
+        print(f"prism-launch: {len(reader.manifest.ranks_captured)} captured ranks form {len(classes)} shard "
+              f"class(es) (same stage, same shapes); measuring each {repeats} time(s) in {len(todo)} slice(s)",
+              file=sys.stderr)
     from prism_launch.errors import PrismError
     from prism_launch.modes.emulate import uncovered
 
@@ -58,15 +72,18 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
             sliced = slice_context(ctx, ranks, i)
             emulate(sliced, reader, quiet=True)
             for r in ranks:
-                measured[r] = json.loads(sliced.report.summary(r).read_text())["spans"]
-    result = apply_spans(reader, measured, cal.measure)
+                measured.setdefault(r, []).append(json.loads(sliced.report.summary(r).read_text())["spans"])
+    result = apply_spans(reader, measured, cal.measure, classes)
     if result.mismatched:
         print(f"prism-launch: warning: ranks {result.mismatched} issued a different event sequence than captured; "
               "their bare spans are kept", file=sys.stderr)
     out = write_calibrated(reader, ctx.trace, result, {
         "slices": todo, "slice_size": cal.slice_size, "ranks_per_slice": per_slice, "devices": devices,
-        "device": str(ctx.cfg.device), "method": f"one rank per {kind}" , "measure": str(cal.measure),
+        "device": str(ctx.cfg.device), "method": f"one rank per {kind}", "measure": str(cal.measure),
+        "by_class": classes is not None, "shard_classes": result.classes, "repeats": repeats,
         "calibration_wall_s": time.monotonic() - t0})
-    print(f"prism-launch: calibrated {len(measured) - len(result.mismatched)} ranks in {len(todo)} slices "
-          f"({result.replaced} spans) in {time.monotonic() - t0:.1f}s -> {out.root}", file=sys.stderr)
+    print(f"prism-launch: calibrated {result.replaced} spans of "
+          f"{len(reader.manifest.ranks_captured) - len(result.mismatched)} ranks"
+          + (f" ({len(classes)} shard classes, {repeats} measurement(s) each, median)" if classes is not None else "")
+          + f" in {len(todo)} slices in {time.monotonic() - t0:.1f}s -> {out.root}", file=sys.stderr)
     return out

@@ -1,7 +1,10 @@
 """Slice calibration: the capture's timings are distorted (many logical ranks share a few
 devices), so slices of ``calibrate.slice_size`` ranks are run for real as sandbox ranks
 while the rest are replayed from the bare trace. Each slice rank's compute span before
-each of its events — measured where it ran uncontended — replaces the bare span. Spans are
+each of its events — measured where it ran uncontended — replaces the bare span. Ranks of
+one shard class (:mod:`prism_launch.predict.shard_classes`: TP peers of a stage,
+data-parallel replicas) are interchangeable: by default one class member is measured
+``calibrate.repeats`` times and every member gets the per-event median. Spans are
 durations between a rank's own events, so slices need no clock alignment: the global
 replay stitches them together through the graph's dependency edges (collectives and
 messages), which is where the calibrated timeline gets its cross-rank alignment.
@@ -15,9 +18,12 @@ calibrate mode's (:mod:`prism_launch.modes.calibrate`).
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prism_launch.config import Measure
+from prism_launch.predict.shard_classes import ShardClass
 from prism_launch.trace import TraceLayout, TraceReader, TraceWriter
 
 _CODES = {("collective", None): "c", ("p2p", "send"): "s", ("p2p", "recv"): "r", ("wait", None): "w",
@@ -43,36 +49,63 @@ class Calibrated:
     replaced: int = 0
     mismatched: list[int] = field(default_factory=list)
     """Ranks whose slice run issued a different event sequence (their bare spans are kept)."""
+    classes: list[dict] = field(default_factory=list)
+    """Per shard class: its members, the ranks measured, how many measurements the median took."""
 
 
-def apply_spans(reader: TraceReader, measured: dict[int, list], measure: Measure) -> Calibrated:
-    """Replace each measured rank's compute span before each event by the slice's
-    (``measured[rank]``: the sandbox summary's ``spans``, one ``[code, cpu_s, wall_s, device_s]``
-    per event; ``device_s`` None where the rank had no device timeline)."""
+def _span_of(s: list, measure: Measure) -> float:
+    if measure is Measure.cpu:
+        return float(s[1])
+    if measure is Measure.device and len(s) > 3 and s[3] is not None:
+        return float(s[3])
+    return float(s[2])
+
+
+def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: Measure,
+                classes: Sequence[ShardClass] | None = None) -> Calibrated:
+    """Replace compute spans by measured ones. ``measured[rank]``: the slice runs of ``rank``,
+    each the sandbox summary's ``spans`` (one ``[code, cpu_s, wall_s, device_s]`` per event;
+    ``device_s`` None where the rank had no device timeline). With ``classes``, each class's
+    measurements (of any of its members) give every member the per-event median; without,
+    each measured rank gets the median of its own runs."""
     rows = reader.events().to_pylist()
     by_rank: dict[int, list[dict]] = {}
     for row in rows:
         by_rank.setdefault(row["rank"], []).append(row)
     for evs in by_rank.values():
         evs.sort(key=lambda r: r["idx"])
-    def span(s: list) -> float:
-        if measure is Measure.cpu:
-            return float(s[1])
-        if measure is Measure.device and len(s) > 3 and s[3] is not None:
-            return float(s[3])
-        return float(s[2])
+    if classes is None:
+        classes = [ShardClass((r,), None) for r in sorted(measured)]
 
     out = Calibrated(rows=rows)
-    for r, spans in measured.items():
-        evs = by_rank.get(r, [])
-        if [s[0] for s in spans] != [_code(e) for e in evs]:
-            out.mismatched.append(r)
+    for c in classes:
+        runs, bad = [], set()
+        for r in c.members:
+            codes = [_code(e) for e in by_rank.get(r, [])]
+            for spans in measured.get(r, []):
+                if [s[0] for s in spans] == codes:
+                    runs.append([_span_of(s, measure) for s in spans])
+                else:
+                    bad.add(r)
+        out.mismatched.extend(sorted(bad))
+        out.classes.append({"members": len(c.members), "representative": c.representative, "stage": c.stage,
+                            "measured_ranks": sorted(r for r in c.members if r in measured),
+                            "measurements": len(runs)})
+        if not runs:
             continue
-        for e, s in zip(evs, spans):
-            e["extra"] = json.dumps({**(json.loads(e["extra"]) if e["extra"] else {}),
-                                     "bare_cpu_s": e["compute_cpu_s"], "bare_wall_s": e["compute_wall_s"]})
-            e["compute_cpu_s"] = e["compute_wall_s"] = span(s)
-            out.replaced += 1
+        median = [statistics.median(col) for col in zip(*runs)]
+        for r in c.members:
+            evs = by_rank.get(r, [])
+            if len(evs) != len(median) or r in bad:
+                if r not in bad and r not in out.mismatched:
+                    out.mismatched.append(r)
+                continue
+            for e, span in zip(evs, median):
+                e["extra"] = json.dumps({**(json.loads(e["extra"]) if e["extra"] else {}),
+                                         "bare_cpu_s": e["compute_cpu_s"], "bare_wall_s": e["compute_wall_s"]})
+                e["compute_cpu_s"] = e["compute_wall_s"] = span
+                out.replaced += 1
+    out.mismatched.sort()
     return out
 
 

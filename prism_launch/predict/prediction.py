@@ -41,19 +41,13 @@ def _timeline_ranks(cfg: PrismConfig, world: int, sandbox: list[int], pipeline: 
 
 
 def graph_source(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout):
-    """The trace whose compute spans the replay uses, its label, and which clock
-    (``replay.compute``, resolved)."""
-    from prism_launch.config import ComputeSource
-    from prism_launch.trace import TraceReader
+    """The trace whose compute spans the replay uses, its origin (source, clock, what it means
+    for accuracy) and the clock; a trace captured on CUDA without calibration is refused, never
+    replayed from host CPU time silently (:mod:`prism_launch.predict.compute_source`)."""
+    from prism_launch.predict.compute_source import select
 
-    source, reader = "bare (cpu)", bare
-    want = cfg.replay.compute
-    compute = "wall" if want is ComputeSource.wall else "cpu"
-    if want is ComputeSource.calibrated and trace.calibrated.exists():
-        reader, source = TraceReader(trace.calibrated.root), "calibrated"
-    elif want is ComputeSource.wall:
-        source = "bare (wall)"
-    return reader, source, compute
+    reader, origin = select(cfg, bare, trace)
+    return reader, origin, origin.clock
 
 
 def calibration_method(calibrated: TraceReader) -> dict:
@@ -96,7 +90,8 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
     from prism_launch.predict.cost_model import make_cost_model
     from prism_launch.predict.simulate import graph_from_events, replay
 
-    reader, source, compute = graph_source(cfg, bare, trace)
+    reader, origin, compute = graph_source(cfg, bare, trace)
+    source = origin.source
     rows, scaling, count = scaled_rows(cfg, bare, reader, compute)
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     world = reader.manifest.world_size
@@ -129,6 +124,8 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
         "oom_ranks": [int(r) for r, v in ranks.items() if v["oom"]],
         "memory_limit_bytes": limit,
         "compute_source": source,
+        "compute_statement": origin.statement,
+        "compute_warning": origin.loud,
         "calibration": calibration_method(reader) if source == "calibrated" else None,
         "cluster": cfg.cluster.name,
         "compute_device": str(cfg.device),

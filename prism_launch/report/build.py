@@ -193,8 +193,21 @@ def prediction_lines(pred: dict) -> list[str]:
         f"  critical path over the whole replayed run ({steps} steps, the first included): "
         f"{path['compute_s'] * 1e3:.1f} ms compute + {path['comm_s'] * 1e3:.1f} ms communication, "
         f"through ranks {shown}",
+        *compute_statement_lines(pred),
         *throughput_lines(pred),
     ]
+
+
+def compute_statement_lines(pred: dict) -> list[str]:
+    """Where the compute spans came from and what that means for accuracy
+    (:mod:`prism_launch.predict.compute_source`); a source the trace's device does not call
+    for is a warning."""
+    text = pred.get("compute_statement")
+    if not text:
+        return []
+    if pred.get("compute_warning"):
+        return [f"  [bold red]warning: compute spans: {text}[/bold red]"]
+    return [f"  compute spans: {text}"]
 
 
 def _num(v: float | None, fmt: str, unknown: str = "unknown") -> str:

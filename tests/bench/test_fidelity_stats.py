@@ -62,3 +62,18 @@ def test_gpu_harness_cases_arguments_and_log_parsing():
         g.iteration_s("no iterations here")
     ok = {"case": "c", "dp_world": 8, "dp_predicted_ms": 110.0, "predicted_ms": 100.0}
     assert g.dp_failures([ok]) == [] and g.dp_failures([{**ok, "dp_predicted_ms": 90.0}])
+
+
+def test_absolute_goals_do_not_let_errors_of_both_signs_cancel_and_the_real_spread_is_printed():
+    pairs = [Pair(0.100, 0.108, {0: 1}, {0: 1}), Pair(0.100, 0.092, {0: 1}, {0: 1}), Pair(0.120, 0.120, {0: 1}, {0: 1})]
+    row = summarize("zero3", pairs, time_goal_pct=5.0, time_max_goal_pct=10.0, absolute=True, memory_goal_pct=1.0)
+    assert row["error_mean_pct"] == pytest.approx(0.0) and row["error_abs_mean_pct"] == pytest.approx(16 / 3)
+    assert any("mean |iteration-time error|" in f for f in failures([row]))
+    assert failures([{**row, "goal_absolute": False}]) == []  # the signed mean alone would pass
+    assert row["real_range_pct"] == pytest.approx(100 * 0.02 / (0.32 / 3))
+    assert row["real_spread_pct"] == pytest.approx(100 * 0.011547 / (0.32 / 3), rel=1e-3)
+    wide = summarize("tp", [Pair(0.1, 0.111, {0: 1}, {0: 1}), Pair(0.1, 0.1, {0: 1}, {0: 1})], time_goal_pct=5.0,
+                     time_max_goal_pct=10.0, absolute=True)
+    assert [f for f in failures([wide]) if "largest |iteration-time error| 11.00%" in f]
+    text = table([row])
+    assert "real spread" in text and "|±5%,10%" in text

@@ -94,11 +94,11 @@ def test_calibration_takes_the_device_span_and_wall_time_where_there_is_none():
     rows = [{"rank": 0, "idx": i, "kind": "collective", "op": "all_reduce", "extra": None,
              "compute_cpu_s": 1.0, "compute_wall_s": 1.0} for i in range(2)]
     spans = [["c", 0.001, 0.002, None], ["c", 0.001, 0.002, 0.009]]
-    out = apply_spans(_Reader(rows), {0: spans}, Measure.device)
+    out = apply_spans(_Reader(rows), {0: [spans]}, Measure.device)
     assert [r["compute_wall_s"] for r in out.rows] == [0.002, 0.009]
-    out = apply_spans(_Reader(rows), {0: spans}, Measure.wall)
+    out = apply_spans(_Reader(rows), {0: [spans]}, Measure.wall)
     assert [r["compute_wall_s"] for r in out.rows] == [0.002, 0.002]
-    out = apply_spans(_Reader(rows), {0: [s[:3] for s in spans]}, Measure.device)  # an older summary
+    out = apply_spans(_Reader(rows), {0: [[s[:3] for s in spans]]}, Measure.device)  # an older summary
     assert [r["compute_wall_s"] for r in out.rows] == [0.002, 0.002]
 
 
@@ -119,3 +119,25 @@ def test_an_ops_own_handling_leaves_the_span_on_cuda_only(monkeypatch):
         now[0] += 0.002       # the program computes
         rec.lap("c")
         assert rec.host[-1][2] == pytest.approx(want)
+
+
+def test_on_cpu_an_op_calls_wait_for_peers_leaves_the_wall_span_its_host_work_stays(monkeypatch):
+    """A call that blocks 5 ms for its peers (no CPU) while doing 1 ms of host work: on CPU the
+    wall span keeps the 1 ms and the program's own 2 ms, not the 4 ms spent waiting (the replay
+    prices that as communication); the CPU span keeps the host work too."""
+    from nccl_ext.core import spans as mod
+
+    wall, cpu = [100.0], [10.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: wall[0])
+    monkeypatch.setattr(mod.time, "thread_time", lambda: cpu[0])
+    rec = mod.SpanRecorder()
+    rec.device._torch = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: False))
+    rec.lap("c")
+    wall[0] += 0.005
+    cpu[0] += 0.001       # the call's host work inside those 5 ms
+    rec.returned()
+    wall[0] += 0.002
+    cpu[0] += 0.002       # the program computes
+    rec.lap("c")
+    code, cpu_s, wall_s = rec.host[-1]
+    assert wall_s == pytest.approx(0.003) and cpu_s == pytest.approx(0.003)

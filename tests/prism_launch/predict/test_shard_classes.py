@@ -1,0 +1,117 @@
+"""Shard classes from a trace's group structure and event sequences, the slices that measure
+them, and calibration giving every member of a class its measurements' median."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from prism_launch.config import Measure
+from prism_launch.predict.calibrate import apply_spans
+from prism_launch.predict.shard_classes import (ShardClass, event_signatures, measurement_slices, pipeline_stages,
+                                                shard_classes)
+
+
+def megatron_groups(tp: int, pp: int, dp: int) -> list[tuple[tuple[int, ...], str]]:
+    """Megatron's rank order (tp fastest, then dp, then pp) and group names."""
+    world = tp * pp * dp
+    groups = [(tuple(range(world)), "default_pg")]
+    for s in range(pp):
+        for d in range(dp):
+            base = s * tp * dp + d * tp
+            groups.append((tuple(range(base, base + tp)), "TENSOR_MODEL_PARALLEL_GROUP"))
+        for t in range(tp):
+            groups.append((tuple(s * tp * dp + d * tp + t for d in range(dp)), "DATA_PARALLEL_GROUP"))
+    for i in range(tp * dp):
+        groups.append((tuple(i + s * tp * dp for s in range(pp)), "PIPELINE_MODEL_PARALLEL_GROUP"))
+        groups.append(((i, i + (pp - 1) * tp * dp), "EMBEDDING_GROUP"))
+    return groups
+
+
+def test_tp8_pp4_at_8192_ranks_is_four_classes_one_per_stage():
+    groups = megatron_groups(8, 4, 256)
+    classes = shard_classes(groups, range(8192))
+    assert len(classes) == 4
+    assert [c.stage for c in classes] == [0, 1, 2, 3]
+    assert all(len(c.members) == 2048 for c in classes)
+    # the TP peers of a stage and their data-parallel replicas share the class; stages do not
+    assert set(range(8)) <= set(classes[0].members) and 2048 not in classes[0].members
+    assert classes[3].representative == 3 * 2048
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (2, 2, 1), (2, 2, 2), (1, 1, 4), (4, 2, 1)])
+def test_classes_are_the_pipeline_stages_of_any_tp_pp_dp_world(tp, pp, dp):
+    classes = shard_classes(megatron_groups(tp, pp, dp), range(tp * pp * dp))
+    assert len(classes) == pp
+    assert sorted(r for c in classes for r in c.members) == list(range(tp * pp * dp))
+
+
+def _rows(rank: int, ops: list[tuple[str, str, int, int]]) -> list[dict]:
+    return [{"rank": rank, "idx": i, "kind": k, "op": op, "nbytes": n, "group": g} for i, (k, op, n, g) in enumerate(ops)]
+
+
+def test_different_event_sequences_split_a_class_whatever_the_groups_say():
+    """No pipeline group named (DeepSpeed's pipe, say): the first and last stage still differ by
+    their sends and receives; two TP peers with the same sequence over different groups of the
+    same size stay together."""
+    sizes = {1: 2, 2: 2, 3: 2}
+    rows = (_rows(0, [("collective", "allreduce", 64, 1), ("p2p", "send", 32, 3)])
+            + _rows(1, [("collective", "allreduce", 64, 2), ("p2p", "send", 32, 3)])
+            + _rows(2, [("p2p", "recv", 32, 3), ("collective", "allreduce", 64, 1)]))
+    sigs = event_signatures(rows, sizes)
+    classes = shard_classes([((0, 1, 2), "default_pg")], [0, 1, 2], sigs)
+    assert [c.members for c in classes] == [(0, 1), (2,)]
+
+
+def test_measurement_slices_use_distinct_members_and_fill_every_device():
+    classes = [ShardClass((0, 1), 0), ShardClass((2, 3), 1), ShardClass((4,), 2)]
+    slices = measurement_slices(classes, repeats=3, per_slice=2)
+    assert all(len(s) == len(set(s)) <= 2 for s in slices)
+    flat = [r for s in slices for r in s]
+    for c in classes:  # every class measured three times, spread over its members
+        assert sum(flat.count(r) for r in c.members) == 3
+    assert flat.count(0) == 2 and flat.count(1) == 1 and flat.count(4) == 3
+    assert len(slices) == 5  # 9 measurements, 2 per slice, one class of one member repeated alone
+    assert measurement_slices([ShardClass((0, 1), None)], repeats=2, per_slice=2) == [[0, 1]]
+
+
+class _Reader:
+    def __init__(self, rows):
+        self._rows = rows
+
+    def events(self):
+        return SimpleNamespace(to_pylist=lambda: [dict(r) for r in self._rows])
+
+
+def _events(ranks, codes=("collective", "wait")):
+    return [{"rank": r, "idx": i, "kind": k, "op": "allreduce" if k == "collective" else "wait", "extra": None,
+             "compute_cpu_s": 1.0, "compute_wall_s": 1.0} for r in ranks for i, k in enumerate(codes)]
+
+
+def test_a_class_gets_the_per_event_median_of_its_measurements_on_every_member():
+    classes = [ShardClass((0, 1, 2, 3), 0), ShardClass((4, 5), 1)]
+    runs = {0: [[["c", 0, 0.010, None], ["w", 0, 0.001, None]],
+                [["c", 0, 0.030, None], ["w", 0, 0.003, None]]],
+            1: [[["c", 0, 0.020, None], ["w", 0, 0.009, None]]],
+            4: [[["c", 0, 0.500, None], ["w", 0, 0.100, None]]]}
+    out = apply_spans(_Reader(_events(range(6))), runs, Measure.wall, classes)
+    by = {(r["rank"], r["idx"]): r["compute_wall_s"] for r in out.rows}
+    for r in range(4):  # measured or not, every member of class 0: median per event (0.02, 0.003)
+        assert (by[(r, 0)], by[(r, 1)]) == (0.020, 0.003)
+    assert (by[(5, 0)], by[(5, 1)]) == (0.5, 0.1)
+    assert out.replaced == 12 and out.mismatched == []
+    assert [c["measurements"] for c in out.classes] == [3, 1]
+    assert all(r["extra"] and "bare_wall_s" in r["extra"] for r in out.rows)
+
+
+def test_a_member_whose_run_issued_other_events_is_left_out_and_named():
+    classes = [ShardClass((0, 1), 0)]
+    runs = {0: [[["c", 0, 0.01, None], ["w", 0, 0.002, None]]], 1: [[["w", 0, 0.5, None]]]}
+    out = apply_spans(_Reader(_events([0, 1])), runs, Measure.wall, classes)
+    assert out.mismatched == [1]
+    by = {(r["rank"], r["idx"]): r["compute_wall_s"] for r in out.rows}
+    assert by[(0, 0)] == 0.01 and by[(1, 0)] == 1.0  # rank 1 keeps its bare spans
+
+
+def test_pipeline_stages_ignore_groups_that_only_mention_pipelines():
+    groups = [((0, 1), "PIPELINE_MODEL_PARALLEL_GROUP"), ((0, 2), "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP")]
+    assert pipeline_stages(groups) == {0: 0, 1: 1}
