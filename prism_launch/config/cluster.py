@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ClusterSpec", "GpuSpec", "LinkSpec", "cluster_from_config", "load_cluster", "preset_dir"]
+__all__ = ["ClusterSpec", "FabricSpec", "GpuSpec", "LinkSpec", "cluster_from_config", "load_cluster", "preset_dir"]
 
 
 # --------------------------------------------------------------------------- specs
@@ -26,6 +26,15 @@ class LinkSpec:
     ``nics_per_node × bandwidth_gbps / gpus_per_node``."""
     latency_us: float
     """Latency of one algorithm step (one hop of a ring or tree) over this link, in µs."""
+    half_size_mib: float = 0.0
+    """Message size (nccl-tests ``size``, MiB) at which NCCL reaches half of ``bandwidth_gbps``
+    over this link (pipeline fill, protocol and channel start-up at small sizes; the curve's
+    shape is ``curve_exponent``); 0 is the bare α–β model. Fitted to published nccl-tests
+    figures by ``bench/nccl_fit.py``."""
+    curve_exponent: float = 1.0
+    """Steepness ``k`` of the size curve: bus bandwidth is ``bandwidth_gbps × s^k / (1 + s^k)``
+    with ``s = size / half_size`` (1.0: the plain hyperbola; below 1, a slower ramp, as NCCL's
+    protocol and channel-count changes spread it over more sizes)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -36,6 +45,32 @@ class LinkSpec:
             raise ValueError(f"{where}.bandwidth_gbps must be a finite number > 0 (got {self.bandwidth_gbps!r})")
         if not (isinstance(self.latency_us, (int, float)) and self.latency_us >= 0 and math.isfinite(self.latency_us)):
             raise ValueError(f"{where}.latency_us must be a finite number >= 0 (got {self.latency_us!r})")
+        h = self.half_size_mib
+        if not (isinstance(h, (int, float)) and h >= 0 and math.isfinite(h)):
+            raise ValueError(f"{where}.half_size_mib must be a finite number >= 0 (got {h!r})")
+        k = self.curve_exponent
+        if not (isinstance(k, (int, float)) and 0 < k <= 4 and math.isfinite(k)):
+            raise ValueError(f"{where}.curve_exponent must be a number in (0, 4] (got {k!r})")
+
+
+@dataclass(kw_only=True, slots=True)
+class FabricSpec:
+    """The network between nodes: a rail-optimised two-level fat tree (leaf switches per rail,
+    spines above them), as DGX SuperPOD and most H100 clouds build it."""
+
+    nodes_per_leaf: int = 32
+    """Nodes whose same-rail NICs share one leaf switch (a scalable unit; DGX H100 SuperPOD: 32).
+    Traffic between NICs of one leaf stays there; any other crosses the leaf's uplinks."""
+    oversubscription: float = 1.0
+    """Leaf down-link to up-link bandwidth ratio (1.0: non-blocking; 2.0: a leaf's uplinks carry
+    half of what its NICs can send). Slows only traffic that leaves a leaf."""
+
+    def validate(self, where: str = "cluster.fabric") -> None:
+        if not isinstance(self.nodes_per_leaf, int) or self.nodes_per_leaf < 1:
+            raise ValueError(f"{where}.nodes_per_leaf must be an integer >= 1 (got {self.nodes_per_leaf!r})")
+        o = self.oversubscription
+        if not (isinstance(o, (int, float)) and o >= 1.0 and math.isfinite(o)):
+            raise ValueError(f"{where}.oversubscription must be a finite number >= 1.0 (got {o!r})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +120,17 @@ class ClusterSpec:
     """Network adapters per node; the node's network bandwidth is ``nics_per_node × inter_node.bandwidth_gbps``."""
     protocol_latency_us: float = 7.0
     """Fixed cost of launching one NCCL operation in µs, paid once per collective or transfer."""
+    nvls: bool = False
+    """NVLink SHARP (NVSwitch in-switch reduction, H100/H200/GB200): all_reduce among GPUs of one
+    NVLink domain may use NCCL's NVLS algorithm (and NVLS-tree across nodes) when it is faster."""
+    nvls_bandwidth_gbps: float = 0.0
+    """Algorithm bandwidth (bytes of the buffer per second, GB/s) of an NVLS all_reduce at large
+    sizes: busbw = this × 2(p−1)/p (8× H100: ~275 GB/s algbw = ~480 GB/s busbw)."""
+    sharp: bool = False
+    """InfiniBand SHARP (in-network reduction, NCCL's CollNet): all_reduce across nodes may reduce
+    in the switches, so each node sends and receives the buffer once whatever the node count."""
+    fabric: FabricSpec = field(default_factory=FabricSpec)
+    """Shape of the network between nodes (leaf width, oversubscription)."""
     device: str = "cuda"
     """Kind of device the cluster's ranks compute on (``cuda`` or ``cpu``): a prediction whose
     compute spans were measured on another kind says so in its report (they are not scaled)."""
@@ -112,6 +158,14 @@ class ClusterSpec:
             if not isinstance(link, LinkSpec):
                 raise ValueError(f"cluster.{field_name} must be a LinkSpec (got {type(link).__name__})")
             link.validate(f"cluster.{field_name}")
+        if not isinstance(self.fabric, FabricSpec):
+            raise ValueError(f"cluster.fabric must be a FabricSpec (got {type(self.fabric).__name__})")
+        self.fabric.validate()
+        if not isinstance(self.nvls, bool) or not isinstance(self.sharp, bool):
+            raise ValueError(f"cluster.nvls and cluster.sharp must be true or false (got {self.nvls!r}, {self.sharp!r})")
+        nb = self.nvls_bandwidth_gbps
+        if not (isinstance(nb, (int, float)) and nb >= 0 and math.isfinite(nb)) or (self.nvls and nb <= 0):
+            raise ValueError(f"cluster.nvls_bandwidth_gbps must be > 0 when nvls is true, >= 0 otherwise (got {nb!r})")
         if not isinstance(self.gpu, GpuSpec):
             raise ValueError(f"cluster.gpu must be a GpuSpec (got {type(self.gpu).__name__})")
         self.gpu.validate()

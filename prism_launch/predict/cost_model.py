@@ -89,8 +89,14 @@ BARRIER_BYTES = 4
 TREE_BW_EFFICIENCY = 0.9
 """Share of the ring bus bandwidth a tree all_reduce reaches (NCCL's tuner uses the same derating)."""
 
+COLLNET_BW_EFFICIENCY = 0.9
+"""Share of the group's network bandwidth an IB SHARP (CollNet) all_reduce reaches, as the tree."""
+
+MIB = 1 << 20
+
 
 from prism_launch.config.cluster import ClusterSpec, LinkSpec, cluster_from_config, load_cluster, preset_dir  # noqa: F401 - re-exported
+from prism_launch.predict.fabric import Flow, collective_links, p2p_links, uplink_slowdown
 
 
 # --------------------------------------------------------------------------- nccl-tests conventions
@@ -178,7 +184,8 @@ class Estimate:
     seconds: float
     """Total predicted time."""
     algorithm: str
-    """``ring``, ``tree``, ``pipeline`` (broadcast/reduce), ``direct`` (all_to_all/gather/scatter/p2p) or ``none``."""
+    """``ring``, ``tree``, ``nvls``, ``nvls_tree``, ``collnet`` (IB SHARP), ``pipeline``
+    (broadcast/reduce), ``direct`` (all_to_all/gather/scatter/p2p) or ``none``."""
     latency_s: float
     """Fixed part: launch + hop latencies."""
     transfer_s: float
@@ -200,26 +207,42 @@ class _Geometry:
     """Most group members on one node."""
     k_root: int
     """Group members on the node of ``ranks[0]`` (the root of rooted collectives)."""
+    n_leaves: int = 1
+    """Leaf switches (per rail) the group's nodes hang from (``node // fabric.nodes_per_leaf``)."""
 
 
 class NcclCostModel:
-    """NCCL-like α–β model of a :class:`ClusterSpec`.
+    """NCCL-like α–β model of a :class:`ClusterSpec`, with NCCL's message-size efficiency,
+    its all_reduce algorithm choice and the fabric's oversubscription.
 
     * A group lying on one node uses ``intra_node``; a group spanning nodes pays network
       hop latency on the steps that cross nodes and runs at the bottleneck bandwidth:
       ``min(intra-node busbw, k × per-GPU network share)`` where ``k`` is the fewest
       group members on a node (a ring leaves each node once per channel, and the
       group's ``k`` GPUs can drive their own share of the node's NICs).
-    * all_reduce: ring (``2(p−1)`` hops, ``2(p−1)/p · n / B``) or, across nodes, NCCL's
-      tree (an intra-node chain plus a ``log2(nodes)``-deep inter-node tree, both ways;
-      ``2n / (0.9 B)``); the faster one is used, as NCCL's tuner would.
+    * Bandwidth follows the message size: the achieved bus bandwidth of the bottleneck link
+      class is ``bandwidth_gbps × size / (size + half_size)`` (``LinkSpec.half_size_mib``,
+      ``size`` the nccl-tests size), fitted to published nccl-tests figures.
+    * all_reduce: NCCL's tuner (``src/graph/tuning.cc``) prices every enabled algorithm as
+      ``latency + size / bandwidth`` and runs the cheapest; so does this model, over
+      ring (``2(p−1)`` hops, ``2(p−1)/p · n / B``); across nodes the double binary tree
+      (an intra-node chain plus a ``log2(nodes)``-deep tree, both ways; each node's network
+      carries the buffer twice per direction, once on two nodes); NVLS inside an NVLink domain
+      when ``cluster.nvls`` (algorithm bandwidth ``nvls_bandwidth_gbps``), NVLS-tree across
+      nodes (a tree whose intra-node part is NVLS: no intra-node chain latency); CollNet when
+      ``cluster.sharp`` (the switches reduce: each node sends and receives the buffer once,
+      whatever the node count, one network hop up and one down).
     * all_gather / reduce_scatter: ring, ``(p−1)`` hops and ``(p−1)/p`` of the full buffer.
     * broadcast / reduce: pipelined ring, ``(p−1)`` hops and ``n / B``.
     * all_to_all / gather / scatter: direct transfers; peers on the same node are reached
       over ``intra_node`` and the rest through the member's network share, concurrently
       (the slower of the two bounds the transfer).
+    * Traffic that leaves a leaf switch crosses its uplinks (:mod:`prism_launch.predict.fabric`):
+      with ``fabric.oversubscription`` > 1 a group whose off-leaf streams exceed them is slowed.
     * Every op pays ``protocol_latency_us`` once; groups of one member and empty
       payloads cost nothing (NCCL returns at once).
+
+    :meth:`flow` / :meth:`p2p_flow` give the same price split for the replay's link sharing.
     """
 
     name = "nccl"
@@ -239,8 +262,48 @@ class NcclCostModel:
     def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
         return self.estimate_p2p(nbytes, src, dst).seconds
 
-    def estimate(self, kind: str, nbytes: int, ranks: Sequence[int]) -> Estimate:
-        """:meth:`collective_time` with its breakdown."""
+    def flow(self, kind: str, nbytes: int, ranks: Sequence[int]) -> Flow:
+        """The collective as a flow for the replay: latency, unshared transfer time and links."""
+        est = self._estimate(kind, nbytes, ranks)
+        if est.transfer_s <= 0:
+            return Flow(latency_s=est.latency_s, work_s=0.0, links=())
+        return Flow(latency_s=est.latency_s, work_s=est.transfer_s,
+                    links=collective_links(self.cluster, kind, ranks))
+
+    def p2p_flow(self, nbytes: int, src: int, dst: int) -> Flow:
+        """The transfer as a flow for the replay (see :meth:`flow`)."""
+        est = self._estimate_p2p(nbytes, src, dst)
+        if est.transfer_s <= 0:
+            return Flow(latency_s=est.latency_s, work_s=0.0, links=())
+        return Flow(latency_s=est.latency_s, work_s=est.transfer_s, links=p2p_links(self.cluster, src, dst))
+
+    def estimate(self, kind: str, nbytes: int, ranks: Sequence[int], algorithm: str | None = None) -> Estimate:
+        """:meth:`collective_time` with its breakdown (alone on the cluster); ``algorithm``
+        forces one of all_reduce's (as ``NCCL_ALGO`` does) instead of the cheapest."""
+        est = self._estimate(kind, nbytes, ranks, algorithm)
+        g = self._geometry(ranks)
+        if g.n_leaves > 1 and self.cluster.fabric.oversubscription > 1 and est.transfer_s > 0:
+            est = _slowed(est, uplink_slowdown(collective_links(self.cluster, kind, ranks)))
+        return est
+
+    def estimate_p2p(self, nbytes: int, src: int, dst: int) -> Estimate:
+        """:meth:`p2p_time` with its breakdown (alone on the cluster)."""
+        est = self._estimate_p2p(nbytes, src, dst)
+        if self.cluster.fabric.oversubscription > 1 and est.transfer_s > 0:
+            est = _slowed(est, uplink_slowdown(p2p_links(self.cluster, src, dst)))
+        return est
+
+    def algorithm(self, kind: str, nbytes: int, ranks: Sequence[int]) -> str:
+        """The algorithm the model picks (``ring``, ``tree``, ``nvls``, ...)."""
+        return self.estimate(kind, nbytes, ranks).algorithm
+
+    def busbw_curve(self, link: LinkSpec, size: int) -> float:
+        """Achieved bus bandwidth (GB/s) over ``link`` at nccl-tests size ``size`` (bytes)."""
+        return _curve(link.bandwidth_gbps, link, size)
+
+    # ---------------------------------------------------------------- internals
+
+    def _estimate(self, kind: str, nbytes: int, ranks: Sequence[int], algorithm: str | None = None) -> Estimate:
         kind = _check_kind(kind)
         nbytes = _check_nbytes(nbytes)
         g = self._geometry(ranks)
@@ -251,34 +314,38 @@ class NcclCostModel:
         if nbytes == 0:
             return _NONE
         if kind == "all_reduce":
-            ring = self._ring(kind, nbytes, g)
-            if g.n_nodes == 1:
-                return ring
-            tree = self._tree_all_reduce(nbytes, g)
-            return tree if tree.seconds < ring.seconds else ring
+            options = [self._ring(kind, nbytes, g)]
+            if g.n_nodes > 1:
+                options.append(self._tree_all_reduce(nbytes, g))
+                if self.cluster.sharp:
+                    options.append(self._collnet_all_reduce(nbytes, g))
+            elif self.cluster.nvls:
+                options.append(self._nvls_all_reduce(nbytes, g))
+            if algorithm is not None:
+                forced = [e for e in options if e.algorithm == algorithm]
+                if not forced:
+                    have = ", ".join(e.algorithm for e in options)
+                    raise ValueError(f"all_reduce over this group cannot use {algorithm!r} on {self.cluster.name} "
+                                     f"(available: {have})")
+                return forced[0]
+            return min(options, key=lambda e: e.seconds)
         if kind in ("all_gather", "reduce_scatter"):
             return self._ring(kind, nbytes, g)
         if kind in ("broadcast", "reduce"):
             return self._ring(kind, nbytes, g, algorithm="pipeline")
         return self._direct(kind, nbytes, g)
 
-    def estimate_p2p(self, nbytes: int, src: int, dst: int) -> Estimate:
-        """:meth:`p2p_time` with its breakdown."""
+    def _estimate_p2p(self, nbytes: int, src: int, dst: int) -> Estimate:
         nbytes = _check_nbytes(nbytes)
         src, dst = _check_rank(src), _check_rank(dst)
         if src == dst or nbytes == 0:
             return _NONE
         c = self.cluster
         same_node = src // c.gpus_per_node == dst // c.gpus_per_node
-        link_lat = c.intra_node.latency_us if same_node else c.inter_node.latency_us
+        link = c.intra_node if same_node else c.inter_node
         bw = c.intra_node.bandwidth_gbps if same_node else c.network_share_gbps
-        return self._make("direct", 1 * link_lat, nbytes / (bw * GB), bw)
-
-    def algorithm(self, kind: str, nbytes: int, ranks: Sequence[int]) -> str:
-        """The algorithm the model picks (``ring``, ``tree``, ...)."""
-        return self.estimate(kind, nbytes, ranks).algorithm
-
-    # ---------------------------------------------------------------- internals
+        eff = _curve(bw, link, nbytes)
+        return self._make("direct", link.latency_us, nbytes / (eff * GB), eff)
 
     def _geometry(self, ranks: Sequence[int]) -> _Geometry:
         key = tuple(ranks)
@@ -294,20 +361,26 @@ class NcclCostModel:
         if sum(per_node.values()) != len(set(key)):
             raise ValueError(f"a group's ranks must be distinct (got {len(key)} ranks, {len(set(key))} distinct)")
         counts = per_node.values()
+        npl = self.cluster.fabric.nodes_per_leaf
         g = _Geometry(
             p=len(key),
             n_nodes=len(per_node),
             k_min=min(counts),
             k_max=max(counts),
             k_root=per_node[_check_rank(key[0]) // gpn],
+            n_leaves=len({n // npl for n in per_node}),
         )
         if len(self._geometry_cache) >= 4096:
             self._geometry_cache.clear()
         self._geometry_cache[key] = g
         return g
 
+    def _link(self, g: _Geometry) -> LinkSpec:
+        """The link class whose size curve applies: the network once the group spans nodes."""
+        return self.cluster.intra_node if g.n_nodes == 1 else self.cluster.inter_node
+
     def _ring_bandwidth(self, g: _Geometry) -> float:
-        """Bus bandwidth (GB/s) of a ring/tree over the group: its bottleneck link."""
+        """Plateau bus bandwidth (GB/s) of a ring over the group: its bottleneck link."""
         c = self.cluster
         if g.n_nodes == 1:
             return c.intra_node.bandwidth_gbps
@@ -331,20 +404,43 @@ class NcclCostModel:
         passes = 2 if kind == "all_reduce" else 1
         inter_steps = passes * (g.n_nodes - 1)
         hop_us = (steps - inter_steps) * c.intra_node.latency_us + inter_steps * c.inter_node.latency_us
-        bw = self._ring_bandwidth(g)
+        bw = _curve(self._ring_bandwidth(g), self._link(g), nccl_tests_bytes(kind, nbytes, g.p))
         return self._make(algorithm, hop_us, coef * nbytes / (bw * GB), bw)
+
+    def _algbw_estimate(self, algorithm: str, hop_us: float, nbytes: int, algbw: float, g: _Geometry) -> Estimate:
+        """An all_reduce moving the buffer at algorithm bandwidth ``algbw`` (plateau, GB/s)."""
+        eff = _curve(algbw, self._link(g), nbytes)
+        return self._make(algorithm, hop_us, nbytes / (eff * GB), eff * busbw_factor("all_reduce", g.p))
 
     def _tree_all_reduce(self, nbytes: int, g: _Geometry) -> Estimate:
         c = self.cluster
-        depth = math.ceil(math.log2(g.n_nodes)) if g.n_nodes > 1 else 0
-        hop_us = 2 * ((g.k_max - 1) * c.intra_node.latency_us + depth * c.inter_node.latency_us)
-        bw = TREE_BW_EFFICIENCY * self._ring_bandwidth(g)
-        return self._make("tree", hop_us, 2 * nbytes / (bw * GB), bw)
+        depth = math.ceil(math.log2(g.n_nodes))
+        chain = 0 if c.nvls else g.k_max - 1      # NVLS-tree: the switch reduces inside a node
+        hop_us = 2 * (chain * c.intra_node.latency_us + depth * c.inter_node.latency_us)
+        # per direction a node's network carries the buffer once on two nodes (each tree is a
+        # two-node chain), twice on more (interior in one tree, leaf in the other); the
+        # intra-node part runs over NVLink, so the ring's bottleneck bounds it too
+        algbw = TREE_BW_EFFICIENCY * self._ring_bandwidth(g) / (1 if g.n_nodes == 2 else 2)
+        return self._algbw_estimate("nvls_tree" if c.nvls else "tree", hop_us, nbytes, algbw, g)
+
+    def _collnet_all_reduce(self, nbytes: int, g: _Geometry) -> Estimate:
+        c = self.cluster
+        chain = 0 if c.nvls else g.k_max - 1
+        hop_us = 2 * (chain * c.intra_node.latency_us + c.inter_node.latency_us)
+        algbw = COLLNET_BW_EFFICIENCY * g.k_min * c.network_share_gbps
+        return self._algbw_estimate("collnet", hop_us, nbytes, algbw, g)
+
+    def _nvls_all_reduce(self, nbytes: int, g: _Geometry) -> Estimate:
+        # the switch reduces and multicasts: one NVLink round trip, whatever the group size
+        c = self.cluster
+        return self._algbw_estimate("nvls", 2 * c.intra_node.latency_us, nbytes, c.nvls_bandwidth_gbps, g)
 
     def _direct(self, kind: str, nbytes: int, g: _Geometry) -> Estimate:
         """all_to_all / gather / scatter: concurrent transfers to every peer."""
         c = self.cluster
-        intra_bw, net_bw = c.intra_node.bandwidth_gbps, c.network_share_gbps
+        size = nccl_tests_bytes(kind, nbytes, g.p)
+        intra_bw = _curve(c.intra_node.bandwidth_gbps, c.intra_node, size)
+        net_bw = _curve(c.network_share_gbps, c.inter_node, size)
         p = g.p
         if kind == "all_to_all":
             # Each member sends one p-th of its input to every peer; check the member
@@ -363,6 +459,23 @@ class NcclCostModel:
         hop_us = (k_lat - 1) * c.intra_node.latency_us + (p - k_lat) * c.inter_node.latency_us
         bw = intra_bw if g.n_nodes == 1 else min(intra_bw, net_bw) if g.k_max > 1 else net_bw
         return self._make("direct", hop_us, transfer, bw)
+
+
+def _curve(plateau_gbps: float, link: LinkSpec, size: int) -> float:
+    """Achieved bandwidth at nccl-tests size ``size`` over ``link``'s class:
+    ``plateau × s^k / (1 + s^k)``, ``s = size / half_size`` (``LinkSpec.half_size_mib``)."""
+    if link.half_size_mib <= 0 or size <= 0:
+        return plateau_gbps
+    sk = (size / (link.half_size_mib * MIB)) ** link.curve_exponent
+    return plateau_gbps * sk / (1.0 + sk)
+
+
+def _slowed(est: Estimate, factor: float) -> Estimate:
+    if factor <= 1.0:
+        return est
+    transfer = est.transfer_s * factor
+    return Estimate(seconds=est.latency_s + transfer, algorithm=est.algorithm, latency_s=est.latency_s,
+                    transfer_s=transfer, bus_bandwidth_gbps=est.bus_bandwidth_gbps / factor)
 
 
 def _check_nbytes(nbytes: int) -> int:

@@ -10,6 +10,16 @@ stragglers.
 
 The engine is O(events): ranks run until they block on a wait whose op is not complete;
 the op's completion wakes them.
+
+Links that are shared: with a cost model that prices ops as flows (``model.flow`` /
+``model.p2p_flow``, as :class:`~prism_launch.predict.cost_model.NcclCostModel` does), every
+collective and transfer becomes a flow on the links it crosses
+(:mod:`prism_launch.predict.network`), and transfers that overlap in time on one link (a
+GPU's NVLink port, its NIC, a leaf uplink) share its bandwidth. Ranks run until all of them
+are blocked; then the network advances to its next completion, in time order, and wakes
+the ranks waiting on it. Any rank woken at time ``t`` issues work at ``t`` or later, so a
+flow never starts before one the network already moved past. A model with only
+``collective_time`` / ``p2p_time`` prices every op alone.
 """
 
 from __future__ import annotations
@@ -21,11 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prism_launch.predict.network import FlowNetwork
+
 # event codes
 COMPUTE_ONLY, COLL, SEND, RECV, WAIT, MARK = range(6)
 
 
 class CostModel(Protocol):
+    """What the replay asks of a cost model (a model may also offer ``flow``/``p2p_flow``)."""
+
     def collective_time(self, kind: str, nbytes: int, ranks: Sequence[int]) -> float: ...
 
     def p2p_time(self, nbytes: int, src: int, dst: int) -> float: ...
@@ -212,6 +226,8 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
     queue = deque(range(n))
     cost_cache: dict = {}
     p2p_cache: dict = {}
+    flows = hasattr(model, "flow") and hasattr(model, "p2p_flow")
+    net = FlowNetwork() if flows else None
 
     def complete(sl: int, t: float, by) -> None:
         done[sl] = t
@@ -220,7 +236,26 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
         if waiting:
             queue.extend(waiting)
 
-    while queue:
+    def arrived(sl: int, rsl: int, arrive: float, by) -> None:
+        """A send's bytes reached its receiver at ``arrive``."""
+        msg_arrival[rsl] = (arrive, by[0], by[1], by[2])
+        complete(sl, arrive, by)
+        rv = recv_issue[rsl]
+        if rv is not None:
+            complete(rsl, max(rv[0], arrive), by if arrive >= rv[0] else (rv[1], rv[2], rv[0]))
+
+    while True:
+        if not queue:
+            # every rank is blocked or done: the network moves to its next completion
+            nxt = net.pop() if net is not None else None
+            if nxt is None:
+                break
+            t_done, (sl, rsl, by) = nxt
+            if rsl < 0:
+                complete(sl, t_done, by)
+            else:
+                arrived(sl, rsl, t_done, by)
+            continue
         r = queue.popleft()
         evs = ops[r]
         ne = len(evs)
@@ -268,23 +303,37 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
                     if len(arrivals) > 1:
                         arrivals.sort()
                         delay_caused[st[2]] += arrivals[-1] - arrivals[-2]
-                    cost = cost_cache.get(info)
-                    if cost is None:
-                        cost = cost_cache[info] = model.collective_time(*info[:3])
-                    complete(sl, st[1] + cost, (st[2], st[3], st[1]))
+                    by = (st[2], st[3], st[1])
                     del coll[sl]
+                    if net is None:
+                        cost = cost_cache.get(info)
+                        if cost is None:
+                            cost = cost_cache[info] = model.collective_time(*info[:3])
+                        complete(sl, st[1] + cost, by)
+                    else:
+                        fl = cost_cache.get(info)
+                        if fl is None:
+                            fl = cost_cache[info] = model.flow(*info[:3])
+                        if fl.links:
+                            net.add(st[1], fl, (sl, -1, by))
+                        else:
+                            complete(sl, st[1] + fl.latency_s, by)
             elif code == SEND:
                 nbytes, src, dst, rsl = info
                 pk = (nbytes, src, dst)
-                cost = p2p_cache.get(pk)
-                if cost is None:
-                    cost = p2p_cache[pk] = model.p2p_time(nbytes, src, dst)
-                arrive = t + cost
-                msg_arrival[rsl] = (arrive, r, p, t)
-                complete(sl, arrive, (r, p, t))
-                rv = recv_issue[rsl]
-                if rv is not None:
-                    complete(rsl, max(rv[0], arrive), (r, p, t) if arrive >= rv[0] else (rv[1], rv[2], rv[0]))
+                if net is None:
+                    cost = p2p_cache.get(pk)
+                    if cost is None:
+                        cost = p2p_cache[pk] = model.p2p_time(nbytes, src, dst)
+                    arrived(sl, rsl, t + cost, (r, p, t))
+                else:
+                    fl = p2p_cache.get(pk)
+                    if fl is None:
+                        fl = p2p_cache[pk] = model.p2p_flow(nbytes, src, dst)
+                    if fl.links:
+                        net.add(t, fl, (sl, rsl, (r, p, t)))
+                    else:
+                        arrived(sl, rsl, t + fl.latency_s, (r, p, t))
             elif code == RECV:
                 recv_issue[sl] = (t, r, p)
                 msg = msg_arrival[sl]
