@@ -117,8 +117,13 @@ class LayerOrder:
 
 
 def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
-                    read_tensor: Callable[[int, str], object], script_args: list[str] | None = None) -> dict:
+                    read_tensor: Callable[[int, str], object], script_args: list[str] | None = None,
+                    complete: Callable[[list[int], dict[int, list[int]]], dict[int, list[int]] | None] | None = None
+                    ) -> dict:
     """Every token dispatch in the trace.
+
+    ``complete(gather members, {captured member: counts})``: every member's counts where some
+    members were not captured (an EP-folded capture's derivation), or None to skip the dispatch.
 
     Returns ``{"dispatches": [...], "notes": [...]}``; a dispatch is ``{"unit", "group",
     "seq", "layer" (of the stage, :class:`LayerOrder`), "num_experts", "counts": {rank: [tokens per
@@ -159,10 +164,20 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
     dispatches, incomplete = [], 0
     for (gid, _seq), d in sorted(found.items(), key=lambda kv: (kv[1]["unit"], kv[0][1], kv[0][0])):
         members = groups[gid]
+        d["derived"] = []
         if any(d["keys"].get(m) is None for m in members):
-            incomplete += 1  # e.g. a folded trace: some members were not captured
-            continue
-        d["counts"] = {m: d["keys"][m] for m in members}
+            full = complete(list(members), {m: c for m, c in d["keys"].items() if c is not None}) \
+                if complete is not None else None
+            if full is None:
+                incomplete += 1  # e.g. a folded trace: some members were not captured
+                continue
+            d["derived"] = [m for m in members if d["keys"].get(m) is None]
+            ep = next(iter(d["ep_group"].values()))
+            for m in d["derived"]:
+                d["keys"][m] = full[m]
+                if m in ep:
+                    d["ep_group"][m] = ep
+        d["counts"] = {m: d["keys"][m] for m in members if m in d["ep_group"]}
         pre_ok = all(d["pre_keys"].get(m) for m in members)
         d["pre_drop"] = {m: d["pre_keys"][m] for m in members} if pre_ok else None
         del d["keys"], d["pre_keys"]

@@ -29,8 +29,9 @@ import time
 import torch
 
 from nccl_ext.core import mirrored, replica_sums as folded, routing_counts, synth, wire
-from nccl_ext.core.protocol import (Bye, Coll, Group, Ints, LColl, Marker, Memory, Meta, Mirror, Ok, OpFailed, Park,
-                                    PRecv, PSend, Recv, SColl, Send, SOk, Stats, Wait, XFree, XOk, XRecv, XSend)
+from nccl_ext.core.protocol import (Bye, Coll, Group, Ints, LColl, Marker, Memory, Meta, Mirror, Ok, OpFailed,
+                                    Outs, Park, PRecv, PSend, Recv, SColl, Send, SOk, Stats, Wait, XFree, XOk, XRecv,
+                                    XSend)
 from nccl_ext.capture.rank_exchange import RankExchange
 from nccl_ext.capture.deferred_waits import DEFER_FROM_STEP, DeferredWaits
 from nccl_ext.capture.link import CoordinatorLink
@@ -153,6 +154,9 @@ class CaptureTransport:
         ints = routing_counts.small_ints(call.kind, call.tensors)
         if ints is not None:  # kept by value in every payload mode (MoE routing statistics)
             self._send(Ints(group.key, seq, ints))
+        if call.kind is Collective.ALL_TO_ALL and call.outputs and self._captured is not None \
+                and not self._captured.issuperset(group.ranks):  # uncaptured peers' pieces are sized by these
+            self._send(Outs(group.key, seq, [list(x.shape) for x in call.outputs]))
         if self.synthesize and not synth.carried(call, self.carry_bytes):
             return self._synthesized(group, seq, call, what)
         if not self._scratch and self._captured is not None and call.tensors and call.tensors[0].is_cuda:

@@ -129,6 +129,15 @@ class Ints(NamedTuple):
     values: list
 
 
+class Outs(NamedTuple):
+    """The shapes of the pieces the rank expects from each member at its next all-to-all on group
+    ``key`` at ``seq``, sent just before the op when the group has uncaptured members (an
+    EP-folded capture sizes their pieces by them: :mod:`prism_launch.capture.ep_fold`)."""
+    key: str
+    seq: int
+    shapes: list
+
+
 class LColl(NamedTuple):
     """A folded group's collective the rank computed itself (:mod:`nccl_ext.core.mirrored`)."""
     key: str
@@ -321,7 +330,7 @@ class XFree(NamedTuple):
 
 RANK_MESSAGES: dict[str, type] = {
     "hello": Hello, "park": Park, "group": Group, "coll": Coll, "scoll": SColl, "xcoll": XColl,
-    "meta": Meta, "ints": Ints, "lcoll": LColl, "psend": PSend, "precv": PRecv, "send": Send, "xsend": XSend,
+    "meta": Meta, "ints": Ints, "outs": Outs, "lcoll": LColl, "psend": PSend, "precv": PRecv, "send": Send, "xsend": XSend,
     "recv": Recv, "xread": XRead, "marker": Marker, "wait": Wait, "memory": Memory, "stats": Stats,
     "stalled": Stalled, "bye": Bye,
 }

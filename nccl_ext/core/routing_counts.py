@@ -22,6 +22,7 @@ INTS_MAX_BYTES = 4096
 a count per expert for up to 512 experts in int64."""
 
 _KINDS = (Collective.ALL_GATHER, Collective.ALL_REDUCE, Collective.ALL_TO_ALL)
+_COUNT_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 
 def small_ints(kind: Collective, tensors) -> list[list[int]] | None:
@@ -32,10 +33,30 @@ def small_ints(kind: Collective, tensors) -> list[list[int]] | None:
         return None
     total = 0
     for t in tensors:
-        if t.is_floating_point() or t.is_complex() or t.dtype is torch.bool:
+        if t.dtype not in _COUNT_DTYPES:  # bytes (uint8: pickled objects) and floats are no counts
             return None
         total += t.numel() * t.element_size()
         if total > INTS_MAX_BYTES:
             return None
     with torch.no_grad():
         return [[int(v) for v in t.detach().reshape(-1).cpu().tolist()] for t in tensors]
+
+
+def apportion(weights: list[int], total: int, salt: int = 0) -> list[int]:
+    """``total`` split over the entries in proportion to ``weights`` (largest remainder; ties go
+    to entries from ``salt`` on, so members apportioned alike do not all favour the same entry).
+    All weights zero: spread evenly. What an uncaptured EP rank routes under an EP-folded capture:
+    the captured routers' tokens per expert at that op, scaled to its own token count."""
+    n = len(weights)
+    if n == 0:
+        return []
+    s = sum(weights)
+    if s <= 0:
+        weights, s = [1] * n, n
+    exact = [total * w / s for w in weights]
+    out = [int(x) for x in exact]
+    left = total - sum(out)
+    order = sorted(range(n), key=lambda e: (-(exact[e] - out[e]), (e - salt) % n))
+    for e in order[:left]:
+        out[e] += 1
+    return out

@@ -18,11 +18,12 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from nccl_ext.core import protocol, wire
-from nccl_ext.core.protocol import (Bye, Coll, Group, Hello, Ints, LColl, Marker, Memory, Meta, Mirror, Ok, Park,
-                                    PRecv, PSend, Recv, SColl, Send, Stalled, Stats, Wait, XColl, XOk, XRead, XSend)
+from nccl_ext.core.protocol import (Bye, Coll, Group, Hello, Ints, LColl, Marker, Memory, Meta, Mirror, Ok, Outs,
+                                    Park, PRecv, PSend, Recv, SColl, Send, Stalled, Stats, Wait, XColl, XOk, XRead, XSend)
 from nccl_ext.exchange.arena import PeerViews
 from nccl_ext.exchange.ipc import is_device_location
 from nccl_ext.core.ops import Collective, ReduceKind, compute, contributors
+from prism_launch.capture.ep_fold import EpFold
 from prism_launch.capture.events import EventLog
 from prism_launch.capture.listener import HANDSHAKE_S, RankListener
 from prism_launch.capture.folded_reduction import EXACT_FOLD_MAX, exchanged_terms, weighted_reduction
@@ -98,6 +99,8 @@ class Coordinator:
                                 self.busy_s)
         self.synthesized = SynthesizedOps(self.log, self._collectives, self._views, self.notes, self.staged,
                                           self.sink, self.busy_s, self._count, self.scheduler, fold)
+        self.ep_fold = EpFold(fold)
+        """EP-folded capture: uncaptured EP ranks' counts and pieces (:mod:`prism_launch.capture.ep_fold`)."""
         self.rank_busy_s: dict[int, dict] = {}
         self.gpu_waits_stalled: list[tuple[int, str]] = []
         """(rank, what) for each rank whose waits on the GPU stopped."""
@@ -107,7 +110,7 @@ class Coordinator:
         self._handlers = {
             Hello: self._on_hello, Park: self._on_park, Group: self._on_group, Coll: self._on_coll,
             SColl: self._on_scoll, XColl: self._on_xcoll, Meta: self._on_meta, LColl: self._on_lcoll,
-            Ints: self._on_ints,
+            Ints: self._on_ints, Outs: self._on_outs,
             PSend: self._on_p2p_meta, PRecv: self._on_p2p_meta, Send: self._on_send, XSend: self._on_xsend,
             Recv: self._on_recv, XRead: self._on_xread, Marker: self._on_marker,
             Wait: self._on_wait, Memory: self._on_memory, Stats: self._on_stats, Stalled: self._on_stalled,
@@ -249,6 +252,9 @@ class Coordinator:
 
     def _on_ints(self, conn: Connection, m: Ints, tensors) -> None:
         self.log.note_ints(self._rank_of[conn], m.key, m.seq, m.values)
+
+    def _on_outs(self, conn: Connection, m: Outs, tensors) -> None:
+        self.ep_fold.note_outs(self._rank_of[conn], m.key, m.seq, m.shapes)
 
     def _on_lcoll(self, conn: Connection, m: LColl, tensors) -> None:
         self.synthesized.on_meta(conn, m, mirrored=True)
@@ -403,6 +409,8 @@ class Coordinator:
                         f"folded capture: {pc.api} (seq {pc.seq}) on group {describe(group.ranks)} "
                         f"({group.desc or group.key}) has root rank {group.ranks[pc.root]}, which is not captured, "
                         "and no stand-in data for it; capture with that rank among sandbox.ranks")
+            if self.ep_fold.applies(group):
+                contributions = self.ep_fold.contributions(pc, contributions)
         else:
             contributions = pc.contributions
         results = None

@@ -18,6 +18,14 @@ What stays exact and what is approximated:
   an approximation otherwise: uncaptured replicas contribute copies of captured ones, and
   their MoE routing is that of the captured rank they mirror.
 - Timing: an uncaptured rank's timeline is its stand-in's (same program, same shapes).
+
+Expert parallelism (``ep_sample``): an expert-parallel group (:data:`EP_GROUPS`) is not closed
+over whole. The captured set takes, in every EP group it reaches, the members at a few EP
+positions — the seeds' own, then positions spread evenly over the group, ``ep_sample`` in all,
+the same positions in every group so that pipeline stages line up — and closes those under the
+other model-parallel groups. The EP ranks left out mirror a captured EP rank of their group
+(every EP rank holds a same-shaped expert shard); what they route is synthesized from the
+captured routers (:mod:`prism_launch.capture.ep_fold`).
 """
 
 from __future__ import annotations
@@ -27,7 +35,30 @@ from collections.abc import Iterable, Sequence
 
 from prism_launch.trace.fold import FoldError, FoldPlan
 
-__all__ = ["FoldError", "FoldPlan", "is_replicated", "plan"]
+__all__ = ["EP_GROUPS", "FoldError", "FoldPlan", "ep_positions", "is_expert_parallel", "is_replicated", "plan"]
+
+EP_GROUPS = ("EXPERT_MODEL_PARALLEL", "EXPERT_TENSOR_AND_MODEL_PARALLEL", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL")
+"""Substrings of the descriptions of expert-parallel groups (megatron-core's names); the first
+names the EP group proper, whose member order gives a rank's EP position."""
+
+
+def is_expert_parallel(desc: str) -> bool:
+    return any(p in (desc or "") for p in EP_GROUPS)
+
+
+def ep_positions(size: int, seeds: Iterable[int], sample: int) -> list[int]:
+    """EP positions to capture in a group of ``size``: the seeds' positions, then positions
+    spread evenly from the first seed's on, ``sample`` in all (the seeds' always)."""
+    chosen = sorted(set(seeds))
+    start = chosen[0] if chosen else 0
+    step = size / max(sample, 1)
+    for i in range(sample):
+        if len(chosen) >= sample:
+            break
+        p = (start + round(i * step)) % size
+        if p not in chosen:
+            chosen.append(p)
+    return sorted(chosen)
 
 
 def is_replicated(desc: str, ranks: Sequence[int], world_size: int, patterns: Iterable[str]) -> bool:
@@ -37,8 +68,9 @@ def is_replicated(desc: str, ranks: Sequence[int], world_size: int, patterns: It
 
 
 def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], world_size: int,
-         patterns: Sequence[str]) -> FoldPlan:
-    """Close ``seeds`` under the model-parallel groups of ``groups`` and mirror the rest."""
+         patterns: Sequence[str], ep_sample: int | None = None) -> FoldPlan:
+    """Close ``seeds`` under the model-parallel groups of ``groups`` and mirror the rest; with
+    ``ep_sample``, expert-parallel groups contribute only ``ep_sample`` EP positions (module doc)."""
     seeds = sorted(set(int(r) for r in seeds))
     bad = [r for r in seeds if not 0 <= r < world_size]
     if bad:
@@ -46,6 +78,9 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
     model_groups_of: dict[int, list[int]] = defaultdict(list)
     model_groups: list[Sequence[int]] = []
     replicated: list[Sequence[int]] = []
+    ep_pos: dict[int, int] = {}   # rank -> its position in its EP group
+    ep_size = 0
+    expert_groups: set[int] = set()
     for ranks, desc in groups:
         if len(ranks) <= 1:
             continue
@@ -56,6 +91,15 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             model_groups.append(ranks)
             for r in ranks:
                 model_groups_of[r].append(gi)
+            if ep_sample and is_expert_parallel(desc):
+                expert_groups.add(gi)
+                if EP_GROUPS[0] in desc and not any(p in desc for p in EP_GROUPS[1:]):
+                    ep_size = max(ep_size, len(ranks))
+                    for i, r in enumerate(ranks):
+                        ep_pos.setdefault(int(r), i)
+    positions: set[int] | None = None
+    if ep_sample and ep_size > ep_sample and ep_pos:
+        positions = set(ep_positions(ep_size, [ep_pos[r] for r in seeds if r in ep_pos], ep_sample))
     captured: set[int] = set(seeds)
     todo = list(seeds)
     used: set[int] = set()
@@ -65,7 +109,10 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             if gi in used:
                 continue
             used.add(gi)
+            sampled = positions is not None and gi in expert_groups
             for m in model_groups[gi]:
+                if sampled and ep_pos.get(m, -1) not in positions:
+                    continue
                 if m not in captured:
                     captured.add(m)
                     todo.append(m)
@@ -90,4 +137,5 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             continue
         s = score.get(u)
         rep[u] = min(s, key=lambda c: (-s[c], c)) if s else order[u % len(order)]
-    return FoldPlan(world_size=world_size, captured=order, rep=rep, replicated=list(patterns))
+    return FoldPlan(world_size=world_size, captured=order, rep=rep, replicated=list(patterns),
+                    ep_positions=sorted(positions) if positions is not None else [])

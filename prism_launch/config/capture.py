@@ -146,8 +146,21 @@ class CaptureConfig:
     """Substrings of group descriptions (``group_desc``) that mark groups spanning
     data-parallel replicas; folding never follows them. Groups without a description are
     treated as model-parallel (followed), which only makes the captured set larger."""
+    ep_sample: int | None = 4
+    """Folded captures of MoE jobs: how many ranks of each expert-parallel group to capture (the
+    sandbox ranks' EP ranks first, then ranks spread evenly over the group), instead of the whole
+    group (EP16·PP2 at 1,024 ranks: 8 captured ranks, not 32). An uncaptured EP rank mirrors a
+    captured one's shard (same shapes); at an all-gather of token counts on the EP group it routes
+    as the captured routers did at that op (their tokens per expert, apportioned over its own
+    token count: hot experts stay hot), and its all-to-all pieces to captured ranks have the sizes
+    those counts give, their data a captured rank's rows (synthesized; pieces between captured
+    ranks are exact). Expert-parallel groups are those whose description names them
+    (``prism_launch.capture.fold.EP_GROUPS``). null or 0: capture whole EP groups."""
 
     def validate(self) -> None:
+        if self.ep_sample is not None and self.ep_sample < 0:
+            raise ConfigError(f"capture.ep_sample must be >= 0 (got {self.ep_sample}; 0 or null captures whole "
+                              "expert-parallel groups)")
         if self.slots is not None and self.slots < 0:
             raise ConfigError(f"capture.slots must be >= 0 (got {self.slots}; 0 means no limit)")
         if self.payload_budget_gib <= 0:

@@ -53,7 +53,7 @@ def fold_plan(ctx: RunContext) -> FoldPlan:
         return FoldPlan.identity(ws)
     t0 = time.monotonic()
     groups = discover_groups(ctx)
-    p = plan(groups, ctx.cfg.sandbox.ranks, ws, ctx.cfg.capture.replicated_groups)
+    p = plan(groups, ctx.cfg.sandbox.ranks, ws, ctx.cfg.capture.replicated_groups, ep_sample=ctx.cfg.capture.ep_sample)
     print(f"prism-launch: folded capture: {len(p.captured)} of {ws} logical ranks closed under the "
           f"model-parallel groups of sandbox ranks {list(ctx.cfg.sandbox.ranks)} "
           f"({len(groups)} new_group calls, {time.monotonic() - t0:.1f}s)", file=sys.stderr)
@@ -309,7 +309,8 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
     writer.write_json(TraceLayout.MEMORY, {str(r): m for r, m in coord.memory.items()})
     writer.write_json(TraceLayout.CAPTURE, stats)
     if fold.folded:
-        writer.write_json(TraceLayout.FOLD, {**fold.to_dict(), "approximated_groups": coord.approximated_groups})
+        writer.write_json(TraceLayout.FOLD, {**fold.to_dict(), "approximated_groups": coord.approximated_groups,
+                                             "ep_fold": coord.ep_fold.synthesized})
     from prism_launch.modes.context import program_config
     from prism_launch.rank.flops import measuring_device
 

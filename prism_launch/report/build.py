@@ -83,6 +83,13 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
                             "(their stand-ins')",
             "approximated_model_parallel_groups": fold.get("approximated_groups", []),
         }
+        if fold.get("ep_positions"):  # capture.ep_sample: prism_launch.capture.ep_fold
+            report["fold"]["expert_parallel"] = {
+                "captured_ep_positions": fold["ep_positions"], "ops": fold.get("ep_fold"),
+                "exact": "all-to-all pieces and token counts between captured EP ranks",
+                "synthesized": "uncaptured EP ranks' token counts (the captured routers' tokens per expert at each "
+                               "dispatch, over their own token count) and their all-to-all pieces (those sizes, a "
+                               "captured rank's rows)"}
     out.root.mkdir(parents=True, exist_ok=True)
     from prism_launch.predict.prediction import predict
 

@@ -89,6 +89,8 @@ def aggregate(found: dict, rows: list[dict]) -> dict | None:
     dropped: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     dropped_known = True
     per_dispatch, verified, ep_sizes = [], 0, set()
+    routed: dict[int, list[int]] = defaultdict(lambda: [0] * E)   # rank -> tokens it routed to each expert
+    derived = {m for d in dispatches for m in d.get("derived", ())}
     for d in dispatches:
         u, counts = d["unit"], d["counts"]
         tpe = [sum(c[e] for c in counts.values()) for e in range(d["num_experts"])]
@@ -103,7 +105,9 @@ def aggregate(found: dict, rows: list[dict]) -> dict | None:
             j = group.index(m)
             recv[u][m] += sum(sum(counts[s][j * L:(j + 1) * L]) for s in group if s in counts)
             sent[u][m] += sum(c)
-            if d["splits"].get(m) != [sum(c[k * L:(k + 1) * L]) for k in range(len(group))]:
+            for e, n in enumerate(c):
+                routed[m][e] += n
+            if m in d["splits"] and d["splits"][m] != [sum(c[k * L:(k + 1) * L]) for k in range(len(group))]:
                 ok = False
             if d.get("pre_drop") is not None:
                 dropped[u][m] += sum(d["pre_drop"][m]) - sum(c)
@@ -157,7 +161,7 @@ def aggregate(found: dict, rows: list[dict]) -> dict | None:
                          "expert_imbalance_max": max(valid) if valid else None},
         "per_step": per_step,
         "per_layer": _per_layer(dispatches, E),
-        "per_rank": {str(r): {"steps": units,
+        "per_rank": {str(r): {"steps": units, "derived": r in derived, "tokens_per_expert": routed[r],
                               "received_tokens": [recv[u][r] for u in units],
                               "sent_tokens": [sent[u][r] for u in units],
                               "a2a_bytes": [a2a_bytes[u][r] for u in units],
@@ -236,6 +240,25 @@ def effect(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None, tok
     }
 
 
+def _ep_completion(fold: dict | None):
+    """For an EP-folded trace: every member's counts of a count all-gather, the uncaptured
+    members' derived as the capture derived them (:func:`prism_launch.capture.ep_fold.derived_counts`)."""
+    if not fold or not fold.get("ep_positions"):
+        return None
+    from prism_launch.capture.ep_fold import derived_counts
+    from prism_launch.trace.fold import FoldPlan
+
+    plan = FoldPlan.from_dict(fold)
+
+    def complete(members: list[int], present: dict[int, list[int]]) -> dict[int, list[int]] | None:
+        sources = plan.sources(members)
+        if sources is None or any(s not in present for s in sources):
+            return None
+        return derived_counts(present, members, dict(zip(members, sources)))
+
+    return complete
+
+
 PLOT = "moe_expert_load.png"
 """The report's plot of tokens per expert over steps (beside ``report.json``)."""
 
@@ -276,8 +299,10 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
     detector = registry.load(name, "moe", where="integration.moe")
     rows = reader.events().to_pylist()
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+    fold = reader.read_json(TraceLayout.FOLD) if TraceLayout.FOLD in reader.json_files() else None
     found = detector.find_dispatches(rows, groups, reader.tensor,
-                                     script_args=list(reader.manifest.extra.get("script_args") or []))
+                                     script_args=list(reader.manifest.extra.get("script_args") or []),
+                                     complete=_ep_completion(fold))
     stats = aggregate(found, rows)
     if stats is None:
         if found.get("notes"):  # dispatches there, but not every member's counts are in the trace
@@ -288,11 +313,17 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
     stats["payload"] = reader.manifest.extra.get("payload")
     stats["counts_source"] = ("every captured rank's routed-token counts, recorded by value in every payload mode "
                               "(extra.ints of the count collectives)")
-    if TraceLayout.FOLD in reader.json_files():
-        fold = reader.read_json(TraceLayout.FOLD)
+    if fold is not None:
+        derived = sorted({m for d in found["dispatches"] for m in d.get("derived", ())})
         stats["fold"] = {"captured_ranks": len(fold["captured"]), "world_size": fold["world_size"],
-                         "note": "counts of the captured ranks' routers; an uncaptured rank routes as the captured "
-                                 "stand-in it mirrors"}
+                         "ep_positions": fold.get("ep_positions", []), "ep_ranks_derived": len(derived),
+                         "ep_fold": fold.get("ep_fold"),
+                         "note": ("EP-folded: uncaptured EP ranks' counts are the captured routers' tokens per expert at "
+                                  "each dispatch, apportioned over their own token count (as the capture gave them); "
+                                  "all-to-all pieces between captured ranks exact, those from uncaptured ones "
+                                  "synthesized" if fold.get("ep_positions") else
+                                  "counts of the captured ranks' routers; an uncaptured rank routes as the captured "
+                                  "stand-in it mirrors")}
     if plot_dir is not None:
         plot_dir.mkdir(parents=True, exist_ok=True)
         plot_expert_load(stats, plot_dir / PLOT)

@@ -19,6 +19,9 @@ class FoldPlan:
     """For every logical rank, the captured rank that mirrors it (itself when captured)."""
     replicated: list[str] = field(default_factory=list)
     """The group-description patterns treated as data-parallel."""
+    ep_positions: list[int] = field(default_factory=list)
+    """EP positions captured in every expert-parallel group (``capture.ep_sample``); empty: whole
+    EP groups are captured."""
     _captured_set: frozenset = frozenset()
     _cache: dict = field(default_factory=dict)
 
@@ -54,12 +57,13 @@ class FoldPlan:
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "captured": self.captured, "rep": self.rep,
-                "replicated": self.replicated}
+                "replicated": self.replicated, "ep_positions": self.ep_positions}
 
     @classmethod
     def from_dict(cls, d: dict) -> FoldPlan:
         return cls(world_size=int(d["world_size"]), captured=[int(r) for r in d["captured"]],
-                   rep=[int(r) for r in d["rep"]], replicated=list(d.get("replicated", [])))
+                   rep=[int(r) for r in d["rep"]], replicated=list(d.get("replicated", [])),
+                   ep_positions=[int(p) for p in d.get("ep_positions", [])])
 
     @classmethod
     def identity(cls, world_size: int) -> FoldPlan:

@@ -27,6 +27,7 @@ def parse(argv):
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--gbs", type=int, default=None)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--same-data", action="store_true", help="every data-parallel replica on the same data")
     p.add_argument("--hot-expert", type=int, default=int(os.environ.get("PRISM_TEST_HOT_EXPERT", -1)))
     p.add_argument("--hot-bias", type=float, default=float(os.environ.get("PRISM_TEST_HOT_BIAS", 4.0)))
     return p.parse_args(argv)
@@ -54,7 +55,9 @@ def main(argv=None):
         plant_skew(a.hot_expert, a.hot_bias)
     args = ["--tensor-model-parallel-size", a.tp, "--pipeline-model-parallel-size", a.pp,
             "--expert-model-parallel-size", a.ep, "--num-experts", a.experts, "--moe-router-topk", a.topk,
-            "--num-layers", a.layers, "--micro-batch-size", a.mbs, "--train-iters", a.steps, "--replicate-data"]
+            "--num-layers", a.layers, "--micro-batch-size", a.mbs, "--train-iters", a.steps]
+    if a.same_data:
+        args.append("--replicate-data")
     if a.gbs is not None:
         args += ["--global-batch-size", a.gbs]
     sys.argv = [str(RECIPE), *map(str, args)]

@@ -20,6 +20,7 @@ def test_small_integer_contributions_are_kept_by_value_only():
     assert small_ints(Collective.BROADCAST, [counts]) is None       # token batches are broadcast, not counts
     assert small_ints(Collective.ALL_GATHER, [torch.zeros(INTS_MAX_BYTES // 8 + 1, dtype=torch.int64)]) is None
     assert small_ints(Collective.ALL_GATHER, [torch.ones(3, dtype=torch.bool)]) is None
+    assert small_ints(Collective.ALL_GATHER, [torch.ones(3, dtype=torch.uint8)]) is None  # pickled objects
 
 
 def _as_ints(rows, tensors):
