@@ -22,8 +22,9 @@ over 2 or 4 ranks. Each case runs ``--pairs`` pairs (2 ranks) or ``--pairs-large
   ``--compute cpu``: the capture's per-rank thread CPU time, which does not; ``--compute
   wall``: the capture's wall time, which includes the coordinator's recording on the same
   cores) and every rank's predicted peak (virtual ranks: the capture's peak; the sandbox: its own);
-  the capture records no payloads for dense and ZeRO jobs (their compute does not depend on
-  the values) and the default policy for MoE; ``--network now`` (default) gives the replay
+  the capture's payload policy is ``--payload`` (``auto``: ``full`` when calibrating; ``none``
+  is faster but its sandbox allocates synthesized results, so its peaks are not the job's);
+  ``--network now`` (default) gives the replay
   cpu_local with gloo's per-op overhead, per-hop latency and bandwidth measured just before
   the pair (``bench/gloo_overhead.py``), ``--network preset`` the preset's,
 
@@ -137,10 +138,6 @@ def run_case(job: str, ranks: int, pairs: int, iters: int, cluster: str, compute
     flags = ["--nproc-per-node", str(ranks), "-r", "3", "device=cpu"]
     args = [*recipe, "--train-iters", str(iters)]
     out = []
-    if payload == "auto" and job != "moe":
-        # dense layers and ZeRO compute the same whatever the values: no payloads to record; MoE
-        # routing (all-to-all sizes, expert loads) follows the values, so its capture keeps them
-        payload = "none"
     for i in range(pairs):
         network, said = network_now() if measure_network else ([], "cpu_local preset")
         runs = [("real", lambda: real(flags, args, work / f"real{i}")),
@@ -167,7 +164,7 @@ def main() -> int:
     ap.add_argument("--compute", default="calibrated", help="replay.compute: calibrated | cpu | wall")
     ap.add_argument("--repeats", type=int, default=2, help="calibrate.repeats: measurements per shard class")
     ap.add_argument("--payload", default="auto",
-                    help="capture.payload of the prediction's capture (auto: none for dense and ZeRO, auto for MoE)")
+                    help="capture.payload of the prediction's capture")
     ap.add_argument("--network", default="now", choices=("now", "preset"),
                     help="now: gloo's figures measured before each pair (bench/gloo_overhead.py); preset: cpu_local's")
     ap.add_argument("--check", action="store_true", help="exit 1 when a case misses its goal")

@@ -28,7 +28,11 @@ def test_calibration_writes_a_new_trace_version(calibrated):
     bare = json.loads((trace / "manifest.json").read_text())
     cal = json.loads((trace / "calibrated" / "manifest.json").read_text())
     assert cal["fingerprint"] == bare["fingerprint"]
-    assert cal["extra"]["slices"] == [[0], [1]]
+    # TP peers of one stage are one shard class: one slice per measurement (one rank per slice
+    # here), distinct members first, the class's median given to both
+    assert cal["extra"]["slices"] == [[0], [1], [0]]
+    assert cal["extra"]["by_class"] is True and cal["extra"]["repeats"] == 3
+    assert [(c["members"], c["measurements"]) for c in cal["extra"]["shard_classes"]] == [(2, 3)]
     assert cal["extra"]["ranks_mismatched"] == []
     assert (cal["extra"]["ranks_per_slice"], cal["extra"]["method"]) == (1, "one rank per CPU core")
     import pyarrow.parquet as pq
@@ -71,11 +75,13 @@ def test_emulation_report_has_predictions_timeline_and_plots(calibrated):
                    RECIPE, *ARGS], cwd=d, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     shown = " ".join(r.stderr.split())  # the terminal table wraps long lines
-    assert "predicted on h100_ib (calibrated: 2 slices, one rank per CPU core compute spans)" in shown
+    assert "predicted on h100_ib (calibrated: 3 slices, one rank per CPU core compute spans)" in shown
+    assert "compute spans: calibrated (1 shard class(es), each measured 3 time(s) and given the per-event median" in shown
     rep = json.loads((trace / "report" / "report.json").read_text())
     pred = rep["predicted"]
     assert pred["compute_source"] == "calibrated" and pred["cluster"] == "h100_ib"
-    assert pred["calibration"]["method"] == "one rank per CPU core" and pred["calibration"]["slices"] == 2
+    assert pred["calibration"]["method"] == "one rank per CPU core" and pred["calibration"]["slices"] == 3
+    assert pred["calibration"]["shard_classes"] == 1 and pred["compute_source"] == "calibrated"
     assert pred["iteration_time_s"] > 0 and len(pred["iteration_times_s"]) == 3
     assert pred["oom_ranks"] == []
     assert set(rep["ranks"]) == {"0", "1"}

@@ -41,7 +41,7 @@ from nccl_ext.core.groups import GroupInfo
 from nccl_ext.core.ops import Collective
 from nccl_ext.core.pending import CommDeadlineError, Pending
 from nccl_ext.core.call import CollectiveCall
-from nccl_ext.core.spans import ComputeClock, thread_cpu_seconds
+from nccl_ext.core.spans import DeviceTimedClock, thread_cpu_seconds
 
 
 EXCHANGE_MAX_MEMBERS = 8
@@ -87,7 +87,8 @@ class CaptureTransport:
         self.carry_bytes = carry_bytes
         self.synthesized = 0
         self.timeout_s = timeout_s
-        self._clock = ComputeClock()
+        self._clock = DeviceTimedClock()
+        """Host spans (sent with every event) and, on CUDA, the GPU's (sent at close)."""
         self._captured = frozenset(captured) if captured is not None else None
         """Folded capture: the ranks that run (a broadcast from any other root needs a stand-in);
         None: every rank runs."""
@@ -132,6 +133,7 @@ class CaptureTransport:
 
     # -- context switching ----------------------------------------------------------------
     def park(self, pending: Pending):
+        self._clock.wait_starts()  # the program blocks here: on the GPU the span ends now
         if pending.op_id < 0 or self._progress.unparked:
             return None
         self._send(Park(pending.op_id))
@@ -333,6 +335,7 @@ class CaptureTransport:
                                          "staged_ops": self.staged_ops,
                                          **self._x.stats(),
                                          "thread_cpu_s": thread_cpu_seconds(),
+                                         "device_spans_s": self._clock.device_seconds(),
                                          **{k: round(v, 3) for k, v in self.busy_s.items()}}))
             self._send(Bye(self.rank))
         except OSError:

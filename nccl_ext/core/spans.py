@@ -139,6 +139,51 @@ def _elapsed_s(start, end) -> float | None:
         return None
 
 
+class DeviceTimedClock(ComputeClock):
+    """A capture rank's clock: the host's spans (:class:`ComputeClock`, sent with every event)
+    and, once the process uses CUDA, the same spans on the GPU's timeline (:class:`DeviceClock`),
+    sent at the rank's close (:meth:`device_seconds`) — so a prediction on CUDA never needs the
+    host's time. The span before a wait ends where the wait starts (:meth:`wait_starts`)."""
+
+    RESOLVE_EVERY = 512
+    """Events resolved (the ones the GPU has passed, without blocking) every this many spans."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = DeviceClock()
+        self._laps = 0
+
+    def lap(self, until: float | None = None) -> tuple[float, float, float]:
+        span = super().lap(until)
+        self.device.lap(waited=until is not None)
+        self._laps += 1
+        if self._laps % self.RESOLVE_EVERY == 0:
+            self.device.resolve(block=False)  # bounded pending events; the program is not held back
+        return span
+
+    def wait_starts(self) -> None:
+        self.device.wait_starts()
+
+    def resume(self, t: float) -> None:
+        super().resume(t)
+        self.device.resume()
+
+    def skip(self) -> None:
+        super().skip()
+        self.device.resume()
+
+    def device_seconds(self) -> list[float | None] | None:
+        """Seconds of every span on the GPU's timeline (None where a span had none: before the
+        process used CUDA), or None where the process never used CUDA or the GPU failed."""
+        if not self.device.active():
+            return None
+        try:
+            return [None if s is None else round(s, 7) for s in self.device.resolve()]
+        except Exception as e:  # noqa: BLE001 - a failed GPU leaves the host clocks
+            print(f"prism: no device-timeline spans ({type(e).__name__}: {e})", file=sys.stderr)
+            return None
+
+
 class SpanRecorder:
     """One rank's compute spans on both clocks: the host's (wall, CPU) and the device's."""
 

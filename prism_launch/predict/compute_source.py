@@ -5,6 +5,9 @@ Every prediction names its source (:class:`ComputeOrigin`), and the report print
 * ``calibrated``: slices re-ran class representatives for real, one per device, repeated
   (:mod:`prism_launch.predict.calibrate`); spans on the device's own clock (CUDA events on
   the program's stream) or, on CPU, host wall time (:class:`nccl_ext.core.spans.ComputeClock`).
+* ``capture device``: a capture on CUDA's own GPU timeline (CUDA events on the program's
+  stream per span, :class:`nccl_ext.core.spans.DeviceTimedClock`), taken while ranks shared
+  the GPUs: other ranks' kernels interleave, so spans can come out long.
 * ``cpu thread``: the capture's per-rank thread CPU time on CPU: free of time-slicing, but
   without what a real rank loses waiting for a core, to other threads of its process (gloo's)
   and to a loaded machine.
@@ -14,8 +17,8 @@ Every prediction names its source (:class:`ComputeOrigin`), and the report print
   never chosen by default; only when ``replay.compute=cpu|wall`` asks, and labelled loudly.
 
 A trace captured on CUDA is never replayed from host time silently: without a calibrated
-version or device spans, :func:`select` refuses, naming ``mode=calibrate`` (``mode=auto``
-calibrates by itself).
+version or the capture's device spans, :func:`select` refuses, naming ``mode=calibrate``
+(``mode=auto`` calibrates by itself).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class UncalibratedCudaTraceError(PrismError):
 @dataclass(frozen=True, slots=True)
 class ComputeOrigin:
     source: str
-    """``calibrated`` | ``cpu thread`` | ``cpu wall`` | ``host time of a CUDA capture``."""
+    """``calibrated`` | ``capture device`` | ``cpu thread`` | ``cpu wall`` | ``host time of a CUDA capture``."""
     clock: str
     """The event column the replay reads: ``cpu`` (``compute_cpu_s``) or ``wall`` (``compute_wall_s``;
     a calibrated trace writes its measured span to both)."""
@@ -83,11 +86,20 @@ def select(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> tuple[Tra
         return cal, ComputeOrigin("calibrated", "wall", _calibrated_statement(cal.manifest.extra or {}))
     if cuda:
         if want in (ComputeSource.calibrated, ComputeSource.auto):
+            spans, why = device_spans(bare)
+            if spans is not None:
+                stats = _capture_stats(bare)
+                return DeviceSpanReader(bare, spans), ComputeOrigin(
+                    "capture device", "wall",
+                    f"capture device time (the GPU's timeline of each span, CUDA events on the program's stream; "
+                    f"{stats.get('ranks', '?')} ranks over {stats.get('slots', '?')} execution slots sharing this "
+                    "machine's GPUs): while ranks shared a GPU, other ranks' kernels interleave with a span's, so "
+                    "spans can come out long; mode=calibrate measures one rank per GPU")
             raise UncalibratedCudaTraceError(
-                f"the trace {trace.root} was captured on CUDA and has no calibrated version: its compute spans are "
-                "host time of ranks sharing GPUs, not the GPU's. Calibrate it first (mode=calibrate with the same "
-                "job; mode=auto calibrates by itself), or set replay.compute=cpu or replay.compute=wall to accept "
-                "host-time spans (the report then says so)")
+                f"the trace {trace.root} was captured on CUDA and has no calibrated version, and {why}: its compute "
+                "spans are host time of ranks sharing GPUs, not the GPU's. Calibrate it first (mode=calibrate with the "
+                "same job; mode=auto calibrates by itself), or set replay.compute=cpu or replay.compute=wall to "
+                "accept host-time spans (the report then says so)")
         clock = "wall" if want is ComputeSource.wall else "cpu"
         return bare, ComputeOrigin(
             "host time of a CUDA capture", clock,
@@ -107,3 +119,57 @@ def select(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> tuple[Tra
         "core, its other threads and the machine's load: under load the prediction comes out fast (calibrated "
         "wall-time spans track them: mode=calibrate, or calibrate.in_auto=true with replay.compute=calibrated)",
         loud=bool(note))
+
+
+def _capture_stats(bare: TraceReader) -> dict:
+    from prism_launch.trace import TraceLayout
+
+    return bare.read_json(TraceLayout.CAPTURE) if TraceLayout.CAPTURE in bare.json_files() else {}
+
+
+def device_spans(bare: TraceReader) -> tuple[dict[int, list] | None, str]:
+    """Every captured rank's spans on the GPU's timeline as its capture sent them at close
+    (``capture.json``'s ``rank_busy_s[rank].device_spans_s``), or None and why not."""
+    busy = _capture_stats(bare).get("rank_busy_s") or {}
+    out: dict[int, list] = {}
+    for r in bare.manifest.ranks_captured:
+        spans = (busy.get(str(r)) or {}).get("device_spans_s")
+        if not spans:
+            return None, f"rank {r}'s capture recorded no device-timeline spans"
+        out[int(r)] = spans
+    return out, ""
+
+
+class DeviceSpanReader:
+    """The bare trace, its events' ``compute_wall_s`` the capture's GPU-timeline spans (a span
+    the GPU had none for — before the process used CUDA — keeps the host's wall time: no GPU
+    work was in it). A rank whose count of spans is not its count of events is refused."""
+
+    def __init__(self, bare: TraceReader, spans: dict[int, list]) -> None:
+        self._bare = bare
+        self._spans = spans
+        self._events = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._bare, name)
+
+    def events(self):
+        if self._events is not None:
+            return self._events
+        import pyarrow as pa
+
+        table = self._bare.events()
+        ranks, idx = table.column("rank").to_pylist(), table.column("idx").to_pylist()
+        wall = table.column("compute_wall_s").to_pylist()
+        counts: dict[int, int] = {}
+        for r in ranks:
+            counts[r] = counts.get(r, 0) + 1
+        bad = sorted(r for r, n in counts.items() if len(self._spans.get(r, ())) != n)
+        if bad:
+            raise UncalibratedCudaTraceError(
+                f"ranks {bad[:8]} of the trace have a different count of device-timeline spans than of events: "
+                "their GPU spans cannot be matched to events; run mode=calibrate")
+        new = [w if self._spans[r][i] is None else float(self._spans[r][i]) for r, i, w in zip(ranks, idx, wall)]
+        col = table.schema.get_field_index("compute_wall_s")
+        self._events = table.set_column(col, "compute_wall_s", pa.array(new, pa.float64()))
+        return self._events

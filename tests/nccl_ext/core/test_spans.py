@@ -141,3 +141,37 @@ def test_on_cpu_an_op_calls_wait_for_peers_leaves_the_wall_span_its_host_work_st
     rec.lap("c")
     code, cpu_s, wall_s = rec.host[-1]
     assert wall_s == pytest.approx(0.003) and cpu_s == pytest.approx(0.003)
+
+
+def test_a_capture_ranks_clock_times_every_span_on_the_gpu_too(monkeypatch):
+    """The capture's clock (DeviceTimedClock, as CaptureTransport drives it: lap at each op,
+    wait_starts at park, lap(until=t0) and resume(t1) around a wait, returned at each op's
+    return): the host spans as before, and at close one GPU-timeline span per host span, the
+    wait's interval left out, the op's own handling too (CUDA: returned skips)."""
+    from nccl_ext.core import spans as mod
+
+    now = [100.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(mod.time, "thread_time", lambda: now[0])
+    gpu = _Gpu()
+    c = mod.DeviceTimedClock()
+    c.device._torch = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True, Event=gpu.event_class()))
+    c.lap()                       # op 1 issued (GPU at 0 ms)
+    c.returned(True)
+    gpu.at, now[0] = 40.0, 100.004  # 40 ms of kernels, issued by the CPU in 4 ms
+    c.lap()                       # op 2 issued
+    c.returned(True)
+    gpu.at = 45.0
+    c.wait_starts()               # park: the program blocks on op 2
+    t0 = now[0]
+    gpu.at, now[0] = 90.0, 100.2  # the capture's round trip, other ranks holding the slots
+    c.lap(until=t0)               # waited(ref, t0, t1)
+    c.resume(now[0])
+    gpu.at = 97.0
+    c.lap()
+    assert [h for h in c.device_seconds()] == [None, pytest.approx(0.040), pytest.approx(0.005),
+                                               pytest.approx(0.007)]
+    cpu_only = mod.DeviceTimedClock()
+    cpu_only.device._torch = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: False))
+    cpu_only.lap()
+    assert cpu_only.device_seconds() is None  # a CPU capture sends none

@@ -13,7 +13,9 @@ from prism_launch.report.build import prediction_lines
 
 
 def _bare(device: str):
-    return SimpleNamespace(manifest=SimpleNamespace(extra={"program_config": {"device": device}}))
+    """A trace whose manifest says where it was captured and whose capture sent no GPU spans."""
+    return SimpleNamespace(manifest=SimpleNamespace(extra={"program_config": {"device": device}}, ranks_captured=[0]),
+                           json_files=lambda: [])
 
 
 def _trace(calibrated: bool = False):
@@ -26,7 +28,8 @@ def _cfg(compute: ComputeSource):
 
 @pytest.mark.parametrize("compute", [ComputeSource.calibrated, ComputeSource.auto])
 def test_a_cuda_trace_without_calibration_is_refused_not_replayed_from_host_time(compute):
-    """Its spans lack device times (no calibrated version): the prediction refuses, naming the fix."""
+    """Its spans lack device times (no calibrated version, no GPU spans from the capture): the
+    prediction refuses, naming the fix."""
     with pytest.raises(UncalibratedCudaTraceError, match="captured on CUDA.*mode=calibrate"):
         graph_source(_cfg(compute), _bare("cuda"), _trace())
 
@@ -73,3 +76,32 @@ def test_a_calibrated_trace_is_stated_with_its_classes_slices_and_repeats(monkey
 def _pred() -> dict:
     return {"cluster": "cpu_local", "compute_source": "x", "calibration": None, "iteration_time_s": 0.5,
             "iteration_times_s": [0.5, 0.5, 0.5], "critical_path": {"ranks": [0, 1], "compute_s": 1.0, "comm_s": 0.1}}
+
+
+def _cuda_bare(device_spans: dict):
+    import pyarrow as pa
+
+    rows = {"rank": [0, 0, 1, 1], "idx": [0, 1, 0, 1], "compute_wall_s": [0.5, 0.5, 0.5, 0.5],
+            "compute_cpu_s": [0.4, 0.4, 0.4, 0.4]}
+    capture = {"ranks": 2, "slots": 16, "rank_busy_s": {str(r): {"device_spans_s": s} for r, s in device_spans.items()}}
+    return SimpleNamespace(
+        manifest=SimpleNamespace(extra={"program_config": {"device": "cuda"}}, ranks_captured=[0, 1]),
+        json_files=lambda: ["capture.json"], read_json=lambda name: capture, events=lambda: pa.table(rows))
+
+
+def test_a_cuda_capture_with_gpu_timeline_spans_is_replayed_from_them_and_says_how_they_were_taken():
+    bare = _cuda_bare({0: [None, 0.030], 1: [0.002, 0.031]})
+    reader, origin, clock = graph_source(_cfg(ComputeSource.auto), bare, _trace())
+    assert origin.source == "capture device" and clock == "wall" and not origin.loud
+    assert "2 ranks over 16 execution slots" in origin.statement and "mode=calibrate" in origin.statement
+    # the GPU's spans; one the GPU had none for (before CUDA was used) keeps the host's wall time
+    assert reader.events().column("compute_wall_s").to_pylist() == [0.5, 0.030, 0.002, 0.031]
+    assert reader.manifest is bare.manifest
+
+
+def test_gpu_spans_missing_for_a_rank_or_not_matching_its_events_are_refused():
+    with pytest.raises(UncalibratedCudaTraceError, match="rank 1's capture recorded no device-timeline spans"):
+        select(_cfg(ComputeSource.auto), _cuda_bare({0: [0.1, 0.1], 1: None}), _trace())
+    reader, _origin = select(_cfg(ComputeSource.auto), _cuda_bare({0: [0.1, 0.1], 1: [0.1]}), _trace())
+    with pytest.raises(UncalibratedCudaTraceError, match=r"ranks \[1\].*different count"):
+        reader.events()
