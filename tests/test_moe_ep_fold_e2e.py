@@ -100,3 +100,25 @@ def test_the_hot_experts_ep_rank_is_the_one_the_others_wait_for(run):
     waits = {int(r): v["a2a_wait_s"] for r, v in eff["per_rank"].items() if int(r) in STAGE0}
     assert min(waits, key=waits.get) == HOT and eff["a2a_wait_excess_s"] > 0
     assert "MoE routing (16 experts, EP [16]" in err
+
+
+def test_payload_none_routes_by_the_captured_routers_too(tmp_path):
+    """``payload=none``: the count all-gathers on EP groups are computed for real (uncaptured
+    members' counts derived as above), so every EP rank's all-to-all sizes follow the routing
+    instead of n times its own self-routed count; the sandbox still replays bit-identically."""
+    r = run_prism(["--nnodes", "128", "--nproc-per-node", "8", "device=cpu", "capture.warm_imports=[torch]",
+                   f"sandbox.ranks=[{SANDBOX}]", "capture.payload=none", f"trace.dir={tmp_path / 'trace'}",
+                   "target.parallel.ep=16", "target.parallel.pp=2", "integration.flags.ep=--ep",
+                   "integration.flags.pp=--pp", RECIPE, "--experts", EXPERTS, "--layers", "4", "--steps", "2",
+                   "--hot-expert", HOT], cwd=tmp_path, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rep = json.loads((tmp_path / "trace" / "report" / "report.json").read_text())
+    assert rep["ranks"][str(SANDBOX)]["losses_match_capture"] is True
+    assert rep["fold"]["expert_parallel"]["ops"]["count_gathers"] == 2 * 2 * 4 * 2  # stages x layers x micro x steps
+    reader = TraceReader(tmp_path / "trace")
+    for k, (gather, received) in enumerate(_dispatches(reader, HOT)):
+        # the hot expert's rank received every member's share of the hot expert, not 16 x its own
+        own = json.loads(gather["extra"])["ints"][0][HOT]
+        assert sum(received) > 4 * own and sum(received) == pytest.approx(16 * own, rel=0.25), k
+    moe = rep["moe"]
+    assert moe["payload"] == "none" and moe["overall"]["hottest_expert"] == HOT

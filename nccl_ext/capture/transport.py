@@ -159,7 +159,8 @@ class CaptureTransport:
         if call.kind is Collective.ALL_TO_ALL and call.outputs and self._captured is not None \
                 and not self._captured.issuperset(group.ranks):  # uncaptured peers' pieces are sized by these
             self._send(Outs(group.key, seq, [list(x.shape) for x in call.outputs]))
-        if self.synthesize and not synth.carried(call, self.carry_bytes):
+        if self.synthesize and not synth.carried(call, self.carry_bytes) and \
+                not routing_counts.carried_counts(call.kind, call.tensors, group.desc):
             return self._synthesized(group, seq, call, what)
         if not self._scratch and self._captured is not None and call.tensors and call.tensors[0].is_cuda:
             # before the program's memory grows, so no peak is measured without it

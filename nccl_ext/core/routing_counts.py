@@ -21,13 +21,31 @@ INTS_MAX_BYTES = 4096
 """Contributions of at most this many bytes (all tensors together) are recorded by value:
 a count per expert for up to 512 experts in int64."""
 
+EP_GROUPS = ("EXPERT_MODEL_PARALLEL", "EXPERT_TENSOR_AND_MODEL_PARALLEL", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL")
+"""Substrings of the descriptions of expert-parallel groups (megatron-core's names); the first
+names the EP group proper, whose member order gives a rank's EP position."""
+
+
+def is_expert_parallel(desc: str) -> bool:
+    return any(p in (desc or "") for p in EP_GROUPS)
+
+
+def carried_counts(kind: Collective, tensors, desc: str) -> bool:
+    """Whether a ``payload=none`` capture computes this op for real instead of synthesizing it:
+    an all-gather of small integer counts on an expert-parallel group (the dispatcher's tokens
+    per expert), so that every EP rank's all-to-all sizes follow real routing (the captured
+    routers', for uncaptured members of an EP-folded capture) instead of n times its own."""
+    return kind is Collective.ALL_GATHER and is_expert_parallel(desc) and small_ints(kind, tensors, read=False)
+
+
 _KINDS = (Collective.ALL_GATHER, Collective.ALL_REDUCE, Collective.ALL_TO_ALL)
 _COUNT_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 
-def small_ints(kind: Collective, tensors) -> list[list[int]] | None:
+def small_ints(kind: Collective, tensors, read: bool = True):
     """The values of ``tensors`` (one flat list per tensor) when they form a small integer
-    contribution to a collective that exchanges counts, else None. On a GPU this reads the
+    contribution to a collective that exchanges counts, else None (``read=False``: True
+    instead of the values). On a GPU this reads the
     few bytes back (a synchronisation the dispatcher makes anyway for its split sizes)."""
     if kind not in _KINDS or not tensors:
         return None
@@ -38,6 +56,8 @@ def small_ints(kind: Collective, tensors) -> list[list[int]] | None:
         total += t.numel() * t.element_size()
         if total > INTS_MAX_BYTES:
             return None
+    if not read:
+        return True
     with torch.no_grad():
         return [[int(v) for v in t.detach().reshape(-1).cpu().tolist()] for t in tensors]
 

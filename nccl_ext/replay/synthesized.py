@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nccl_ext.core import synth
+from nccl_ext.core import routing_counts, synth
 from nccl_ext.core.errors import DivergenceError
 from nccl_ext.core.pending import Pending
 from nccl_ext.core.call import CollectiveCall
@@ -51,7 +51,8 @@ def collective(tr: SynthesizingRank, group, gid: int, seq: int, call: Collective
     tr.note_unit_start()
     delay = tr.delay_for(own, tr.virtual_ops(group, gid, seq))
     result = None
-    if synth.carried(call, tr.carry_bytes) and me != call.root:
+    if (synth.carried(call, tr.carry_bytes) or routing_counts.carried_counts(call.kind, call.tensors, group.desc)) \
+            and me != call.root:
         result = tr.recording.result(tr.rank, gid, seq) or None  # the payload the capture carried
         if result is not None:
             tr.stats.carried += 1

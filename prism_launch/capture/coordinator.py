@@ -424,9 +424,10 @@ class Coordinator:
         staged = [(a.conn, a.op_id) for a in pc.arrivals.values() if a.staged]
         shared: dict = {}
         for grank, arrival in pc.arrivals.items():
-            if group.sources is not None and results[grank] is not None and \
+            if (group.sources is not None or self.payload == "none") and results[grank] is not None and \
                     (self.scope is None or arrival.rank in self.scope):
-                # replay cannot recompute a folded result without O(replicas) work: keep it
+                # replay cannot recompute a folded result without O(replicas) work, nor a `none`
+                # trace's carried token counts (routing_counts.carried_counts) at all: keep it
                 t0 = time.perf_counter()
                 pieces = recordable(pc.kind, results[grank], bool(staged))
                 self.sink.record_tensors(arrival.rank, [f"r/{group.id}/{pc.seq}/{i}" for i in range(len(pieces))],

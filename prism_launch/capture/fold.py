@@ -33,17 +33,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from nccl_ext.core.routing_counts import EP_GROUPS, is_expert_parallel
 from prism_launch.trace.fold import FoldError, FoldPlan
 
 __all__ = ["EP_GROUPS", "FoldError", "FoldPlan", "ep_positions", "is_expert_parallel", "is_replicated", "plan"]
 
-EP_GROUPS = ("EXPERT_MODEL_PARALLEL", "EXPERT_TENSOR_AND_MODEL_PARALLEL", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL")
-"""Substrings of the descriptions of expert-parallel groups (megatron-core's names); the first
-names the EP group proper, whose member order gives a rank's EP position."""
-
-
-def is_expert_parallel(desc: str) -> bool:
-    return any(p in (desc or "") for p in EP_GROUPS)
 
 
 def ep_positions(size: int, seeds: Iterable[int], sample: int) -> list[int]:
