@@ -48,6 +48,7 @@ __all__ = [
     "ClusterSpec",
     "CostModel",
     "Estimate",
+    "FabricSpec",
     "LinkSpec",
     "NcclCostModel",
     "busbw_factor",
@@ -95,7 +96,14 @@ COLLNET_BW_EFFICIENCY = 0.9
 MIB = 1 << 20
 
 
-from prism_launch.config.cluster import ClusterSpec, LinkSpec, cluster_from_config, load_cluster, preset_dir  # noqa: F401 - re-exported
+from prism_launch.config.cluster import (  # noqa: F401 - re-exported
+    ClusterSpec,
+    FabricSpec,
+    LinkSpec,
+    cluster_from_config,
+    load_cluster,
+    preset_dir,
+)
 from prism_launch.predict.fabric import Flow, collective_links, p2p_links, uplink_slowdown
 
 

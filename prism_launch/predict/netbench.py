@@ -55,6 +55,7 @@ from pathlib import Path
 from prism_launch.errors import NetbenchError
 from prism_launch.predict.cost_model import (
     ClusterSpec,
+    FabricSpec,
     LinkSpec,
     NcclCostModel,
     bus_bandwidth_gbps,
@@ -91,6 +92,13 @@ def parse_sizes(text: str) -> list[int]:
     if len(sizes) < 2:
         raise argparse.ArgumentTypeError("--sizes needs at least two distinct sizes to fit latency and bandwidth")
     return sizes
+
+
+def _oversubscription(text: str) -> float:
+    value = float(text)
+    if not (value >= 1.0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1.0 (leaf down/up ratio), got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -138,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--inter-bandwidth-gbps", type=_positive_float, default=None,
         help="inter_node bandwidth per NIC in GB/s (default: the measured one)")
     add("--inter-latency-us", type=float, default=None, help="inter_node per-hop latency (default: the measured one)")
+    add("--nodes-per-leaf", type=_positive_int, default=32,
+        help="fabric.nodes_per_leaf to write: nodes whose same-rail NICs share a leaf switch (default 32)")
+    add("--oversubscription", type=_oversubscription, default=1.0,
+        help="fabric.oversubscription to write: leaf down/up bandwidth ratio, >= 1 (default 1.0)")
     add("--fit", choices=(*KINDS, "all"), default="all_reduce",
         help="measurements the written link is fitted to: one op, or all of them jointly (default all_reduce)")
     add("--comment", action="append", default=[], help="extra line for the YAML's header comment (repeatable)")
@@ -414,8 +426,10 @@ def format_table(measured: dict[tuple[str, int], float], link: LinkSpec, fits: d
     return "\n".join(lines)
 
 
-def _cluster(name: str, gpus: int, mem: float, intra: LinkSpec, inter: LinkSpec, nics: int) -> ClusterSpec:
+def _cluster(name: str, gpus: int, mem: float, intra: LinkSpec, inter: LinkSpec, nics: int,
+             fabric: FabricSpec | None = None) -> ClusterSpec:
     return ClusterSpec(
+        fabric=fabric or FabricSpec(),
         name=name,
         gpus_per_node=gpus,
         gpu_memory_gib=mem,
@@ -509,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         latency_us=args.inter_latency_us if args.inter_latency_us is not None else link.latency_us,
     )
     mem = args.memory_gib if args.memory_gib is not None else default_memory_gib(backend, p)
-    spec = _cluster(args.name, args.gpus_per_node or p, mem, link, inter, args.nics_per_node)
+    fabric = FabricSpec(nodes_per_leaf=args.nodes_per_leaf, oversubscription=args.oversubscription)
+    spec = _cluster(args.name, args.gpus_per_node or p, mem, link, inter, args.nics_per_node, fabric)
     if str(args.out) == "-":
         return 0
     header = [
@@ -526,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         + ("the times of every op jointly," if args.fit == "all" else f"the {args.fit} times,"),
         "launch overhead folded into the per-hop latency (so protocol_latency_us is 0).",
         "inter_node: " + _inter_origin(args),
+        "size curve (half_size_mib 0, curve_exponent 1): none, the alpha-beta fit above stands for it;"
+        " nvls and sharp: false (not measured here);",
+        f"fabric: {args.nodes_per_leaf} nodes per leaf, oversubscription {args.oversubscription:g} (as given).",
         *(line for text in args.comment for line in text.splitlines()),
     ]
     try:

@@ -76,7 +76,7 @@ class FlowNetwork:
         self._heap: list = []
         self._seq = 0
         self._load: dict = {}     # link -> summed demand of the active flows on it
-        self._active: dict = {}   # id(flow) -> flow, for the scan after a link got crowded
+        self._active: set = set()  # flows moving bytes, for the scan after a link got crowded
         self.flows = 0
         self.contended = 0
         """Flows whose rate was lowered at least once by another flow (a statistic)."""
@@ -117,7 +117,7 @@ class FlowNetwork:
                 act.rate = rate
                 if rate < 1.0:
                     self.contended += 1
-                self._active[id(act)] = act
+                self._active.add(act)
                 self._seq += 1
                 heapq.heappush(heap, (t + act.left / rate, self._seq, _END, act, 0))
                 if crowded:
@@ -125,7 +125,7 @@ class FlowNetwork:
                 continue
             if version != act.version:
                 continue  # superseded by a rate change
-            del self._active[id(act)]
+            self._active.discard(act)
             crowded = None
             for link, d in act.links:
                 before = load[link]
@@ -155,7 +155,7 @@ class FlowNetwork:
         return r
 
     def _rerate(self, crowded: set, t: float, skip) -> None:
-        for other in list(self._active.values()):
+        for other in list(self._active):
             if other is skip or crowded.isdisjoint(link for link, _ in other.links):
                 continue
             rate = self._rate(other.links)

@@ -384,9 +384,10 @@ def _critical_path(ops, results, binding) -> list[dict]:
     while p >= 0 and guard > 0:
         guard -= 1
         b = binding[r].get(p)
-        if b is not None and b[2] is not None and b[2][0] != r:
+        if b is not None and b[2] is not None and (b[2][0] != r or b[2][1] < p):
             _start, end, (r2, p2, issue_t) = b
-            # the path runs through the peer that issued last: its compute up to the issue,
+            # the path runs through the peer that issued last (or this rank's own issue, when it
+            # was the last member or the op is its own send): its compute up to the issue,
             # then the communication until this rank's wait ended
             segments.append({"rank": r, "kind": "comm", "event": p, "peer": r2, "s": end - issue_t})
             r, p = r2, p2
