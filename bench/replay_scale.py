@@ -153,6 +153,7 @@ def main() -> int:
     print(f"predicted iteration time {rep.iteration_time_s * 1e3:.2f} ms; steps {[round(x * 1e3, 2) for x in rep.iteration_times]}")
     print(f"1F1B closed form {want * 1e3:.2f} ms ({100 * (rep.iteration_time_s - want) / want:+.2f}%)")
     print(f"critical path segments {len(rep.critical_path)}; top straggler {rep.stragglers[:1]}")
+    print(f"flows on shared links {rep.flows:,}, slowed by another flow {rep.slowed_flows:,}")
     return report(figures(rep.iteration_time_s, want, events / wall))
 
 

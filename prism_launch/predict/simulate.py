@@ -79,6 +79,10 @@ class Replay:
     timelines: dict[int, list[tuple[str, float, float]]]
     issue_times: dict[int, list[float]] | None = None
     """With ``record_issue``: each rank's predicted time of every event, in trace order."""
+    flows: int = 0
+    """Collectives and transfers priced as flows on shared links (0: the model prices ops alone)."""
+    slowed_flows: int = 0
+    """Of those, how many another flow on one of their links slowed down."""
 
     @property
     def iteration_time_s(self) -> float:
@@ -370,6 +374,8 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
                     sorted(delay_caused.items(), key=lambda kv: -kv[1])[:5] if d > 0],
         timelines={order[i]: v for i, v in timelines.items()},
         issue_times=None if issue is None else {order[i]: issue[i] for i in range(n)},
+        flows=net.flows if net is not None else 0,
+        slowed_flows=net.contended if net is not None else 0,
     )
 
 

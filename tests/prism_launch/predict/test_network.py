@@ -75,6 +75,7 @@ def test_replay_two_sends_through_one_nic_take_twice_as_long():
     alone = model.estimate_p2p(n, 0, 8)
     # rank 0 sends to two other nodes at once: both leave through its NIC
     rep = replay(_sends([(0, 8), (0, 16)], n), model)
+    assert (rep.flows, rep.slowed_flows) == (2, 2)
     assert rep.iteration_time_s == pytest.approx(alone.latency_s + 2 * alone.transfer_s, rel=1e-9)
     assert rep.iteration_time_s > alone.seconds * 1.9
     # one send alone: the same time as priced alone
@@ -85,6 +86,7 @@ def test_replay_sends_on_disjoint_nics_do_not_interfere():
     model = NcclCostModel(spec())
     n = 256 * MIB
     rep = replay(_sends([(0, 8), (1, 9)], n), model)   # GPUs 0 and 1 use rails 0 and 1
+    assert (rep.flows, rep.slowed_flows) == (2, 0)
     assert rep.iteration_time_s == pytest.approx(model.p2p_time(n, 0, 8))
 
 
@@ -186,3 +188,29 @@ def test_nccl_fit_held_out_error_check_fails_on_a_planted_bad_point(capsys):
     assert fit.report(systems, fit.evaluate(systems, all_covered, rows), 0.10) == 0
     assert fit.report(systems, fit.evaluate(systems, all_covered, bad), 0.10) == 1
     assert "MISSED" in capsys.readouterr().out
+
+
+def test_replay_data_parallel_reduce_scatter_and_pipeline_send_share_the_nic():
+    from prism_launch.predict.simulate import COLL
+
+    model = NcclCostModel(spec())
+    n = 256 * MIB
+    rs = ("reduce_scatter", n, (0, 8))                 # DP pair on two nodes: rail-0 NICs
+    send = (0, 0, 16, 0, 0)                            # PP send from GPU 0 to node 2: rail-0 NIC too
+
+    def graph(with_send):
+        g = {0: [(COLL, 0.0, ("c", 1, 0), rs)], 8: [(COLL, 0.0, ("c", 1, 0), rs), (WAIT, 0.0, ("c", 1, 0), None)]}
+        if with_send:
+            g[0].append((SEND, 0.0, send, n))
+            g[16] = [(RECV, 0.0, send, None), (WAIT, 0.0, ("r", send), None)]
+            g[0].append((WAIT, 0.0, ("s", send), None))
+        g[0].append((WAIT, 0.0, ("c", 1, 0), None))
+        for evs in g.values():
+            evs.append((MARK, 0.0, 0, None))
+        return Graph(g, 24)
+
+    alone = replay(graph(False), model).iteration_time_s
+    assert alone == pytest.approx(model.collective_time(*rs))
+    both = replay(graph(True), model)
+    assert both.slowed_flows == 2
+    assert both.iteration_time_s > 1.5 * alone
