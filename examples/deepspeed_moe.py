@@ -19,6 +19,11 @@ After every step rank 0 prints::
 With ``--log-all-ranks`` every rank prints its values and a checksum of its parameters::
 
     rank R iter N | loss <repr> | grad_norm <repr> | param_checksum <repr>
+
+With ``--log-gate-counts`` every rank prints, for every forward of every MoE layer's gate, the
+tokens it routed to each expert before (``exp_counts``) and after (``routed``) the capacity limit::
+
+    gate_counts {"rank": R, "iter": N, "layer": L, "exp_counts": [...], "routed": [...]}
 """
 
 import argparse
@@ -53,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-all-ranks", action="store_true",
                    help="every rank prints its loss, grad norm and a parameter checksum each step")
+    p.add_argument("--log-gate-counts", action="store_true",
+                   help="every rank prints each gate's tokens per expert, before and after the capacity limit")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args(argv)
 
@@ -113,6 +120,25 @@ class MoEGPT(nn.Module):
         return lm_loss + self.aux_loss_coeff * aux, lm_loss
 
 
+def log_gate_counts(model, rank, state):
+    """Print every gate's counts as it runs (``--log-gate-counts``); ``state["iter"]``: the step."""
+    def hook(layer):
+        def print_counts(_gate, _inputs, output):
+            exp_counts = output[-1]
+            if len(output) == 7:  # sparse routes: the expert of each route, -1 where capacity dropped it
+                idx = output[3].reshape(-1)
+                routed = torch.bincount(idx[idx >= 0].long(), minlength=exp_counts.numel())
+            else:  # the dispatch mask [tokens, experts, capacity]
+                routed = output[2].sum(dim=(0, 2))
+            line = {"rank": rank, "iter": state["iter"], "layer": layer, "exp_counts": exp_counts.tolist(),
+                    "routed": routed.tolist()}
+            sys.stdout.write(f"gate_counts {json.dumps(line)}\n")
+        return print_counts
+
+    for i, block in enumerate(model.blocks):
+        block.moe.deepspeed_moe.gate.register_forward_hook(hook(i))
+
+
 def synthetic_sample(seed, index, seq_length, vocab_size):
     """Deterministic sample ``index``: noisy arithmetic sequences mod vocab."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
@@ -139,11 +165,15 @@ def main(argv=None):
     accum = engine.gradient_accumulation_steps()
     rank, world = dist.get_rank(), dist.get_world_size()
     global_batch = micro * accum * world
+    state = {"iter": 0}
+    if args.log_gate_counts:
+        log_gate_counts(engine.module, rank, state)
     if rank == 0:
         print(f"experts {args.num_experts} | ep {ep_size} | dp {world} | micro {micro} | accumulation {accum}",
               flush=True)
 
     for iteration in range(args.train_iters):
+        state["iter"] = iteration + 1
         start = time.perf_counter()
         losses = []
         for mb in range(accum):

@@ -66,6 +66,12 @@ by itself when the script passes ``--deepspeed_config`` (see the README).
   A pure ZeRO job therefore folds to the sandbox ranks alone; a pipeline job to one
   pipeline (x model-parallel slice); an MoE job to one expert-parallel group.
 
+* **MoE gate counts.** DeepSpeed's token dispatch exchanges a fixed capacity per expert, so a
+  forward hook on every ``TopKGate`` sends the gate's own counts (tokens per expert before and
+  after the capacity limit) with the dispatch all-to-all that follows, in a capture only
+  (:mod:`integrations.deepspeed_gate_counts`; the report's ``moe`` section:
+  :mod:`integrations.deepspeed_moe`).
+
 * **Memory.** After a rank's first optimizer step its log gets one line,
   ``prism-launch: deepspeed memory rank R {json}`` (:func:`memory_breakdown`): ZeRO-3 partition
   bytes, fp32 partitions, the configured reduce/all-gather/prefetch buckets and the live-parameter
@@ -81,6 +87,7 @@ from __future__ import annotations
 import os
 import threading
 
+from integrations.deepspeed_gate_counts import patch_gate
 from integrations.import_hooks import after_import
 
 __all__ = ["install", "is_installed", "group_label", "LABELS", "physical_gpu", "set_physical_gpu",
@@ -492,6 +499,7 @@ _PATCHES = {
     "deepspeed.runtime.zero.utils": _patch_zero_utils,
     "deepspeed.runtime.pipe.topology": _patch_topology,
     "deepspeed.utils.groups": _patch_groups,
+    "deepspeed.moe.sharded_moe": patch_gate,
 }
 
 

@@ -9,6 +9,12 @@ sends the values of every small integer contribution to an all-gather, all-reduc
 all-to-all with the op (:class:`nccl_ext.core.protocol.Ints`), whatever the payload policy;
 the trace keeps them in the event's ``extra["ints"]``. Nothing here knows about MoE: what
 reads them decides what they mean.
+
+Some dispatchers exchange no counts: DeepSpeed's ``MOELayer`` all-to-alls a fixed capacity per
+expert, its gate's counts stay on the rank. An integration hands such counts to
+:func:`attach` (from a forward hook, reading what the program computed anyway); they travel
+as the ``ints`` of the rank's next all-to-all whose own contribution is no integer counts —
+the dispatch that follows the gate — and the program issues nothing more.
 """
 
 from __future__ import annotations
@@ -21,13 +27,44 @@ INTS_MAX_BYTES = 4096
 """Contributions of at most this many bytes (all tensors together) are recorded by value:
 a count per expert for up to 512 experts in int64."""
 
-EP_GROUPS = ("EXPERT_MODEL_PARALLEL", "EXPERT_TENSOR_AND_MODEL_PARALLEL", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL")
-"""Substrings of the descriptions of expert-parallel groups (megatron-core's names); the first
-names the EP group proper, whose member order gives a rank's EP position."""
+EP_GROUPS = ("EXPERT_MODEL_PARALLEL", "EXPERT_TENSOR_AND_MODEL_PARALLEL", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL",
+             "DEEPSPEED_EXPERT_PARALLEL")
+"""Substrings of the descriptions of expert-parallel groups (megatron-core's names, and the
+label :mod:`integrations.deepspeed_compat` gives DeepSpeed's); :data:`EP_PROPER` name the EP
+groups proper, whose member order gives a rank's EP position."""
+
+EP_PROPER = ("EXPERT_MODEL_PARALLEL", "DEEPSPEED_EXPERT_PARALLEL")
+"""The EP groups proper among :data:`EP_GROUPS` (megatron-core's combined expert groups also
+contain ``EXPERT_MODEL_PARALLEL`` in their names: :func:`is_ep_proper` excludes them)."""
 
 
 def is_expert_parallel(desc: str) -> bool:
     return any(p in (desc or "") for p in EP_GROUPS)
+
+
+def is_ep_proper(desc: str) -> bool:
+    """Whether ``desc`` names an EP group proper (not one combined with tensor or pipeline parallelism)."""
+    desc = desc or ""
+    return any(p in desc for p in EP_PROPER) and not any(p in desc for p in EP_GROUPS if p not in EP_PROPER)
+
+
+_attached: list[list[int]] | None = None
+"""Counts an integration attached to the rank's next all-to-all (:func:`attach`); one slot: a
+later attachment before that all-to-all replaces it (at most one per dispatch is meant)."""
+
+
+def attach(values: list[int]) -> None:
+    """Send ``values`` (small integers) as the ``ints`` of this rank's next all-to-all whose own
+    contribution is no integer counts (module doc). Only a capturing transport consumes them."""
+    global _attached
+    _attached = [[int(v) for v in values]]
+
+
+def take_attached() -> list[list[int]] | None:
+    """The attached counts, once (None when there are none)."""
+    global _attached
+    out, _attached = _attached, None
+    return out
 
 
 def carried_counts(kind: Collective, tensors, desc: str) -> bool:
@@ -49,6 +86,9 @@ def small_ints(kind: Collective, tensors, read: bool = True):
     few bytes back (a synchronisation the dispatcher makes anyway for its split sizes)."""
     if kind not in _KINDS or not tensors:
         return None
+    if read and kind is Collective.ALL_TO_ALL and _attached is not None and \
+            any(t.dtype not in _COUNT_DTYPES for t in tensors):
+        return take_attached()  # the integration's counts for this dispatch (module doc)
     total = 0
     for t in tensors:
         if t.dtype not in _COUNT_DTYPES:  # bytes (uint8: pickled objects) and floats are no counts

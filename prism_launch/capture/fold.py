@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from nccl_ext.core.routing_counts import EP_GROUPS, is_expert_parallel
+from nccl_ext.core.routing_counts import EP_GROUPS, is_ep_proper, is_expert_parallel
 from prism_launch.trace.fold import FoldError, FoldPlan
 
 __all__ = ["EP_GROUPS", "FoldError", "FoldPlan", "ep_positions", "is_expert_parallel", "is_replicated", "plan"]
@@ -87,7 +87,7 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
                 model_groups_of[r].append(gi)
             if ep_sample and is_expert_parallel(desc):
                 expert_groups.add(gi)
-                if EP_GROUPS[0] in desc and not any(p in desc for p in EP_GROUPS[1:]):
+                if is_ep_proper(desc):
                     ep_size = max(ep_size, len(ranks))
                     for i, r in enumerate(ranks):
                         ep_pos.setdefault(int(r), i)

@@ -71,6 +71,7 @@ BUILTIN: tuple[Integration, ...] = (
                 # (not --data-cache-path: ranks read the dataset index cache that rank 0 builds there)
                 output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")),
     Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",
+                moe="integrations.deepspeed_moe",
                 compat_devices=("cpu", "cuda"),  # device mapping, rank-0 checks, padding, group labels
                 recipe_flags=("--deepspeed_config", "--deepspeed-config", "--deepspeed"), warm_imports=("deepspeed",),
                 # DeepSpeedExamples' and HF-style training scripts' output and run-name flags
@@ -133,6 +134,20 @@ def recognised(script_args: list[str]) -> list[str]:
     """Integrations whose recipe flags appear among ``script_args`` (``--flag`` or ``--flag=v``)."""
     flags = {a.split("=", 1)[0] for a in script_args}
     return [n for n, i in integrations().items() if flags.intersection(i.recipe_flags)]
+
+
+DEFAULT_MOE = "megatron"
+"""``integration.moe``'s default (:class:`prism_launch.config.integration.IntegrationConfig`)."""
+
+
+def choose_moe(setting: str | None, script_args: list[str]) -> str | None:
+    """The MoE detector for a trace: ``integration.moe`` as set, except that the default
+    (``megatron``) gives way to the integration the recipe's flags name when that one has a
+    ``moe`` role (a DeepSpeed recipe's ``--deepspeed_config``: DeepSpeed's dispatch); null: none."""
+    if setting != DEFAULT_MOE:
+        return setting
+    own = [n for n in recognised(script_args) if integrations()[n].moe]
+    return own[0] if own else setting
 
 
 def gpu_waits_verdicts(script_args: list[str]) -> list[tuple[str, bool, str]]:

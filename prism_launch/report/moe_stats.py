@@ -2,7 +2,8 @@
 overall, all-to-all bytes, dropped tokens, and what the imbalance costs in the global replay.
 
 Reads the trace only. Which collectives are token dispatches is framework knowledge: the
-module of the integration named by ``integration.moe`` (default ``megatron``; see :mod:`prism_launch.config.registry`) exposes
+module of the integration named by ``integration.moe`` (default ``megatron``, or the recipe's own
+integration where it has a detector: :func:`prism_launch.config.registry.choose_moe`) exposes
 ``find_dispatches(rows, groups, read_tensor, script_args)``; this module aggregates what it
 finds. The report's ``moe`` section:
 
@@ -97,7 +98,7 @@ def aggregate(found: dict, rows: list[dict]) -> dict | None:
         for e, n in enumerate(tpe):
             step_experts[u][e] += n
         per_dispatch.append(_ratio(tpe))
-        ok = True
+        ok = d.get("verified", True)  # a detector's own check where the all-to-all sizes say nothing
         for m, c in counts.items():
             group = d["ep_group"][m]
             ep_sizes.add(len(group))
@@ -293,7 +294,8 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
               plot_dir: Path | None = None) -> dict | None:
     """The report's ``moe`` section, or None when the trace has no MoE token dispatch; with
     ``plot_dir`` also the expert-load plot there (:data:`PLOT`)."""
-    name = cfg.integration.moe
+    script_args = list(reader.manifest.extra.get("script_args") or [])
+    name = registry.choose_moe(cfg.integration.moe, script_args)
     if not name:
         return None
     detector = registry.load(name, "moe", where="integration.moe")
@@ -301,7 +303,7 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     fold = reader.read_json(TraceLayout.FOLD) if TraceLayout.FOLD in reader.json_files() else None
     found = detector.find_dispatches(rows, groups, reader.tensor,
-                                     script_args=list(reader.manifest.extra.get("script_args") or []),
+                                     script_args=script_args,
                                      complete=_ep_completion(fold))
     stats = aggregate(found, rows)
     if stats is None:
@@ -311,8 +313,9 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
         return None
     stats["detector"] = name
     stats["payload"] = reader.manifest.extra.get("payload")
-    stats["counts_source"] = ("every captured rank's routed-token counts, recorded by value in every payload mode "
-                              "(extra.ints of the count collectives)")
+    stats["counts_source"] = found.get("counts_source") or (
+        "every captured rank's routed-token counts, recorded by value in every payload mode "
+        "(extra.ints of the count collectives)")
     if fold is not None:
         derived = sorted({m for d in found["dispatches"] for m in d.get("derived", ())})
         stats["fold"] = {"captured_ranks": len(fold["captured"]), "world_size": fold["world_size"],
