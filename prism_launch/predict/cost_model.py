@@ -275,8 +275,9 @@ class NcclCostModel:
         est = self._estimate(kind, nbytes, ranks)
         if est.transfer_s <= 0:
             return Flow(latency_s=est.latency_s, work_s=0.0, links=())
-        return Flow(latency_s=est.latency_s, work_s=est.transfer_s,
-                    links=collective_links(self.cluster, kind, ranks))
+        g = self._geometry(ranks)
+        return Flow(latency_s=est.latency_s, work_s=est.transfer_s, links=collective_links(self.cluster, kind, ranks),
+                    members_only=g.n_nodes == 1 and g.p == self.cluster.gpus_per_node)
 
     def p2p_flow(self, nbytes: int, src: int, dst: int) -> Flow:
         """The transfer as a flow for the replay (see :meth:`flow`)."""

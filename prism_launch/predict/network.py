@@ -15,6 +15,11 @@ a link whose summed demand is or was above 1, so uncontended traffic costs a hea
 pop per flow and a load update per link. Completion times are kept in a heap with lazy
 invalidation.
 
+A collective over every GPU of an NVLink domain whose members all wait on it
+(:attr:`Flow.members_only`; a tensor-parallel all_reduce) is *claimed* instead when its
+links are idle: nobody else can reach those ports before its members resume, so it runs
+alone and costs no event at all (:meth:`FlowNetwork.claim`).
+
 Causality: :meth:`FlowNetwork.add` may only be called with a start time at or after the
 time of the last event :meth:`FlowNetwork.pop` returned; the replay guarantees it, as every
 rank that issues work after a completion resumes no earlier than that completion.
@@ -44,6 +49,10 @@ class Flow:
     links: tuple[tuple[Hashable, float], ...]
     """``(link, demand)`` for every link the flow crosses; a demand above 1 means the link
     alone slows it (an oversubscribed uplink)."""
+    members_only: bool = False
+    """Only the op's own members can put traffic on its links (a collective over every GPU of
+    an NVLink domain: nobody else reaches those ports). When all of them wait on it and its
+    links are idle, nothing can overlap it: :meth:`FlowNetwork.claim` prices it alone."""
 
     @property
     def alone_s(self) -> float:
@@ -76,6 +85,8 @@ class FlowNetwork:
         self._heap: list = []
         self._seq = 0
         self._load: dict = {}     # link -> summed demand of the active flows on it
+        self._users: dict = {}    # link -> flows added and not yet finished on it
+        self._free_at: dict = {}  # link -> when the last flow on it finished (or a claim ends)
         self._active: set = set()  # flows moving bytes, for the scan after a link got crowded
         self.flows = 0
         self.contended = 0
@@ -88,8 +99,26 @@ class FlowNetwork:
             raise RuntimeError(f"flow added at {start!r} before the network's time {self.now!r} (replay order broken)")
         self._seq += 1
         self.flows += 1
+        users = self._users
+        for link, _d in flow.links:
+            users[link] = users.get(link, 0) + 1
         act = _Active(flow.links, flow.work_s, token)
         heapq.heappush(self._heap, (max(start, self.now) + flow.latency_s, self._seq, _START, act, 0))
+
+    def claim(self, start: float, flow: Flow) -> float | None:
+        """Price a :attr:`Flow.members_only` flow whose members all wait on it: if no flow is on
+        its links at ``start`` or later, reserve them until it ends and return that end (it
+        runs alone: nothing else can start on them before its members resume); else None
+        (:meth:`add` it)."""
+        users, free = self._users, self._free_at
+        for link, _d in flow.links:
+            if users.get(link) or free.get(link, 0.0) > start:
+                return None
+        end = start + flow.alone_s
+        for link, _d in flow.links:
+            free[link] = end
+        self.flows += 1
+        return end
 
     def pending(self) -> bool:
         return bool(self._heap)
@@ -127,7 +156,11 @@ class FlowNetwork:
                 continue  # superseded by a rate change
             self._active.discard(act)
             crowded = None
+            users, free = self._users, self._free_at
             for link, d in act.links:
+                users[link] -= 1
+                if free.get(link, 0.0) < t:
+                    free[link] = t
                 before = load[link]
                 lo = before - d
                 if lo > _EPS:

@@ -318,10 +318,15 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
                         fl = cost_cache.get(info)
                         if fl is None:
                             fl = cost_cache[info] = model.flow(*info[:3])
-                        if fl.links:
-                            net.add(st[1], fl, (sl, -1, by))
-                        else:
+                        if not fl.links:
                             complete(sl, st[1] + fl.latency_s, by)
+                        elif (fl.members_only and p + 1 < ne and evs[p + 1][0] == WAIT and evs[p + 1][2] == sl
+                              and len(blocked.get(sl, ())) == len(arrivals) - 1
+                              and (end := net.claim(st[1], fl)) is not None):
+                            # every member waits on it and nobody else reaches its links
+                            complete(sl, end, by)
+                        else:
+                            net.add(st[1], fl, (sl, -1, by))
             elif code == SEND:
                 nbytes, src, dst, rsl = info
                 pk = (nbytes, src, dst)

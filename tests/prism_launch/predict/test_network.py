@@ -214,3 +214,29 @@ def test_replay_data_parallel_reduce_scatter_and_pipeline_send_share_the_nic():
     both = replay(graph(True), model)
     assert both.slowed_flows == 2
     assert both.iteration_time_s > 1.5 * alone
+
+
+def test_whole_node_collective_is_claimed_alone_unless_its_ports_are_busy():
+    from prism_launch.predict.simulate import COLL
+
+    model = NcclCostModel(spec())
+    n = 64 * MIB
+    ar = ("all_reduce", n, tuple(range(8)))
+    key = ("c", 1, 0)
+
+    def graph(with_p2p):
+        g = {r: [(COLL, 0.0, key, ar), (WAIT, 0.0, key, None)] for r in range(8)}
+        if with_p2p:   # GPU 0 sends to GPU 1 over NVLink while the all_reduce runs
+            send = (0, 0, 1, 0, 0)
+            g[0] = [(SEND, 0.0, send, n), *g[0], (WAIT, 0.0, ("s", send), None)]
+            g[1] = [*g[1], (RECV, 0.0, send, None), (WAIT, 0.0, ("r", send), None)]
+        for evs in g.values():
+            evs.append((MARK, 0.0, 0, None))
+        return Graph(g, 8)
+
+    alone = replay(graph(False), model)
+    assert alone.iteration_time_s == pytest.approx(model.collective_time(*ar))
+    assert (alone.flows, alone.slowed_flows) == (1, 0)
+    busy = replay(graph(True), model)
+    assert busy.slowed_flows == 2          # the send holds ports 0 and 1: no claim, both share
+    assert busy.iteration_time_s > alone.iteration_time_s + 0.5 * model.p2p_time(n, 0, 1)
