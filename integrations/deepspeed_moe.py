@@ -17,7 +17,9 @@ forward on one micro-batch; per rank it gives:
 
 A dispatch is verified when no expert got more than the capacity and none more than the gate
 routed to it. Of an EP-folded capture, uncaptured members' counts come from ``complete`` (the
-captured routers' apportioned, as for megatron-core: :mod:`prism_launch.capture.ep_fold`).
+captured routers' apportioned, as for megatron-core: :mod:`prism_launch.capture.ep_fold`); where
+a captured gate dropped tokens at that dispatch, an uncaptured member keeps at most the capacity
+of what it routes to an expert (its derived ``exp_counts``), as its gate would have.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
             if routed is None or pre is None:
                 incomplete += 1  # e.g. a folded trace without EP folding: some members were not captured
                 continue
+            if any(d["routed"][m] != d["pre"][m] for m in d["routed"]):  # the capacity binds (drop_tokens)
+                routed = {m: c if m in d["routed"] else [min(n, d["capacity"]) for n in pre[m]] for m, c in routed.items()}
             d["routed"], d["pre"] = routed, pre
             for m in d["derived"]:
                 d["ep_group"][m] = members

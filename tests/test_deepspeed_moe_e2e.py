@@ -68,3 +68,35 @@ def test_the_moe_section_has_the_recipes_gate_counts(tmp_path):
     assert eff["most_loaded_tokens"] == max(o["tokens_per_ep_rank"].values()) and len(eff["per_rank"]) == 8
     assert (report / moe["plot"]).exists()
     assert "MoE routing (4 experts, EP [4], 24 dispatches)" in r.stderr
+
+
+def test_a_1024_rank_world_folded_to_four_routers_of_one_ep_group(tmp_path):
+    """EP 16 over 1,024 ranks, sandbox rank 1001 (EP position 9): ``capture.ep_sample=4`` (the
+    default) captures positions 1, 5, 9, 13 of its group (DeepSpeed's ``DEEPSPEED_EXPERT_PARALLEL``)
+    and derives the other twelve routers' counts from theirs."""
+    r = run_prism(["--nnodes", "128", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
+                   "capture.fold=true", "sandbox.ranks=[1001]", "--log-dir", tmp_path / "logs", "mode=auto",
+                   f"trace.dir={tmp_path / 'trace'}", *SCRIPT, "--num-experts", "16", "--ep-size", "16"],
+                  cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "captured 4 of 1024 logical ranks" in r.stderr
+    moe = json.loads((tmp_path / "trace" / "report" / "report.json").read_text())["moe"]
+    gates = gate_lines(tmp_path / "logs")
+    captured = [993, 997, 1001, 1005]
+    assert sorted({g["rank"] for g in gates}) == captured
+    assert moe["fold"]["ep_positions"] == [1, 5, 9, 13] and moe["fold"]["ep_ranks_derived"] == 12
+    assert moe["ep_sizes"] == [16] and moe["dispatches"] == moe["dispatches_verified"] == LAYERS * MICRO * ITERS
+    per_rank = moe["per_rank"]
+    assert sorted(map(int, per_rank)) == list(range(992, 1008))
+    for rank in captured:  # the captured routers' counts are their gates'
+        mine = [g for g in gates if g["rank"] == rank]
+        assert per_rank[str(rank)]["tokens_per_expert"] == [sum(g["routed"][e] for g in mine) for e in range(16)]
+        assert not per_rank[str(rank)]["derived"]
+    capacity = 4  # ceil(64 tokens / 16 experts), min_capacity 4
+    for rank, v in per_rank.items():
+        if v["derived"]:  # an uncaptured gate keeps at most the capacity per expert and dispatch too
+            assert all(n <= capacity * LAYERS * MICRO * ITERS for n in v["tokens_per_expert"])
+            assert sum(v["sent_tokens"]) > 0
+    o = moe["overall"]
+    assert o["routed_tokens"] == sum(sum(v["tokens_per_expert"]) for v in per_rank.values())
+    assert o["dropped_tokens"] >= sum(sum(g["exp_counts"]) - sum(g["routed"]) for g in gates) > 0

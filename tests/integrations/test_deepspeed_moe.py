@@ -118,12 +118,16 @@ def test_a_gate_over_capacity_is_not_verified_and_a_missing_member_is_skipped():
     alone = find_dispatches([_a2a(0, 0, 0, encode(0, 6, [8, 2], [6, 2]))], {1: (0, 1)})
     assert alone["dispatches"] == [] and "not every member" in alone["notes"][0]
 
-    def complete(members, present):  # an EP-folded capture: rank 1 routes as the captured rank 0
-        return {m: present.get(m, present[0]) for m in members}
+    def complete(members, present):  # an EP-folded capture: rank 1 routes twice what the captured rank 0 does
+        return {m: present.get(m, [2 * n for n in present[0]]) for m in members}
 
     folded = find_dispatches([_a2a(0, 0, 0, encode(0, 6, [8, 2], [6, 2]))], {1: (0, 1)}, complete=complete)
     [d] = folded["dispatches"]
-    assert d["derived"] == [1] and d["counts"][1] == [6, 2] and d["pre_drop"][1] == [8, 2]
+    # rank 0's gate dropped tokens: the derived rank's gate keeps at most the capacity (6) per expert
+    assert d["derived"] == [1] and d["pre_drop"][1] == [16, 4] and d["counts"][1] == [6, 4]
+    assert d["counts"][0] == [6, 2] and d["verified"]
+    dropless = find_dispatches([_a2a(0, 0, 0, encode(0, 8, [8, 2], [8, 2]))], {1: (0, 1)}, complete=complete)
+    assert dropless["dispatches"][0]["counts"][1] == [16, 4]  # no captured gate dropped: none is assumed
 
 
 def test_deepspeed_recipes_get_deepspeeds_detector_by_default():
