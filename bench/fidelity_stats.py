@@ -90,7 +90,8 @@ def failures(rows: list[dict]) -> list[str]:
         key, what = (("error_abs_mean_pct", "mean |iteration-time error|") if r.get("goal_absolute")
                      else ("error_mean_pct", "mean iteration-time error"))
         if g is not None and _finite(r.get(key)) and abs(r[key]) > g:
-            out.append(f"{r['case']}: {what} {r[key]:+.2f}% beyond the goal ±{g}%")
+            shown = f"{r[key]:.2f}%" if r.get("goal_absolute") else f"{r[key]:+.2f}%"
+            out.append(f"{r['case']}: {what} {shown} beyond the goal {'' if r.get('goal_absolute') else '±'}{g}%")
         g = r.get("time_max_goal_pct")
         if g is not None and _finite(r.get("error_abs_max_pct")) and r["error_abs_max_pct"] > g:
             out.append(f"{r['case']}: largest |iteration-time error| {r['error_abs_max_pct']:.2f}% beyond the goal {g}%")
