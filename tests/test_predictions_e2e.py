@@ -27,7 +27,7 @@ def emulated(tmp_path_factory):
 def test_iteration_time_is_the_hand_computed_critical_path(emulated):
     _d, rep = emulated
     pred = rep["predicted"]
-    assert pred["cluster"] == "cpu_local" and pred["compute_source"] == "bare (cpu)"  # device=cpu's default cluster
+    assert pred["cluster"] == "cpu_local" and pred["compute_source"] == "cpu thread"  # device=cpu's default cluster
     compute_ms = max(COMPUTE_MS) + 10.0 + 15.0  # slowest rank before the all-reduce, then both pipeline stages
     # cpu_local: ~174 us per hop; one 1 KiB all-reduce over 3 ranks and two 1 KiB transfers cost < 3 ms;
     # the CPU-time spans also carry each step's own interpreter work beside the burns (up to 5.5 ms
