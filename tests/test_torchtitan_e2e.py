@@ -3,8 +3,18 @@ under prism-launch on CPU: FSDP over 8 ranks is captured, and a sandbox rank tha
 is emulated against the trace with the capture's losses. The tokenizer and the dataset are
 written locally (examples/torchtitan/make_assets.py); nothing is downloaded.
 
-Known gap: the emulated rank's gradient reduce-scatter contributions differ from the recorded
-ones in the last bits (|diff| ~ 1e-5, reported as divergences), so bit-identity is not asserted.
+The job runs with ``--debug.seed``: without it torchtitan's rank 0 draws the base seed, so two
+captures of the same command differ (with it, two captures are bit-identical, with and without
+``capture.exchange``).
+
+Known gap: the first training step is bit-identical (no divergence), and every result the sandbox
+receives through step 2's first gradient reduce-scatter (all-gathers, reduce-scatters,
+all-reduces) equals the capture's bit for bit; from step 2's second reduce-scatter on, the
+sandbox's own transformer-block gradients differ from the recorded ones by one bfloat16 ulp in
+~18% of their elements (the output layer's and the embedding's gradients stay identical), so
+bit-identity from step 2 on is not yet asserted. Ruled out: thread counts (1 intra-op, 2 inter-op
+in both), oneDNN (``torch.backends.mkldnn.enabled=False``: the same divergences), activation
+checkpointing (``--activation_checkpoint.mode none``: the same), the shared-memory exchange.
 """
 
 import json
@@ -41,7 +51,7 @@ def _script(assets, out):
     return ["-m", "torchtitan.train", "--model.name", "llama3", "--model.flavor", "debugmodel",
             "--model.hf_assets_path", tok, "--training.dataset_path", data, "--training.steps", "3",
             "--training.local_batch_size", "1", "--training.seq_len", "64", "--metrics.log_freq", "1",
-            "--metrics.disable_color_printing", "--job.dump_folder", out]
+            "--metrics.disable_color_printing", "--debug.seed", "7", "--job.dump_folder", out]
 
 
 @pytest.mark.slow
@@ -61,10 +71,12 @@ def test_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
     cap, emu = _losses(rank_lines(tmp_path / "cap", 3)), _losses(rank_lines(tmp_path / "emu", 3))
     # torchtitan prints losses to 5 decimals: equal while the last-bit gradient differences
     # (see the module docstring) have not yet moved them, then within 1e-3
-    assert len(cap) == 3 and [s for s, _ in emu] == [s for s, _ in cap] and emu[0] == cap[0]
+    assert len(cap) == 3 and [s for s, _ in emu] == [s for s, _ in cap] and emu[:2] == cap[:2], (emu, cap)
     assert all(abs(float(a) - float(b)) < 1e-3 for (_, a), (_, b) in zip(emu, cap)), (emu, cap)
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["virtual_ranks"] == 7 and report["ranks"]["3"]["ops"] > 50
-    # the only divergences are last-bit differences in gradient reductions, never a different op
+    # the only divergences are last-bit differences in gradient reductions, never a different op,
+    # and none in the first step (report steps count from 0)
     for d in report["ranks"]["3"]["divergences"]:
+        assert d["step"] >= 1, d
         assert d["kind"] in ("value", "tolerance") and d["max_abs_diff"] < 1e-3, d
