@@ -11,6 +11,7 @@ import time
 from nccl_ext.capture.pending_ops import PendingOps
 from nccl_ext.capture.progress import RankProgress
 from nccl_ext.core import handshake, protocol, wire
+from nccl_ext.core.errors import WireDeadlineError
 from nccl_ext.core.pending import CommDeadlineError
 from nccl_ext.core.protocol import Alive, Free, Go
 
@@ -88,7 +89,11 @@ class CoordinatorLink:
                 return
             if ready:
                 try:
-                    header, tensors = wire.recv(self._conn)
+                    header, tensors = wire.recv(self._conn, self.timeout_s,
+                                                f"the capture coordinator's message to rank {self._progress.rank}")
+                except WireDeadlineError as e:
+                    self._fail_all(str(e))
+                    return
                 except (OSError, EOFError):
                     self._fail_all("the capture coordinator closed the connection")
                     return

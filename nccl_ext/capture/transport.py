@@ -39,6 +39,7 @@ from nccl_ext.capture.pending_ops import PendingOps
 from nccl_ext.capture.progress import RankProgress
 from nccl_ext.core.groups import GroupInfo
 from nccl_ext.core.ops import Collective
+from nccl_ext.core.ranklist import short_ranks
 from nccl_ext.core.pending import CommDeadlineError, Pending
 from nccl_ext.core.call import CollectiveCall
 from nccl_ext.core.spans import DeviceTimedClock, thread_cpu_seconds
@@ -152,7 +153,7 @@ class CaptureTransport:
 
     def collective(self, group: GroupInfo, seq: int, call: CollectiveCall) -> Pending:
         self._waits.check_deferred()
-        what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {_short(group.ranks)}) seq {seq}"
+        what = f"rank {self.rank}: {call.api} on group {group.key} (ranks {short_ranks(group.ranks)}) seq {seq}"
         ints = routing_counts.small_ints(call.kind, call.tensors)
         if ints is not None:  # kept by value in every payload mode (MoE routing statistics)
             self._send(Ints(group.key, seq, ints))
@@ -327,6 +328,7 @@ class CaptureTransport:
             return
         self._closed.set()
         self._x.close_gpu(self.timeout_s)  # the reads of ops whose folds are still running on the GPU
+        self._waits.close_deferred(self.timeout_s)  # flags still deferred: written, or failed by name
         if self._waits.deferred_error is not None:  # no op came after it to raise it
             print(f"prism-launch: rank {self.rank}: an op failed after the program went on past its wait: "
                   f"{self._waits.deferred_error}", file=sys.stderr, flush=True)
@@ -378,6 +380,3 @@ class CaptureTransport:
         else:
             p.fail(CommDeadlineError(m.message) if m.deadline else RuntimeError(m.message))
 
-
-def _short(ranks: tuple[int, ...]) -> str:
-    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 SHOWN = 8
 """A list of at most this many ranks is printed in full; a longer one as its first
@@ -11,11 +11,13 @@ SHOWN = 8
 
 def short_ranks(ranks: Iterable[int]) -> str:
     """``[0, 1, 2]``; ``[0, 8, 16, 24, 32, 40, ..., 1008, 1016] (128 ranks)``."""
-    ranks = [int(r) for r in ranks]
-    if len(ranks) <= SHOWN:
-        return str(ranks)
-    head = ", ".join(map(str, ranks[:SHOWN - 2]))
-    return f"[{head}, ..., {ranks[-2]}, {ranks[-1]}] ({len(ranks)} ranks)"
+    if not isinstance(ranks, Sequence):
+        ranks = list(ranks)
+    n = len(ranks)  # only what is printed is read: every op's message names its group's ranks
+    if n <= SHOWN:
+        return str([int(r) for r in ranks])
+    head = ", ".join(str(int(r)) for r in ranks[:SHOWN - 2])
+    return f"[{head}, ..., {int(ranks[-2])}, {int(ranks[-1])}] ({n} ranks)"
 
 
 __all__ = ["SHOWN", "short_ranks"]

@@ -171,7 +171,8 @@ class Coordinator:
             try:
                 while conn.poll(0):
                     t = time.perf_counter()
-                    header, tensors = wire.recv(conn)
+                    header, tensors = wire.recv(conn, self.timeout_s,
+                                                f"a message from rank {self._rank_of.get(conn, '(connecting)')}")
                     message = protocol.decode(header)
                     t1 = time.perf_counter()
                     self.busy_s["receive"] += t1 - t
