@@ -61,6 +61,7 @@ class StepFlops:
         self._counter = FlopCounterMode(display=False, custom_mapping=mapping)
         self._t0 = time.perf_counter()
         self._counter.__enter__()
+        _run_programs_kernels(self._counter)
 
     def _stop(self, complete: bool) -> None:
         counter, self._counter = self._counter, None
@@ -82,6 +83,34 @@ class StepFlops:
             except Exception as e:  # noqa: BLE001
                 self.result = {"step": COUNTED_STEP, "error": f"{type(e).__name__}: {e}"}
         return self.result
+
+
+def _run_programs_kernels(counter) -> None:
+    """Make the entered ``counter`` run every op with the kernel the program would run.
+
+    FlopCounterMode replaces an op outside its FLOP registry that has a composite definition by
+    that decomposition (``func.decompose()``, to find matmuls inside it): ``silu_backward`` in
+    bfloat16 then runs as separate bfloat16 elementwise ops and rounds differently from its
+    fused kernel, so the counted step's gradients would differ from every other run of the
+    program (an emulation replaying the capture, the real job). Counting only the ops the
+    program really dispatches keeps its numbers bit for bit; composite ops with a matmul inside
+    reach the dispatch modes already decomposed (their kernels are registered below autograd)."""
+    mode = getattr(counter, "mode", None)
+    if mode is None or getattr(type(mode), "__prism_exact__", False):
+        return
+    base = type(mode)
+
+    class _ProgramKernels(base):  # type: ignore[misc, valid-type]
+        __prism_exact__ = True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            import torch
+
+            if isinstance(func, torch._ops.HigherOrderOperator) or func._overloadpacket in self.counter.flop_registry:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            return func(*args, **(kwargs or {}))  # not counted: no FLOPs, and never decomposed
+
+    mode.__class__ = _ProgramKernels
 
 
 def _cpu_model() -> str:

@@ -54,3 +54,44 @@ def test_a_run_of_one_step_counts_nothing_and_an_unfinished_step_says_so():
 def test_cpu_device_info():
     info = device_info("cpu")
     assert info["kind"] == "cpu" and info["name"] and info["cores"] >= 1
+
+
+def _silu_mlp_grads(counting: bool) -> tuple[torch.Tensor, int | None]:
+    """A bfloat16 SiLU MLP's weight gradient, computed under the step counter or not."""
+    torch.manual_seed(1)
+    w1 = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(32, 64, dtype=torch.bfloat16)
+    x = torch.randn(48, 32, dtype=torch.bfloat16)
+    counter = StepFlops()
+    if counting:
+        counter.on_step()  # step 1 ended: step 2 is counted
+    (torch.nn.functional.silu(x @ w1.t()) @ w2.t()).float().square().sum().backward()
+    if counting:
+        counter.on_step()
+    r = counter.summary()
+    return w1.grad, (r or {}).get("flops")
+
+
+def test_the_counted_step_computes_bit_for_bit_as_any_other():
+    # FlopCounterMode decomposes ops outside its registry (silu_backward into bfloat16
+    # elementwise ops, rounded differently from the fused kernel): the counted step's
+    # gradients would differ from an uncounted run's in the last bits
+    plain, _ = _silu_mlp_grads(counting=False)
+    counted, flops = _silu_mlp_grads(counting=True)
+    assert torch.equal(counted, plain), int((counted != plain).sum())
+    # forward: two matmuls (2*48*32*64 FLOPs each); backward: the hidden gradient and w1's
+    # (neither x nor w2 needs a gradient)
+    assert flops == 2 * 48 * 32 * 64 * (2 + 2)
+
+
+def test_without_the_fix_flop_counter_mode_changes_silu_backward():
+    """The hazard the counter avoids, kept visible: if torch stops decomposing, this fails and
+    the guard in prism_launch/rank/flops.py can go."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(2)
+    g, x = torch.randn(64, 768, dtype=torch.bfloat16), torch.randn(64, 768, dtype=torch.bfloat16)
+    fused = torch.ops.aten.silu_backward(g, x)
+    with FlopCounterMode(display=False):
+        decomposed = torch.ops.aten.silu_backward(g, x)
+    assert not torch.equal(fused, decomposed)
