@@ -7,7 +7,8 @@ The job runs with ``--debug.seed``: without it torchtitan's rank 0 draws the bas
 captures of the same command differ (with it, two captures are bit-identical, with and without
 ``capture.exchange``).
 
-The emulated rank is bit-identical to its capture: the same losses, no divergence of any kind.
+The emulated rank is bit-identical to its capture: the same losses, no divergence of any kind;
+likewise TP2 x FSDP512 over 1,024 ranks, folded to one tensor-parallel pair.
 (The capture counts step 2's FLOPs under torch's FlopCounterMode, which would decompose
 ``silu_backward`` into separately rounded bfloat16 ops and change that step's gradients in the
 last bits: prism_launch/rank/flops.py runs the program's own kernels while counting.)
@@ -70,4 +71,38 @@ def test_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
     rank = report["ranks"]["3"]
     assert report["virtual_ranks"] == 7 and rank["ops"] > 50
     assert rank["losses"] == rank["captured_losses"] and rank["losses_match_capture"], rank["losses"]
+    assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
+
+
+TORCHTITAN_REPLICATED = ["DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg",
+                         "mesh_dp_", "mesh_fsdp", "mesh_efsdp", "mesh_batch", "mesh_loss"]
+"""capture.replicated_groups for torchtitan: its DeviceMesh names each dimension's group
+``mesh_<dim>``; the data-parallel ones (dp_shard, dp_replicate, and the flattened fsdp, efsdp,
+batch and loss meshes) span replicas, tp does not."""
+
+
+def test_fsdp_tp_1024_ranks_folded(assets, tmp_path, monkeypatch):
+    """TP2 x FSDP512 over 1,024 ranks, folded to the sandbox's tensor-parallel pair: rank 101
+    (FSDP index 50: its parameter shards are not padding) emulated bit for bit against its capture.
+    Loss parallelism is off (on CPU, DTensor's loss-parallel path moves targets to 'cuda')."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    groups = "capture.replicated_groups=[" + ",".join(TORCHTITAN_REPLICATED) + "]"
+    base = ["--nnodes", "128", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
+            "capture.fold=true", "sandbox.ranks=[101]", groups, f"trace.dir={tmp_path / 'trace'}"]
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]
+    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"), *tp],
+                  cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "captured 2 of 1024 logical ranks (folded)" in r.stderr
+    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", f"report.dir={tmp_path / 'rep'}",
+                   *_script(assets, tmp_path / "o2"), *tp], cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cap, emu = _losses(rank_lines(tmp_path / "cap", 101)), _losses(rank_lines(tmp_path / "emu", 101))
+    assert len(cap) == 3 and emu == cap, (emu, cap)
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    rank = report["ranks"]["101"]
+    assert report["virtual_ranks"] == 1023 and rank["ops"] > 100
+    assert rank["losses"] == rank["captured_losses"] and len(set(rank["losses"])) == 3  # it trains
     assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]

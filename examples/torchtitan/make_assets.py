@@ -40,7 +40,9 @@ def write_tokenizer(out: Path) -> Path:
     return out
 
 
-def write_dataset(out: Path, *, docs: int = 400, seed: int = 0) -> Path:
+def write_dataset(out: Path, *, docs: int = 2048, seed: int = 0) -> Path:
+    # torchtitan splits the documents over the data-parallel ranks (split_dataset_by_node): a rank
+    # left without one fails, so there are enough for 1,024 of them
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     # (datasets reads a file whose name holds "test" as the test split; torchtitan loads "train")
