@@ -25,7 +25,12 @@ script's arguments carry torchtitan's flags (``--job.config_file``, ``--model.na
   and ``manual_seed`` then behave as on a CPU mesh (the default generator, seeded by
   torchtitan's ``torch.manual_seed``).
 
-Checked against torchtitan 0.2.2 with torch 2.13 (CPU).
+* **Pipeline metadata inference.** torch's pipelining runs each later stage's forward once on
+  uninitialised tensors to learn its shapes; those are zero-filled, so the tensor-parallel
+  collectives of that forward carry the same bytes in a capture and in its emulation.
+
+The patches are active on CPU and CUDA (each is a no-op where it is not needed: Triton and NCCL
+present, CUDA available). Checked against torchtitan 0.2.2 with torch 2.13 (CPU).
 """
 
 from __future__ import annotations
@@ -175,6 +180,26 @@ def _cpu_permutation(mod) -> None:
     mod.generate_permute_indices = generate_permute_indices
 
 
+def _zeroed_stage_metadata(mod) -> None:
+    """torch.distributed.pipelining's metadata inference (torch 2.13: ``TensorMeta.to_tensor``
+    and ``to_dtensor``) runs each later stage's forward on tensors made by
+    ``_make_tensor_from_meta``, i.e. ``torch.empty_strided``: uninitialised memory, which that
+    forward's tensor-parallel collectives then carry. Zero-filled here, so those bytes are the
+    same in a capture and its emulation (and compared bit for bit); the inference's outputs are
+    discarded, so training is unchanged. Receive buffers made by the same function (stage.py
+    binds it by name after this patch) are zeroed too, once, when a stage allocates them."""
+    original = getattr(mod, "_make_tensor_from_meta", None)
+    if original is None or getattr(original, "__prism_zeroed__", False):
+        return
+
+    def _make_tensor_from_meta(*args, **kwargs):
+        return original(*args, **kwargs).zero_()
+
+    _make_tensor_from_meta.__prism_zeroed__ = True
+    _make_tensor_from_meta.__wrapped__ = original
+    mod._make_tensor_from_meta = _make_tensor_from_meta
+
+
 _FINDER = _KernelsFinder()
 
 
@@ -188,6 +213,7 @@ def install() -> None:
         after_import("torchtitan.distributed.utils", _gloo_without_nccl)
         for name in ("torch.distributed.tensor._random", "torch.distributed.tensor._dispatch"):
             after_import(name, _rng_mesh_without_cuda)
+        after_import("torch.distributed.pipelining._utils", _zeroed_stage_metadata)
         if not triton_available():
             if KERNELS not in sys.modules and _FINDER not in sys.meta_path:
                 sys.meta_path.insert(0, _FINDER)

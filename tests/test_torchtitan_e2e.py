@@ -74,23 +74,16 @@ def test_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
     assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
 
 
-TORCHTITAN_REPLICATED = ["DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg",
-                         "mesh_dp_", "mesh_fsdp", "mesh_efsdp", "mesh_batch", "mesh_loss"]
-"""capture.replicated_groups for torchtitan: its DeviceMesh names each dimension's group
-``mesh_<dim>``; the data-parallel ones (dp_shard, dp_replicate, and the flattened fsdp, efsdp,
-batch and loss meshes) span replicas, tp does not."""
-
-
 def test_fsdp_tp_1024_ranks_folded(assets, tmp_path, monkeypatch):
     """TP2 x FSDP512 over 1,024 ranks, folded to the sandbox's tensor-parallel pair: rank 101
     (FSDP index 50: its parameter shards are not padding) emulated bit for bit against its capture.
+    Folding follows tp and not the data-parallel meshes by capture.replicated_groups' defaults.
     Loss parallelism is off (on CPU, DTensor's loss-parallel path moves targets to 'cuda')."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    groups = "capture.replicated_groups=[" + ",".join(TORCHTITAN_REPLICATED) + "]"
     base = ["--nnodes", "128", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
-            "capture.fold=true", "sandbox.ranks=[101]", groups, f"trace.dir={tmp_path / 'trace'}"]
+            "capture.fold=true", "sandbox.ranks=[101]", f"trace.dir={tmp_path / 'trace'}"]
     tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]
     r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"), *tp],
                   cwd=tmp_path, timeout=300)
@@ -106,3 +99,59 @@ def test_fsdp_tp_1024_ranks_folded(assets, tmp_path, monkeypatch):
     assert report["virtual_ranks"] == 1023 and rank["ops"] > 100
     assert rank["losses"] == rank["captured_losses"] and len(set(rank["losses"])) == 3  # it trains
     assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
+
+
+def test_fsdp_tp_pp_1024_ranks_folded(assets, tmp_path, monkeypatch):
+    """PP2 x FSDP256 x TP2 over 1,024 ranks (torchtitan's 1F1B over 2 micro-batches), folded to
+    the sandbox's pipeline and tensor-parallel peers: rank 613 (last stage, FSDP index 50, TP
+    rank 1) logs the losses and is emulated bit for bit against its capture."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    base = ["--nnodes", "128", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
+            "capture.fold=true", "sandbox.ranks=[613]", f"trace.dir={tmp_path / 'trace'}"]
+    par = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+           "--parallelism.disable_loss_parallel", "--training.local_batch_size", "2"]
+    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"), *par],
+                  cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "captured 4 of 1024 logical ranks (folded)" in r.stderr
+    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", f"report.dir={tmp_path / 'rep'}",
+                   *_script(assets, tmp_path / "o2"), *par], cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cap, emu = _losses(rank_lines(tmp_path / "cap", 613)), _losses(rank_lines(tmp_path / "emu", 613))
+    assert len(cap) == 3 and emu == cap, (emu, cap)
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    rank = report["ranks"]["613"]
+    assert report["virtual_ranks"] == 1023 and rank["p2p"], rank.get("p2p")
+    assert rank["losses"] == rank["captured_losses"] and len(set(rank["losses"])) == 3
+    assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
+    assert report["predicted"]["throughput"]["tokens_per_step"] == 256 * 2 * 64  # local batch 2 x DP 256 x seq 64
+
+
+def test_sweep_dp_shard_by_tp(assets, tmp_path, monkeypatch):
+    """A 4-point sweep of the layout at 8 ranks: target.parallel.tp=1,2,4,8 rendered into
+    --parallelism.tensor_parallel_degree, the data-parallel shard degree into what the world
+    leaves (8, 4, 2, 1); each point captured folded and emulated, ranked in summary.csv with
+    torchtitan's tokens per step."""
+    import csv
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    sweep = tmp_path / "sweep"
+    r = run_prism(["--multirun", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
+                   "capture.fold=true", "sandbox.ranks=[0]", f"hydra.sweep.dir={sweep}", "target.parallel.tp=1,2,4,8",
+                   *_script(assets, tmp_path / "o"), "--parallelism.disable_loss_parallel"],
+                  cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert sorted(row["overrides"] for row in rows) == [f"target.parallel.tp={t}" for t in (1, 2, 4, 8)]
+    assert all(row["status"] == "ok" for row in rows), rows
+    for row in rows:
+        tp = int(row["overrides"].rsplit("=", 1)[1])
+        assert f"--parallelism.tensor_parallel_degree {tp}" in row["script_args"]
+        assert f"--parallelism.data_parallel_shard_degree {8 // tp}" in row["script_args"]
+        tokens = float(row["tokens_per_s"]) * float(row["iteration_time_s"])
+        assert round(tokens) == (8 // tp) * 64, tokens  # local batch 1 x dp_shard x seq 64
+        assert float(row["iteration_time_s"]) > 0 and float(row["tokens_per_s_per_gpu"]) > 0

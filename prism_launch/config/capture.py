@@ -142,10 +142,15 @@ class CaptureConfig:
     thread that receives its results, the coordinator and its helpers): at Python's default of
     5,000 us a hop can wait that long for a busy thread to let go. 0: Python's default."""
     replicated_groups: list[str] = field(default_factory=lambda: [
-        "DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg"])
+        "DATA_PARALLEL", "HYBRID_DP", "DISTRIBUTED_OPTIMIZER_INSTANCE", "default_pg",
+        "mesh_dp_", "mesh_fsdp", "mesh_efsdp", "mesh_batch", "mesh_loss"])
     """Substrings of group descriptions (``group_desc``) that mark groups spanning
     data-parallel replicas; folding never follows them. Groups without a description are
-    treated as model-parallel (followed), which only makes the captured set larger."""
+    treated as model-parallel (followed), which only makes the captured set larger.
+    Megatron-core names its data-parallel groups ``DATA_PARALLEL…``/``HYBRID_DP…``/
+    ``DISTRIBUTED_OPTIMIZER_INSTANCE…``; a ``DeviceMesh`` (torchtitan) names each dimension's
+    group ``mesh_<dim>``, the data-parallel ones being ``dp_replicate``, ``dp_shard`` and the
+    flattened ``dp_shard_cp``, ``fsdp``, ``efsdp``, ``batch`` and ``loss``."""
     ep_sample: int | None = 4
     """Folded captures of MoE jobs: how many ranks of each expert-parallel group to capture (the
     sandbox ranks' EP ranks first, then ranks spread evenly over the group), instead of the whole

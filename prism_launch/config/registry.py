@@ -57,6 +57,10 @@ class Integration:
     """Script flags that mark a recipe of this kind (its compat layer then joins by default)."""
     warm_imports: tuple[str, ...] = ()
     """Modules a recognised recipe needs, imported once in the launcher before ranks are forked."""
+    recipe_kind: bool = False
+    """A recipe recognised by ``recipe_flags`` takes this integration as ``integration.kind``
+    (its renderer and workload) unless the user sets one. Not DeepSpeed's: Megatron-DeepSpeed
+    recipes carry ``--deepspeed`` beside Megatron-LM's flags."""
     output_args: tuple[str, ...] = ()
     """Script flags whose value only says where outputs go (checkpoints, logs, experiment
     names): a trace matches a run whatever their values (their presence still counts)."""
@@ -78,6 +82,9 @@ BUILTIN: tuple[Integration, ...] = (
                 output_args=("--output_dir", "--output-dir", "--save_dir", "--logging_dir", "--log_dir",
                              "--tensorboard_dir", "--job_name", "--run_name")),
     Integration(name="torchtitan", compat="integrations.torchtitan_compat", renderer="integrations.torchtitan_flags",
+                workload="integrations.torchtitan_workload",
+                compat_devices=("cpu", "cuda"),  # pipeline metadata inference on zeros (each patch a no-op where not needed)
+                recipe_kind=True,
                 recipe_flags=("--job.config_file", "--job.config-file", "--model.name", "--model.flavor"),
                 # torchtitan's output folders (config/job_config.py of 0.2.2: all relative to --job.dump_folder)
                 output_args=("--job.dump_folder", "--metrics.save_tb_folder",

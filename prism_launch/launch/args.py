@@ -209,9 +209,10 @@ def _deepspeed_style(ns: argparse.Namespace) -> bool:
 
 def recipe_overrides(overrides: list[str], script_args: list[str]) -> list[str]:
     """Defaults for a recipe the registry recognises by its script flags (DeepSpeed's
-    ``--deepspeed_config``/``--deepspeed``) that the user did not override: the integration
-    joins ``compat.integrations`` and its framework (``deepspeed``) is imported once before
-    ranks are forked."""
+    ``--deepspeed_config``/``--deepspeed``, torchtitan's ``--model.name``) that the user did not
+    override: the integration joins ``compat.integrations``, its framework (``deepspeed``) is
+    imported once before ranks are forked, and one that claims its recipes (``recipe_kind``:
+    torchtitan) becomes ``integration.kind``."""
     from prism_launch.config import registry
 
     kinds = registry.recognised(script_args)
@@ -224,6 +225,9 @@ def recipe_overrides(overrides: list[str], script_args: list[str]) -> list[str]:
     if "compat.integrations" not in keys:
         names = [*CompatConfig().integrations, *kinds]
         extra.append(f"compat.integrations=[{','.join(dict.fromkeys(names))}]")
+    own = [k for k in kinds if registry.get(k, where="script args").recipe_kind]
+    if "integration.kind" not in keys and len(own) == 1:
+        extra.append(f"integration.kind={own[0]}")
     if "capture.warm_imports" not in keys:
         warm = [*CaptureConfig().warm_imports, *(m for k in kinds for m in registry.get(k, where='script args').warm_imports)]
         extra.append(f"capture.warm_imports=[{','.join(dict.fromkeys(warm))}]")

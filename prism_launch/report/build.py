@@ -53,6 +53,9 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
             "synthesized": summary.get("synthesized", 0),
             "carried": summary.get("carried", 0),
             "peak_memory_bytes": (summary.get("memory") or {}).get("peak_bytes"),
+            # the caching allocator's peak hold on the device (CUDA only): torch.cuda's
+            # reserved_bytes.all.peak, the figure torchtitan logs as its memory
+            "peak_reserved_bytes": (summary.get("memory") or {}).get("peak_reserved_bytes"),
             "memory_method": ((summary.get("memory") or {}).get("method") or {}).get("name"),
             "memory_details": (summary.get("memory") or {}).get("details"),
         }
@@ -115,6 +118,8 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
             merged["memory_details"] = source["details"]  # a captured rank's own, as it reported them
         if entry.get("peak_memory_bytes") is not None:
             merged["peak_memory_bytes"] = entry["peak_memory_bytes"]
+        if merged.get("peak_reserved_bytes") is None and source.get("peak_reserved_bytes") is not None:
+            merged["peak_reserved_bytes"] = source["peak_reserved_bytes"]  # as measured in its capture
         report["ranks"][r] = merged
     if sandbox_oom is not None:
         report["sandbox_oom"] = sandbox_oom
@@ -227,7 +232,7 @@ def throughput_lines(pred: dict) -> list[str]:
     t = pred.get("throughput")
     if t is None:
         return []
-    toks = (f"{_num(t['tokens_per_s'], ',.0f')} tokens/s, {_num(t['tokens_per_s_per_gpu'], ',.1f')} tokens/s/GPU"
+    toks = (f"{_num(t['tokens_per_s'], ',.0f')} tokens/s, {_num(t['tokens_per_s_per_gpu'], ',.1f')} tokens/s/GPU (TPS/GPU)"
             if t.get("tokens_per_step") else f"tokens unknown ({t.get('tokens_source')})")
     peak = t.get("peak_bf16_tflops")
     from prism_launch.predict.throughput import percent
@@ -290,7 +295,9 @@ def print_report(report: dict, path: Path) -> None:
         verdict = {True: "[green]bit-identical to the capture[/green]", False: "[red]DIFFER from the capture[/red]",
                    None: "no loss lines to compare"}[r["losses_match_capture"]]
         if r.get("peak_memory_bytes") is not None:
-            console.print(f"  peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r.get('memory_method')})")
+            reserved = ("" if r.get("peak_reserved_bytes") is None
+                        else f"; peak reserved {r['peak_reserved_bytes'] / 2**30:.2f} GiB (the caching allocator's hold)")
+            console.print(f"  peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r.get('memory_method')}){reserved}")
         for name, detail in (r.get("memory_details") or {}).items():
             console.print(f"  {name} memory: {_detail_line(detail)}")
         if r.get("synthesized"):

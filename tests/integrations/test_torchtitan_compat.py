@@ -62,3 +62,28 @@ def test_torchtitan_imports_without_triton():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "refused: torchtitan launched its Triton kernel" in r.stdout and "ok" in r.stdout
+
+
+def test_pipeline_metadata_inference_runs_on_zeros():
+    """torch's pipelining builds a later stage's inference inputs with torch.empty_strided; under
+    the layer they are zeros (the bytes its tensor-parallel collectives carry are reproducible)."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining._utils")
+    if not hasattr(getattr(pipelining, "_TensorMeta", None), "to_tensor"):
+        pytest.skip("this torch's pipelining infers stage metadata without TensorMeta.to_tensor")
+    code = textwrap.dedent("""
+        import torch
+        from integrations import torchtitan_compat as tc
+        tc.install()
+        from torch.distributed.pipelining import _utils
+        meta = _utils.extract_tensor_meta(torch.ones(256, 256))
+        for _ in range(4):
+            del_me = torch.full((256, 256), float("nan"))  # garbage in the allocator's free blocks
+            del del_me
+            t = meta.to_tensor("cpu")
+            assert bool((t == 0).all()), t
+        assert getattr(_utils._make_tensor_from_meta, "__prism_zeroed__", False)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ok" in r.stdout

@@ -32,3 +32,21 @@ def test_pp_cp_and_replicas_divide_the_world():
 
 def test_nothing_set_leaves_the_args_alone():
     assert render(_cfg(8), ["--model.flavor", "debugmodel"]) == ["--model.flavor", "debugmodel"]
+
+
+def test_torchtitan_recipe_gets_its_integration_kind():
+    """A torchtitan command line (``-m torchtitan.train --model.name …``) takes integration.kind=
+    torchtitan (its renderer and workload), unless the user names one; DeepSpeed's flag alone
+    does not claim a recipe (Megatron-DeepSpeed passes it beside Megatron-LM's flags)."""
+    from prism_launch.config import compose
+    from prism_launch.launch.args import parse
+
+    script = ["-m", "torchtitan.train", "--model.name", "llama3", "--model.flavor", "debugmodel"]
+    a = parse(["--nproc-per-node", "8", *script])
+    assert "integration.kind=torchtitan" in a.overrides
+    cfg = compose(a.overrides)
+    assert cfg.integration.kind == "torchtitan" and "torchtitan" in cfg.compat.integrations
+    own = parse(["--nproc-per-node", "8", "integration.kind=none", *script])
+    assert [o for o in own.overrides if o.startswith("integration.kind")] == ["integration.kind=none"]
+    ds = parse(["--nproc-per-node", "4", "examples/deepspeed_gpt.py", "--deepspeed_config", "x.json"])
+    assert not any(o.startswith("integration.kind") for o in ds.overrides)
