@@ -88,7 +88,7 @@ import os
 import threading
 
 from integrations.deepspeed_gate_counts import patch_gate
-from integrations.import_hooks import after_import
+from integrations.import_hooks import after_import, replaces
 
 __all__ = ["install", "is_installed", "group_label", "LABELS", "physical_gpu", "set_physical_gpu",
            "DeepSpeedOpNotBuilt"]
@@ -155,38 +155,24 @@ def _label(lists, desc: str) -> None:
 
 def _patch_comm_torch(mod) -> None:
     mod.build_shm_op = lambda: None
-    backend = mod.TorchBackend
-    if getattr(backend.new_group, "__prism_labelled__", False):
-        return
     import torch.distributed as dist
 
-    def new_group(self, ranks):
+    @replaces(mod.TorchBackend, "new_group")
+    def new_group(original, self, ranks):
         desc = group_label(ranks)
         if desc is None:
             return dist.new_group(ranks)
         return dist.new_group(ranks, group_desc=desc)
 
-    new_group.__prism_labelled__ = True
-    new_group.__wrapped__ = backend.new_group
-    backend.new_group = new_group
-
 
 def _patch_topology(mod) -> None:
-    topo = mod.ProcessTopology
-    original = topo.get_axis_comm_lists
-    if getattr(original, "__prism_labelled__", False):
-        return
-
-    def get_axis_comm_lists(self, axis):
+    @replaces(mod.ProcessTopology, "get_axis_comm_lists")
+    def get_axis_comm_lists(original, self, axis):
         lists = original(self, axis)
         desc = _AXIS_DESC.get(axis)
         if desc is not None:
             _label(lists, desc)
         return lists
-
-    get_axis_comm_lists.__prism_labelled__ = True
-    get_axis_comm_lists.__wrapped__ = original
-    topo.get_axis_comm_lists = get_axis_comm_lists
 
 
 def _expert_layout(groups, world: int, ep: int, mp: int, pp: int, data_before_expert: bool) -> None:
@@ -203,11 +189,8 @@ def _expert_layout(groups, world: int, ep: int, mp: int, pp: int, data_before_ex
 
 
 def _patch_groups(mod) -> None:
-    original = mod._create_expert_and_data_parallel
-    if getattr(original, "__prism_labelled__", False):
-        return
-
-    def _create_expert_and_data_parallel(expert_parallel_size_, mp_size=None, pp_size=None, mp_mode="tp",
+    @replaces(mod, "_create_expert_and_data_parallel")
+    def _create_expert_and_data_parallel(original, expert_parallel_size_, mp_size=None, pp_size=None, mp_mode="tp",
                                          use_data_before_expert_parallel_=False, folding_spec=None, **kwargs):
         try:
             import deepspeed.comm as dist
@@ -227,16 +210,9 @@ def _patch_groups(mod) -> None:
                         use_data_before_expert_parallel_=use_data_before_expert_parallel_,
                         folding_spec=folding_spec, **kwargs)
 
-    _create_expert_and_data_parallel.__prism_labelled__ = True
-    _create_expert_and_data_parallel.__wrapped__ = original
-    mod._create_expert_and_data_parallel = _create_expert_and_data_parallel
-
-    original_mp = getattr(mod, "_create_expert_data_and_model_parallel", None)
-    if original_mp is None:
-        return
-
-    def _create_expert_data_and_model_parallel(expert_parallel_size_, mpu, use_data_before_expert_parallel_=False,
-                                               **kwargs):
+    @replaces(mod, "_create_expert_data_and_model_parallel")  # (absent from older releases: left alone)
+    def _create_expert_data_and_model_parallel(original_mp, expert_parallel_size_, mpu,
+                                               use_data_before_expert_parallel_=False, **kwargs):
         try:
             import deepspeed.comm as dist
 
@@ -250,36 +226,26 @@ def _patch_groups(mod) -> None:
         return original_mp(expert_parallel_size_, mpu,
                            use_data_before_expert_parallel_=use_data_before_expert_parallel_, **kwargs)
 
-    _create_expert_data_and_model_parallel.__prism_labelled__ = True
-    _create_expert_data_and_model_parallel.__wrapped__ = original_mp
-    mod._create_expert_data_and_model_parallel = _create_expert_data_and_model_parallel
-
 
 def _patch_accelerator(mod) -> None:
     acc = mod.CUDA_Accelerator
-    if getattr(acc.device_name, "__prism_mapped__", False):
-        return
-    real_device_name, real_device, real_set_device = acc.device_name, acc.device, acc.set_device
 
-    def device_name(self, device_index=None):
+    @replaces(acc, "device_name")
+    def device_name(real, self, device_index=None):
         gpu = _PHYSICAL[0]
         if device_index is None or gpu is None:
-            return real_device_name(self, device_index)
-        return real_device_name(self, gpu)
+            return real(self, device_index)
+        return real(self, gpu)
 
-    def device(self, device_index=None):
+    @replaces(acc, "device")
+    def device(real, self, device_index=None):
         gpu = _PHYSICAL[0]
-        return real_device(self, device_index if device_index is None or gpu is None else gpu)
+        return real(self, device_index if device_index is None or gpu is None else gpu)
 
-    def set_device(self, device_index):
+    @replaces(acc, "set_device")
+    def set_device(real, self, device_index):
         gpu = _PHYSICAL[0]
-        return real_set_device(self, device_index if gpu is None else gpu)
-
-    for fn, real in ((device_name, real_device_name), (device, real_device), (set_device, real_set_device)):
-        fn.__prism_mapped__ = True
-        fn.__wrapped__ = real
-        fn.__doc__ = real.__doc__
-    acc.device_name, acc.device, acc.set_device = device_name, device, set_device
+        return real(self, device_index if gpu is None else gpu)
 
 
 _OP_HINTS = {
@@ -303,30 +269,19 @@ def op_not_built_message(name: str) -> str:
 
 
 def _patch_op_builder(mod) -> None:
-    builder = mod.OpBuilder
-    if getattr(builder.jit_load, "__prism_patched__", False):
-        return
-    original = builder.jit_load
-
-    def jit_load(self, verbose=True):
+    @replaces(mod.OpBuilder, "jit_load")
+    def jit_load(original, self, verbose=True):
         raise DeepSpeedOpNotBuilt(op_not_built_message(str(getattr(self, "name", type(self).__name__))))
-
-    jit_load.__prism_patched__ = True
-    jit_load.__wrapped__ = original
-    builder.jit_load = jit_load
 
 
 def _patch_zero_utils(mod) -> None:
-    original = mod.get_lst_from_rank0
-    if getattr(original, "__prism_patched__", False):
-        return
-    original_len = mod.assert_lst_len_same_as_other_ranks
     torch, dist = mod.torch, mod.dist
 
     def _local_device():
         return torch.device(mod.get_accelerator().device_name(os.environ["LOCAL_RANK"]))
 
-    def assert_lst_len_same_as_other_ranks(lst):
+    @replaces(mod, "assert_lst_len_same_as_other_ranks")
+    def assert_lst_len_same_as_other_ranks(original, lst):
         # every rank's own length in the buffer (DeepSpeed: -1 off rank 0): a stand-in for an
         # uncaptured rank 0 then broadcasts what rank 0 holds in a consistent job
         rank0_len_tensor = torch.tensor(len(lst), dtype=int, device=_local_device(), requires_grad=False)
@@ -337,28 +292,18 @@ def _patch_zero_utils(mod) -> None:
                                f"\n rank0: {rank0_list_length} "
                                f"\n rank{dist.get_rank()}: {len(lst)}")
 
-    def get_lst_from_rank0(lst):
+    @replaces(mod, "get_lst_from_rank0")
+    def get_lst_from_rank0(original, lst):
         if len(lst) == 0:  # every rank checked the length first: nothing to broadcast
             return []
         lst_tensor = torch.tensor(list(lst), dtype=int, device=_local_device(), requires_grad=False)
         dist.broadcast(lst_tensor, src=0, async_op=False)
         return [t.item() for t in lst_tensor.cpu()]
 
-    for fn, real in ((get_lst_from_rank0, original), (assert_lst_len_same_as_other_ranks, original_len)):
-        fn.__prism_patched__ = True
-        fn.__wrapped__ = real
-        fn.__doc__ = real.__doc__
-    mod.get_lst_from_rank0 = get_lst_from_rank0
-    mod.assert_lst_len_same_as_other_ranks = assert_lst_len_same_as_other_ranks
-
 
 def _patch_partition_parameters(mod) -> None:
-    init = mod.Init
-    original = init._partition_param
-    if getattr(original, "__prism_patched__", False):
-        return
-
-    def _partition_param(self, param, *args, **kwargs):
+    @replaces(mod.Init, "_partition_param")
+    def _partition_param(original, self, param, *args, **kwargs):
         out = original(self, param, *args, **kwargs)
         part = getattr(param, "ds_tensor", None)
         if part is not None and part.numel() and getattr(param, "ds_numel", None) is not None:
@@ -368,10 +313,6 @@ def _patch_partition_parameters(mod) -> None:
                 with mod.torch.no_grad():
                     part.narrow(0, valid, part.numel() - valid).zero_()
         return out
-
-    _partition_param.__prism_patched__ = True
-    _partition_param.__wrapped__ = original
-    init._partition_param = _partition_param
 
 
 class _ZeroPaddingTorch:
@@ -469,22 +410,14 @@ def _report_after_first_step(engine) -> None:
 
 
 def _patch_deepspeed(mod) -> None:
-    original = getattr(mod, "initialize", None)
-    if original is None or getattr(original, "__prism_patched__", False):
-        return
-
-    def initialize(*args, **kwargs):
+    @replaces(mod, "initialize")
+    def initialize(original, *args, **kwargs):
         out = original(*args, **kwargs)
         try:
             _report_after_first_step(out[0])
         except Exception:  # noqa: BLE001
             pass
         return out
-
-    initialize.__prism_patched__ = True
-    initialize.__wrapped__ = original
-    initialize.__doc__ = original.__doc__
-    mod.initialize = initialize
 
 
 _PATCHES = {

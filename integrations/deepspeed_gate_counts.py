@@ -24,6 +24,8 @@ from __future__ import annotations
 import itertools
 import weakref
 
+from integrations.import_hooks import replaces
+
 TAG = 0x5DE7
 """First value of attached gate counts (tells them from any other integers on an all-to-all)."""
 HEADER = 4
@@ -103,14 +105,10 @@ def record(gate, _inputs, output) -> None:
 def patch_gate(mod) -> None:
     """Every ``TopKGate`` made after this records its counts (:func:`record`)."""
     cls = getattr(mod, "TopKGate", None)
-    if cls is None or getattr(cls.__init__, "__prism_patched__", False):
+    if cls is None:
         return
-    original = cls.__init__
 
-    def __init__(self, *args, **kwargs):
+    @replaces(cls, "__init__")
+    def __init__(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.register_forward_hook(record)
-
-    __init__.__prism_patched__ = True
-    __init__.__wrapped__ = original
-    cls.__init__ = __init__

@@ -12,17 +12,22 @@ names with patches still pending and otherwise leaves the lookup to the other fi
 pending name it takes the spec they find and runs the pending patches after the loader's
 ``exec_module``. The wrapped loader is visible only while the module executes: afterwards
 ``module.__loader__`` and ``module.__spec__.loader`` are the original loader again.
+
+``replaces(owner, name)`` is how a patch swaps one function or method for a wrapper of it,
+once, whoever asks again.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
-__all__ = ["after_import"]
+__all__ = ["after_import", "replaces", "MARK"]
 
 Patch = Callable[[ModuleType], object]
 
@@ -108,3 +113,29 @@ def after_import(module_name: str, patch_fn: Patch) -> None:
             return
     for patch in todo:
         patch(module)
+
+
+MARK = "__prism_patched__"
+"""The attribute that marks a replacement made by :func:`replaces`."""
+
+
+def replaces(owner: Any, name: str) -> Callable[[Callable], Callable | None]:
+    """Decorator: ``owner.<name>`` becomes a function calling ``impl(original, *args, **kwargs)``
+    (a method stays a method: ``self`` is the first of ``args``). Done once: where ``owner.<name>``
+    is already a replacement (:data:`MARK`) or absent, nothing changes and the decorator gives
+    None. The replacement carries the original's name and docstring, and ``__wrapped__``."""
+
+    def decorate(impl: Callable) -> Callable | None:
+        original = getattr(owner, name, None)
+        if original is None or getattr(original, MARK, False):
+            return None
+
+        @functools.wraps(original)
+        def replacement(*args, **kwargs):
+            return impl(original, *args, **kwargs)
+
+        setattr(replacement, MARK, True)
+        setattr(owner, name, replacement)
+        return replacement
+
+    return decorate
