@@ -13,6 +13,11 @@ script's arguments carry torchtitan's flags (``--job.config_file``, ``--model.na
   that raises :class:`TritonUnavailable` when launched; torch itself never sees the stand-in,
   so its own "is Triton there" checks stay truthful), and its ``generate_permute_indices``
   defaults to torchtitan's own CPU implementation (``use_cpu=True``, the same indices).
+* **Context parallelism.** On CPU tensors SDPA runs ``aten._scaled_dot_product_flash_attention_for_cpu``
+  (and its backward), which torch's context parallelism (``_ContextParallel`` with SDPA, as
+  torchtitan's ``--parallelism.context_parallel_degree`` applies it) does not dispatch: without
+  CUDA, :mod:`integrations.torchtitan_cp` adds both ops to CP's handlers and sharding rules, so
+  torch's own ring attention runs them, block by block, with the CPU flash kernel.
 * **Devices.** torchtitan's ``tools.utils.device_type`` falls back to ``"cuda"`` on a machine
   without an accelerator, so it builds ``cuda:N`` devices, calls ``torch.cuda.set_device`` and
   asks for a ``cuda`` DeviceMesh; the CPU compatibility layer (``cpu``) maps all of these to
@@ -42,6 +47,7 @@ import sys
 import threading
 import types
 
+from integrations import torchtitan_cp
 from integrations.import_hooks import after_import
 
 __all__ = ["install", "is_installed", "TritonUnavailable", "KERNELS"]
@@ -211,6 +217,7 @@ def install() -> None:
             return
         _INSTALLED = True
         after_import("torchtitan.distributed.utils", _gloo_without_nccl)
+        after_import("torch.distributed.tensor.experimental._context_parallel._attention", torchtitan_cp.install)
         for name in ("torch.distributed.tensor._random", "torch.distributed.tensor._dispatch"):
             after_import(name, _rng_mesh_without_cuda)
         after_import("torch.distributed.pipelining._utils", _zeroed_stage_metadata)

@@ -155,3 +155,52 @@ def test_sweep_dp_shard_by_tp(assets, tmp_path, monkeypatch):
         tokens = float(row["tokens_per_s"]) * float(row["iteration_time_s"])
         assert round(tokens) == (8 // tp) * 64, tokens  # local batch 1 x dp_shard x seq 64
         assert float(row["iteration_time_s"]) > 0 and float(row["tokens_per_s_per_gpu"]) > 0
+
+
+def _cp_capture_and_emulate(assets, tmp_path, monkeypatch, parallelism, sandbox):
+    """Capture torchtitan at 8 ranks with ``parallelism``, emulate rank ``sandbox`` alone, and
+    check it is bit-identical to its capture; returns the rank's report and captured log lines."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    base = ["--nproc-per-node", "8", "device=cpu", "comm.timeout_s=120", f"trace.dir={tmp_path / 'trace'}"]
+    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"),
+                   *parallelism], cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "captured 8 logical ranks" in r.stderr
+    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", f"sandbox.ranks=[{sandbox}]",
+                   f"report.dir={tmp_path / 'rep'}", *_script(assets, tmp_path / "o2"), *parallelism],
+                  cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    captured = rank_lines(tmp_path / "cap", sandbox)
+    cap, emu = _losses(captured), _losses(rank_lines(tmp_path / "emu", sandbox))
+    assert len(cap) == 3 and emu == cap, (emu, cap)
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    rank = report["ranks"][str(sandbox)]
+    assert report["virtual_ranks"] == 7 and rank["ops"] > 50
+    assert rank["losses"] == rank["captured_losses"] and rank["losses_match_capture"], rank["losses"]
+    assert len(set(rank["losses"])) == 3  # it trains
+    assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
+    return rank, captured
+
+
+@pytest.mark.slow
+def test_cp_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
+    """CP2 x FSDP4 at 8 ranks: torchtitan's context parallelism (torch's ring attention over SDPA's
+    CPU flash op, integrations/torchtitan_cp.py; head-tail load balancing) is captured, and rank 3
+    (FSDP index 1, CP rank 1) is emulated bit for bit: its ring exchanges come from the trace."""
+    _, captured = _cp_capture_and_emulate(
+        assets, tmp_path, monkeypatch, ["--parallelism.context_parallel_degree", "2"], sandbox=3)
+    assert any("Applied Context Parallel" in line for line in captured), captured[-20:]
+
+
+@pytest.mark.slow
+def test_cp_tp_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
+    """CP2 x TP2 x FSDP2 at 8 ranks (mesh dp_shard x cp x tp): ring attention over the heads each
+    tensor-parallel rank holds; rank 7 (FSDP index 1, CP rank 1, TP rank 1) emulated bit for bit.
+    Loss parallelism is off (on CPU, DTensor's loss-parallel path moves targets to 'cuda')."""
+    par = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+           "--parallelism.disable_loss_parallel"]
+    _, captured = _cp_capture_and_emulate(assets, tmp_path, monkeypatch, par, sandbox=7)
+    assert any("dp_shard=2, cp=2, tp=2" in line for line in captured), captured[:20]
+    assert any("Applied Context Parallel" in line for line in captured), captured[-20:]

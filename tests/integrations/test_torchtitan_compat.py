@@ -87,3 +87,71 @@ def test_pipeline_metadata_inference_runs_on_zeros():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ok" in r.stdout
+
+
+_CP_RANK = """
+import sys, torch, torch.distributed as dist, torch.nn.functional as F
+from integrations import torchtitan_compat as tc
+tc.install()
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental._attention import (
+    _context_parallel_shard, _ContextParallel, _enable_context_parallel_dispatcher, _HeadTailLoadBalancer)
+from torch.distributed.tensor.parallel import parallelize_module
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+q, k, v, g = (torch.randn(2, 4, 16, 8) for _ in range(4))
+full = [t.clone().requires_grad_() for t in (q, k, v)]
+ref = F.scaled_dot_product_attention(*full, is_causal=True)
+(ref * g).sum().backward()
+_enable_context_parallel_dispatcher()
+handler = DTensor._op_dispatcher._custom_op_handlers[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+assert handler.__module__ == "integrations.torchtitan_cp", handler
+from integrations import torchtitan_cp
+from torch.distributed.tensor.experimental._context_parallel import _attention
+handlers = dict(DTensor._op_dispatcher._custom_op_handlers)
+torchtitan_cp.install(_attention)  # idempotent
+assert DTensor._op_dispatcher._custom_op_handlers == handlers
+attention = Attention()
+parallelize_module(attention, mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))
+balancer = _HeadTailLoadBalancer(16, 2, "cpu")
+shard = lambda ts: _context_parallel_shard(mesh, ts, (2,) * len(ts), load_balancer=balancer)
+local = [t.clone().requires_grad_() for t in shard([q, k, v])]
+out = attention(*local)
+(out * shard([g])[0]).sum().backward()
+for name, got, want in zip(("out", "dq", "dk", "dv"), [out.detach(), *[t.grad for t in local]],
+                           shard([ref.detach(), *[t.grad for t in full]])):
+    assert type(got) is torch.Tensor and got.shape == (2, 4, 8, 8), (name, type(got), got.shape)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (name, (got - want).abs().max())
+print("ok", rank)
+dist.destroy_process_group()
+"""
+
+
+def test_context_parallel_sdpa_on_cpu(tmp_path):
+    """torch's ring attention over 2 gloo ranks with CPU tensors (torchtitan's CP: _ContextParallel on
+    the attention module, head-tail load balancing, causal): SDPA's CPU flash op and its backward go
+    to the ring, and the local output and q/k/v gradients equal full-sequence SDPA's, sharded alike."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: SDPA takes the CUDA flash ops, which torch's CP handles itself")
+    script = tmp_path / "cp_rank.py"
+    script.write_text(_CP_RANK)
+    store = tmp_path / "store"
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(store)], cwd=ROOT, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    results = [p.communicate(timeout=120) for p in ranks]
+    for r, (p, (out, err)) in enumerate(zip(ranks, results)):
+        assert p.returncode == 0, err[-3000:]
+        assert f"ok {r}" in out
