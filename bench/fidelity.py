@@ -104,6 +104,13 @@ def real(flags: list, job: list, work: Path) -> tuple[float, dict[int, int]]:
     return _step_s(work), peaks
 
 
+NETWORK_SIZES = [1 << 10, 16 << 10, 128 << 10, 512 << 10, 2 << 20]
+"""Message sizes the network is measured at before each pair: they span the recipes' own
+(tensor-parallel all-reduces of 512 KiB, ZeRO buckets of 8 KiB to a few MiB), so the fitted
+bandwidth is that of the messages the jobs send (fitted on 1-256 KiB alone it came out
+anywhere from 2 to 54 GB/s, and a 512 KiB all-reduce was priced at half its time)."""
+
+
 def network_now() -> tuple[list[str], str]:
     """cpu_local's gloo figures measured now (``bench/gloo_overhead.py``: per-op overhead, per-hop
     latency, bandwidth of all_reduce, all_gather and broadcast between 2 processes, fitted jointly)
@@ -112,7 +119,7 @@ def network_now() -> tuple[list[str], str]:
     from gloo_overhead import fit
     from prism_launch.predict.netbench import run_workers
 
-    o, lat, bw = fit(run_workers(2, [1 << 10, 16 << 10, 256 << 10], 20, 3, "gloo", 300.0), 2)
+    o, lat, bw = fit(run_workers(2, NETWORK_SIZES, 20, 3, "gloo", 300.0), 2)
     over = [f"cluster.protocol_latency_us={o:.1f}"]
     for link in ("intra_node", "inter_node"):
         over += [f"cluster.{link}.latency_us={lat:.1f}", f"cluster.{link}.bandwidth_gbps={bw:.4f}"]
