@@ -48,7 +48,7 @@ import threading
 import types
 
 from integrations import torchtitan_cp
-from integrations.import_hooks import after_import
+from integrations.import_hooks import after_import, replaces
 
 __all__ = ["install", "is_installed", "TritonUnavailable", "KERNELS"]
 
@@ -144,46 +144,31 @@ def gloo_for_nccl(backend):
 def _gloo_without_nccl(mod) -> None:
     import torch.distributed as dist
 
-    if dist.is_nccl_available() or getattr(dist.init_process_group, "__prism_gloo__", False):
+    if dist.is_nccl_available():
         return
-    original = dist.init_process_group
 
-    def init_process_group(backend=None, *args, **kwargs):
+    @replaces(dist, "init_process_group")
+    def init_process_group(original, backend=None, *args, **kwargs):
         return original(gloo_for_nccl(backend), *args, **kwargs)
-
-    init_process_group.__prism_gloo__ = True
-    init_process_group.__wrapped__ = original
-    dist.init_process_group = init_process_group
 
 
 def _rng_mesh_without_cuda(mod) -> None:
     import torch
 
-    original = mod.is_rng_supported_mesh
-    if torch.cuda.is_available() or getattr(original, "__prism_cpu__", False):
+    if torch.cuda.is_available():
         return
 
-    def is_rng_supported_mesh(device_mesh) -> bool:
+    @replaces(mod, "is_rng_supported_mesh")
+    def is_rng_supported_mesh(original, device_mesh) -> bool:
         if getattr(device_mesh, "device_type", None) == "cuda":
             return False
         return original(device_mesh)
 
-    is_rng_supported_mesh.__prism_cpu__ = True
-    is_rng_supported_mesh.__wrapped__ = original
-    mod.is_rng_supported_mesh = is_rng_supported_mesh
-
 
 def _cpu_permutation(mod) -> None:
-    original = mod.generate_permute_indices
-    if getattr(original, "__prism_cpu__", False):
-        return
-
-    def generate_permute_indices(*args, use_cpu: bool = True, **kwargs):
+    @replaces(mod, "generate_permute_indices")
+    def generate_permute_indices(original, *args, use_cpu: bool = True, **kwargs):
         return original(*args, use_cpu=use_cpu, **kwargs)
-
-    generate_permute_indices.__prism_cpu__ = True
-    generate_permute_indices.__wrapped__ = original
-    mod.generate_permute_indices = generate_permute_indices
 
 
 def _zeroed_stage_metadata(mod) -> None:
@@ -194,16 +179,10 @@ def _zeroed_stage_metadata(mod) -> None:
     same in a capture and its emulation (and compared bit for bit); the inference's outputs are
     discarded, so training is unchanged. Receive buffers made by the same function (stage.py
     binds it by name after this patch) are zeroed too, once, when a stage allocates them."""
-    original = getattr(mod, "_make_tensor_from_meta", None)
-    if original is None or getattr(original, "__prism_zeroed__", False):
-        return
 
-    def _make_tensor_from_meta(*args, **kwargs):
+    @replaces(mod, "_make_tensor_from_meta")
+    def _make_tensor_from_meta(original, *args, **kwargs):
         return original(*args, **kwargs).zero_()
-
-    _make_tensor_from_meta.__prism_zeroed__ = True
-    _make_tensor_from_meta.__wrapped__ = original
-    mod._make_tensor_from_meta = _make_tensor_from_meta
 
 
 _FINDER = _KernelsFinder()

@@ -8,7 +8,9 @@ captures of the same command differ (with it, two captures are bit-identical, wi
 ``capture.exchange``).
 
 The emulated rank is bit-identical to its capture: the same losses, no divergence of any kind;
-likewise TP2 x FSDP512 over 1,024 ranks, folded to one tensor-parallel pair.
+likewise TP2 x FSDP512 and PP2 x FSDP256 x TP2 over 1,024 ranks (folded to the sandbox's
+model-parallel peers), CP2 x FSDP4 and CP2 x TP2 x FSDP2 at 8 ranks; and a 4-point sweep of
+tp x dp_shard at 8 ranks.
 (The capture counts step 2's FLOPs under torch's FlopCounterMode, which would decompose
 ``silu_backward`` into separately rounded bfloat16 ops and change that step's gradients in the
 last bits: prism_launch/rank/flops.py runs the program's own kernels while counting.)

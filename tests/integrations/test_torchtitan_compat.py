@@ -81,7 +81,7 @@ def test_pipeline_metadata_inference_runs_on_zeros():
             del del_me
             t = meta.to_tensor("cpu")
             assert bool((t == 0).all()), t
-        assert getattr(_utils._make_tensor_from_meta, "__prism_zeroed__", False)
+        assert getattr(_utils._make_tensor_from_meta, "__prism_patched__", False)
         print("ok")
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
