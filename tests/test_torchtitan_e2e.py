@@ -206,3 +206,27 @@ def test_cp_tp_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
     _, captured = _cp_capture_and_emulate(assets, tmp_path, monkeypatch, par, sandbox=7)
     assert any("dp_shard=2, cp=2, tp=2" in line for line in captured), captured[:20]
     assert any("Applied Context Parallel" in line for line in captured), captured[-20:]
+
+
+def test_torch_compile_fsdp_2_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
+    """--compile.enable (torchtitan compiles each block and the loss; on CPU, inductor's C++
+    backend): the compiled program is captured and rank 1 emulated bit for bit. The capture
+    does not count its FLOPs (a dispatch mode would stop compiled frames): the report says so."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    base = ["--nproc-per-node", "2", "device=cpu", "comm.timeout_s=300", f"trace.dir={tmp_path / 'trace'}"]
+    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"),
+                   "--compile.enable"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", "sandbox.ranks=[1]",
+                   f"report.dir={tmp_path / 'rep'}", *_script(assets, tmp_path / "o2"), "--compile.enable"],
+                  cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert any("Compiling each TransformerBlock with torch.compile" in line for line in rank_lines(tmp_path / "emu", 1))
+    cap, emu = _losses(rank_lines(tmp_path / "cap", 1)), _losses(rank_lines(tmp_path / "emu", 1))
+    assert len(cap) == 3 and emu == cap, (emu, cap)
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    rank = report["ranks"]["1"]
+    assert rank["losses_match_capture"] and rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}
+    assert "torch.compile" in report["predicted"]["throughput"]["flops_source"]

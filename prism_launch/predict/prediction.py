@@ -152,6 +152,7 @@ def _throughput(cfg: PrismConfig, bare: TraceReader, count, iteration_s: float, 
     out = throughput(iteration_s, step_flops(count, world, fold), n_tokens, world, cfg.cluster.gpu)
     out.update(tokens_source=how, flops_source=(f"FlopCounterMode over step {count.step} of "
                                                 f"{len(count.per_rank)} captured rank(s)") if count.per_rank
+               else f"not counted: {count.not_counted}" if count.not_counted
                else "not counted (trace captured before ranks counted FLOPs)")
     if count.incomplete:
         out["flops_incomplete_ranks"] = count.incomplete

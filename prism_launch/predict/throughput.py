@@ -40,15 +40,18 @@ class Counted:
     step: int | None
     incomplete: list[int]
     """Ranks whose counted step did not end (their figures are partial, not used)."""
+    not_counted: str | None = None
+    """Why a rank did not count (a torch.compile'd program, an error), where one did not."""
 
 
 def counted(reader: TraceReader) -> Counted:
     """The trace's counted FLOPs (empty for a trace captured before ranks counted them)."""
     summaries = reader.read_json(TraceLayout.MEMORY) if TraceLayout.MEMORY in reader.json_files() else {}
-    per_rank, tokens, step, incomplete = {}, None, None, []
+    per_rank, tokens, step, incomplete, why = {}, None, None, [], None
     for r, s in summaries.items():
         f = (s or {}).get("model_flops") or {}
         if f.get("flops") is None:
+            why = why or f.get("skipped") or f.get("error")
             continue
         if not f.get("complete"):
             incomplete.append(int(r))
@@ -57,7 +60,8 @@ def counted(reader: TraceReader) -> Counted:
         step = f.get("step")
         if f.get("embedded_tokens"):
             tokens = max(tokens or 0, int(f["embedded_tokens"]))
-    return Counted(per_rank=per_rank, embedded_tokens=tokens, step=step, incomplete=sorted(incomplete))
+    return Counted(per_rank=per_rank, embedded_tokens=tokens, step=step, incomplete=sorted(incomplete),
+                   not_counted=why)
 
 
 def step_flops(c: Counted, world_size: int, fold: dict | None) -> float | None:

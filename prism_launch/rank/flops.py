@@ -9,6 +9,9 @@ the matmul/attention FLOPs of the forward, the backward and any recompute the pr
 runs. The same pass sums, per embedding table, the token ids looked up: the tokens this rank's
 pipeline stage embedded in the step (word and position tables see the same ids; the largest
 sum is taken). Counting costs Python per torch op, for one step of each captured rank only.
+A program that runs torch.compile'd code by the end of step 1 is not counted (a dispatch mode
+stops compiled frames and cannot see their kernels): its summary says so, and the report's
+FLOPs and MFU are unknown.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import platform
 import time
 from typing import Any
 
-__all__ = ["COUNTED_STEP", "StepFlops", "device_info"]
+__all__ = ["COUNTED_STEP", "StepFlops", "compiled_frames", "device_info"]
 
 COUNTED_STEP = 2
 """The step counted (1-based): the first after warm-up."""
@@ -57,6 +60,16 @@ class StepFlops:
         import torch
         from torch.utils.flop_counter import FlopCounterMode
 
+        compiled = compiled_frames()
+        if compiled:
+            # torch.compile refuses to run (fullgraph) or falls back to eager under a non-infra
+            # dispatch mode, and a compiled graph's kernels are invisible to one anyway
+            self.result = {"step": COUNTED_STEP, "flops": None, "complete": False,
+                           "skipped": f"the program runs torch.compile'd code ({compiled} frame(s) compiled by the "
+                                      "end of step 1): FlopCounterMode, a dispatch mode, would stop its compiled "
+                                      "frames and cannot see inside them"}
+            return
+
         mapping = {torch.ops.aten.embedding: self._embedding}
         self._counter = FlopCounterMode(display=False, custom_mapping=mapping)
         self._t0 = time.perf_counter()
@@ -83,6 +96,21 @@ class StepFlops:
             except Exception as e:  # noqa: BLE001
                 self.result = {"step": COUNTED_STEP, "error": f"{type(e).__name__}: {e}"}
         return self.result
+
+
+def compiled_frames() -> int:
+    """Frames torch.compile (Dynamo) has compiled in this process so far; 0 when Dynamo was never
+    imported (it is not imported here for the asking)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return 0
+    try:
+        return int(counters["frames"]["ok"]) or int(counters["stats"]["unique_graphs"])
+    except (KeyError, TypeError, ValueError):
+        return 0
 
 
 def _run_programs_kernels(counter) -> None:

@@ -95,3 +95,31 @@ def test_without_the_fix_flop_counter_mode_changes_silu_backward():
     with FlopCounterMode(display=False):
         decomposed = torch.ops.aten.silu_backward(g, x)
     assert not torch.equal(fused, decomposed)
+
+
+def test_a_torch_compiled_program_is_not_counted_and_runs_compiled():
+    """A program whose step 1 ran torch.compile'd code is left without a dispatch mode (one would
+    stop fullgraph frames and cannot see compiled kernels); the summary says why."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.conftest import ROOT
+
+    code = textwrap.dedent("""
+        import torch
+        from prism_launch.rank.flops import StepFlops, compiled_frames
+        assert compiled_frames() == 0
+        f = torch.compile(lambda x: (x @ x).relu(), backend="eager", fullgraph=True)
+        x = torch.randn(8, 8)
+        counter = StepFlops()
+        f(x); counter.on_step()          # step 1: compiles
+        assert compiled_frames() >= 1
+        y = f(x); counter.on_step()      # step 2 runs compiled, no counter in the way
+        s = counter.summary()
+        assert s["flops"] is None and "torch.compile" in s["skipped"], s
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ok" in r.stdout
