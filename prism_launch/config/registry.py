@@ -83,7 +83,8 @@ BUILTIN: tuple[Integration, ...] = (
                              "--tensorboard_dir", "--job_name", "--run_name")),
     Integration(name="torchtitan", compat="integrations.torchtitan_compat", renderer="integrations.torchtitan_flags",
                 workload="integrations.torchtitan_workload",
-                compat_devices=("cpu", "cuda"),  # pipeline metadata inference on zeros (each patch a no-op where not needed)
+                # on CUDA too: pipeline metadata inference on zeros (each patch a no-op where not needed)
+                compat_devices=("cpu", "cuda"),
                 recipe_kind=True,
                 recipe_flags=("--job.config_file", "--job.config-file", "--model.name", "--model.flavor"),
                 # torchtitan's output folders (config/job_config.py of 0.2.2: all relative to --job.dump_folder)
