@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from integrations.megatron_flags import get_flag
 
-__all__ = ["Batch", "batch", "tokens_per_step"]
+__all__ = ["Batch", "batch", "model_flops", "tokens_per_step"]
 
 DEFAULTS = {("training", "local_batch_size"): 8, ("training", "global_batch_size"): -1,
             ("training", "seq_len"): 2048, ("parallelism", "data_parallel_replicate_degree"): 1,
@@ -102,3 +102,32 @@ def tokens_per_step(args: list[str], world_size: int, embedded_tokens: int | Non
     how = ("--training.global_batch_size" if b.global_batch_size != b.local_batch_size * b.data_parallel
            else f"--training.local_batch_size {b.local_batch_size} × data-parallel degree {b.data_parallel}")
     return b.global_batch_size * b.seq_len, f"{how} × --training.seq_len {b.seq_len} (torchtitan's options)"
+
+
+def model_flops(args: list[str], world_size: int) -> tuple[float | None, str]:
+    """Model FLOPs of one step of the whole job by torchtitan's own count (its trainer's: the
+    model's ``get_nparams_and_flops`` on a meta-device instance — 6 × non-embedding parameters
+    plus attention, per token — times the tokens of a step), for programs whose FLOPs the capture
+    could not count (torch.compile'd ones). The job's options are parsed by torchtitan's own
+    ``ConfigManager``; None, with why, where torchtitan cannot say."""
+    try:
+        b = batch(args, world_size)
+        from integrations import torchtitan_compat
+
+        torchtitan_compat.install()  # importing torchtitan needs its Triton stand-in on a CPU torch
+        import torch
+        from torchtitan.config import ConfigManager
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        job = ConfigManager().parse_args(list(args))
+        spec = get_train_spec(job.model.name)
+        model_args = spec.model_args[job.model.flavor]
+        model_args.update_from_config(job)
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        _, per_token = model_args.get_nparams_and_flops(model, job.training.seq_len)
+    except Exception as e:  # noqa: BLE001 - a figure the report then calls unknown, saying why
+        return None, f"torchtitan's own count failed: {type(e).__name__}: {e}"
+    tokens = b.global_batch_size * b.seq_len
+    return float(per_token) * tokens, (f"torchtitan's own count: {per_token:,} FLOPs per token "
+                                       f"(get_nparams_and_flops, as its trainer reports MFU) × {tokens:,} tokens")

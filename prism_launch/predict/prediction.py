@@ -146,14 +146,20 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
 
 
 def _throughput(cfg: PrismConfig, bare: TraceReader, count, iteration_s: float, world: int, fold: dict | None) -> dict:
-    from prism_launch.predict.throughput import step_flops, throughput, tokens
+    from prism_launch.predict.throughput import integration_flops, step_flops, throughput, tokens
 
     n_tokens, how = tokens(cfg, bare, count)
-    out = throughput(iteration_s, step_flops(count, world, fold), n_tokens, world, cfg.cluster.gpu)
-    out.update(tokens_source=how, flops_source=(f"FlopCounterMode over step {count.step} of "
-                                                f"{len(count.per_rank)} captured rank(s)") if count.per_rank
-               else f"not counted: {count.not_counted}" if count.not_counted
-               else "not counted (trace captured before ranks counted FLOPs)")
+    flops = step_flops(count, world, fold)
+    if count.per_rank:
+        flops_how = f"FlopCounterMode over step {count.step} of {len(count.per_rank)} captured rank(s)"
+    elif count.not_counted:  # the ranks could not count (torch.compile): the integration's own count, if any
+        flops, own = integration_flops(cfg, bare)
+        flops_how = f"{own}; the capture did not count: {count.not_counted}" if flops else \
+            f"not counted: {count.not_counted} ({own})"
+    else:
+        flops_how = "not counted (trace captured before ranks counted FLOPs)"
+    out = throughput(iteration_s, flops, n_tokens, world, cfg.cluster.gpu)
+    out.update(tokens_source=how, flops_source=flops_how)
     if count.incomplete:
         out["flops_incomplete_ranks"] = count.incomplete
     return out

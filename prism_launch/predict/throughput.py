@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from prism_launch.config import PrismConfig
     from prism_launch.trace import TraceReader
 
-__all__ = ["MFU_BAND", "Counted", "counted", "mfu_warning", "scale_rows", "throughput"]
+__all__ = ["MFU_BAND", "Counted", "counted", "integration_flops", "mfu_warning", "scale_rows", "throughput"]
 
 MFU_BAND = (0.10, 0.75)
 """Plausible MFU of a training job on a GPU cluster: outside it, a prediction is suspect."""
@@ -94,6 +94,26 @@ def tokens(cfg: PrismConfig, reader: TraceReader, c: Counted) -> tuple[int | Non
         return None, f"tokens unknown ({e})"
     args = list(reader.manifest.extra.get("script_args") or [])
     return module.tokens_per_step(args, reader.manifest.world_size, c.embedded_tokens)
+
+
+def integration_flops(cfg: PrismConfig, reader: TraceReader) -> tuple[float | None, str]:
+    """Model FLOPs of one step by the recipe's integration's own count (its workload module's
+    ``model_flops``), for a trace whose ranks could not count them (a torch.compile'd program);
+    None, with why, where the integration has no such count."""
+    from prism_launch.config import ConfigError
+    from prism_launch.config.registry import get, load
+
+    kind = cfg.integration.kind
+    try:
+        if kind == "none" or get(kind, where="integration.kind").workload is None:
+            return None, f"the {kind} integration has no FLOP count of its own"
+        module = load(kind, "workload", where="integration.kind")
+    except ConfigError as e:
+        return None, str(e)
+    if not hasattr(module, "model_flops"):
+        return None, f"the {kind} integration has no FLOP count of its own"
+    args = list(reader.manifest.extra.get("script_args") or [])
+    return module.model_flops(args, reader.manifest.world_size)
 
 
 def throughput(iteration_s: float, flops: float | None, tokens_per_step: int | None, world: int,

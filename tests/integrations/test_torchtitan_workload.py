@@ -44,3 +44,24 @@ def test_sizes_that_do_not_fit_say_so(tmp_path):
 
 def test_registered_as_torchtitans_workload():
     assert load("torchtitan", "workload", where="t").tokens_per_step is tokens_per_step
+
+
+def test_torchtitans_own_flop_count():
+    """For programs the capture cannot count (torch.compile'd): torchtitan's trainer's own count
+    (get_nparams_and_flops on a meta-device model) times the step's tokens."""
+    from importlib.util import find_spec
+
+    if find_spec("torchtitan") is None or find_spec("tokenizers") is None:
+        pytest.skip("torchtitan is not installed (pip install 'prism-launch[torchtitan]')")
+    from integrations.torchtitan_workload import model_flops
+
+    args = ["--model.name", "llama3", "--model.flavor", "8B", "--training.local_batch_size", "2",
+            "--training.seq_len", "8192"]
+    flops, how = model_flops(args, 8)
+    # Llama 3.1 8B: 8,030,261,248 parameters, less the token embedding (128,256 x 4,096); attention:
+    # 6 x layers x heads x (q+v head dims) x seq
+    per_token = 6 * (8_030_261_248 - 128_256 * 4_096) + 6 * 32 * 32 * 256 * 8192
+    assert flops == per_token * 16 * 8192, how
+    assert "torchtitan's own count" in how
+    flops, how = model_flops(["--model.name", "llama3", "--model.flavor", "no-such-flavor"], 8)
+    assert flops is None and "no-such-flavor" in how
