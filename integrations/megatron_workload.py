@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from integrations.megatron_flags import get_flag
 
-__all__ = ["Shape", "shape", "num_floating_point_operations", "tokens_per_step"]
+__all__ = ["Shape", "shape", "model_flops", "num_floating_point_operations", "tokens_per_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +120,18 @@ def tokens_per_step(args: list[str], world_size: int, embedded_tokens: int | Non
         return embedded_tokens * dp * cp, ("tokens embedded by a first-stage rank in the counted step × "
                                            f"data-parallel size {dp}" + (f" × context-parallel size {cp}" if cp > 1 else ""))
     return None, "tokens unknown (no --global-batch-size/--seq-length, no embedding counted)"
+
+
+def model_flops(args: list[str], world_size: int) -> tuple[float | None, str]:
+    """Megatron-LM's own count of one step's model FLOPs (:func:`num_floating_point_operations`
+    over ``--global-batch-size`` sequences), for programs whose FLOPs the capture could not count
+    (torch.compile'd ones); None, with why, where the flags do not give the model's shape."""
+    try:
+        s = shape(args)
+    except ValueError as e:
+        return None, f"Megatron-LM's formula: {e}"
+    if s is None or not s.global_batch_size:
+        return None, ("Megatron-LM's formula needs --num-layers, --hidden-size, --num-attention-heads, "
+                      "--seq-length, a vocabulary size and --global-batch-size among the script's flags")
+    return num_floating_point_operations(s, s.global_batch_size), \
+        f"Megatron-LM's formula (num_floating_point_operations) over --global-batch-size {s.global_batch_size}"

@@ -28,3 +28,12 @@ def test_tokens_from_the_batch_flags_else_the_counted_embedding():
 
 def test_a_shape_without_its_flags_is_unknown():
     assert shape(["--num-layers", "2"]) is None
+
+
+def test_megatrons_own_count_for_a_step_the_capture_could_not_count():
+    from integrations.megatron_workload import model_flops
+
+    flops, how = model_flops([*LLAMA3_8B, "--global-batch-size", "8"], 64)
+    assert flops == num_floating_point_operations(shape(LLAMA3_8B), batch_size=8) and "--global-batch-size 8" in how
+    flops, how = model_flops(LLAMA3_8B, 64)
+    assert flops is None and "--global-batch-size" in how
