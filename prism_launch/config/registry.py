@@ -11,8 +11,9 @@ An :class:`Integration` says which of its modules fill which role:
 - ``waits``: vouches for or against waits on the GPU during capture (``capture.gpu_waits``
   unset) for a recipe's script arguments (``gpu_waits(script_args) -> (bool, why) | None``);
 - ``workload``: what one step of a recipe processes, from its script arguments
-  (``tokens_per_step(script_args, world_size, embedded_tokens)``, and the framework's own FLOP
-  count as a cross-check: ``shape``/``num_floating_point_operations``);
+  (``tokens_per_step(script_args, world_size, embedded_tokens)``; optionally the framework's
+  own FLOP count, ``model_flops(script_args, world_size)``, which the report uses where the
+  capture could not count FLOPs: a torch.compile'd program);
 - ``recipe_flags``: script flags by which a recipe of this kind is recognised (DeepSpeed's
   ``--deepspeed_config``), so its compat layer joins by default and ``warm_imports`` are
   imported before ranks are forked.
@@ -50,7 +51,8 @@ class Integration:
     """Module whose ``gpu_waits(script_args)`` vouches for or against ``capture.gpu_waits``."""
     workload: str | None = None
     """Module whose ``tokens_per_step(script_args, world_size, embedded_tokens)`` says how many
-    tokens a step trains on (throughput in reports and sweeps)."""
+    tokens a step trains on (throughput in reports and sweeps), and optionally
+    ``model_flops(script_args, world_size)`` its own count of a step's FLOPs."""
     compat_devices: tuple[str, ...] = ("cpu",)
     """The devices (``cpu``, ``cuda``) on which the ``compat`` module is activated."""
     recipe_flags: tuple[str, ...] = ()
