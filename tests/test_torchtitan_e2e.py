@@ -53,27 +53,45 @@ def _script(assets, out):
             "--metrics.disable_color_printing", "--debug.seed", "7", "--job.dump_folder", out]
 
 
-@pytest.mark.slow
-def test_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
+def _offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    base = ["--nproc-per-node", "8", "device=cpu", "comm.timeout_s=120", f"trace.dir={tmp_path / 'trace'}"]
-    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1")],
-                  cwd=tmp_path, timeout=400)
+
+
+def _capture_and_emulate(assets, tmp_path, monkeypatch, world, parallelism, sandbox, captured_msg, timeout=400):
+    """Capture torchtitan with the prism-launch flags ``world`` and torchtitan's ``parallelism``,
+    check the launcher said ``captured_msg``, emulate rank ``sandbox`` alone and check it is
+    bit-identical to its capture (equal losses that change, no divergence of any kind); returns
+    the report, the rank's entry and its captured log lines."""
+    _offline(tmp_path, monkeypatch)
+    base = [*world, "device=cpu", "comm.timeout_s=300", f"sandbox.ranks=[{sandbox}]", f"trace.dir={tmp_path / 'trace'}"]
+    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"),
+                   *parallelism], cwd=tmp_path, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "captured 8 logical ranks" in r.stderr
-    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", "sandbox.ranks=[3]",
-                   f"report.dir={tmp_path / 'rep'}", *_script(assets, tmp_path / "o2")],
-                  cwd=tmp_path, timeout=400)
+    assert captured_msg in r.stderr
+    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", f"report.dir={tmp_path / 'rep'}",
+                   *_script(assets, tmp_path / "o2"), *parallelism], cwd=tmp_path, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
-    cap, emu = _losses(rank_lines(tmp_path / "cap", 3)), _losses(rank_lines(tmp_path / "emu", 3))
+    captured = rank_lines(tmp_path / "cap", sandbox)
+    cap, emu = _losses(captured), _losses(rank_lines(tmp_path / "emu", sandbox))
     assert len(cap) == 3 and emu == cap, (emu, cap)
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    rank = report["ranks"]["3"]
-    assert report["virtual_ranks"] == 7 and rank["ops"] > 50
+    rank = report["ranks"][str(sandbox)]
     assert rank["losses"] == rank["captured_losses"] and rank["losses_match_capture"], rank["losses"]
+    assert len(set(rank["losses"])) == 3  # it trains
     assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
+    return report, rank, captured
+
+
+EIGHT = ["--nproc-per-node", "8"]
+FOLDED_1024 = ["--nnodes", "128", "--nproc-per-node", "8", "-r", "3", "capture.fold=true"]
+
+
+@pytest.mark.slow
+def test_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
+    report, rank, _ = _capture_and_emulate(assets, tmp_path, monkeypatch, EIGHT, [], 3, "captured 8 logical ranks")
+    assert report["virtual_ranks"] == 7 and rank["ops"] > 50
 
 
 def test_fsdp_tp_1024_ranks_folded(assets, tmp_path, monkeypatch):
@@ -81,53 +99,21 @@ def test_fsdp_tp_1024_ranks_folded(assets, tmp_path, monkeypatch):
     (FSDP index 50: its parameter shards are not padding) emulated bit for bit against its capture.
     Folding follows tp and not the data-parallel meshes by capture.replicated_groups' defaults.
     Loss parallelism is off (on CPU, DTensor's loss-parallel path moves targets to 'cuda')."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    base = ["--nnodes", "128", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
-            "capture.fold=true", "sandbox.ranks=[101]", f"trace.dir={tmp_path / 'trace'}"]
     tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]
-    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"), *tp],
-                  cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "captured 2 of 1024 logical ranks (folded)" in r.stderr
-    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", f"report.dir={tmp_path / 'rep'}",
-                   *_script(assets, tmp_path / "o2"), *tp], cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    cap, emu = _losses(rank_lines(tmp_path / "cap", 101)), _losses(rank_lines(tmp_path / "emu", 101))
-    assert len(cap) == 3 and emu == cap, (emu, cap)
-    report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    rank = report["ranks"]["101"]
+    report, rank, _ = _capture_and_emulate(assets, tmp_path, monkeypatch, FOLDED_1024, tp, 101,
+                                           "captured 2 of 1024 logical ranks (folded)")
     assert report["virtual_ranks"] == 1023 and rank["ops"] > 100
-    assert rank["losses"] == rank["captured_losses"] and len(set(rank["losses"])) == 3  # it trains
-    assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
 
 
 def test_fsdp_tp_pp_1024_ranks_folded(assets, tmp_path, monkeypatch):
     """PP2 x FSDP256 x TP2 over 1,024 ranks (torchtitan's 1F1B over 2 micro-batches), folded to
     the sandbox's pipeline and tensor-parallel peers: rank 613 (last stage, FSDP index 50, TP
     rank 1) logs the losses and is emulated bit for bit against its capture."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    base = ["--nnodes", "128", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
-            "capture.fold=true", "sandbox.ranks=[613]", f"trace.dir={tmp_path / 'trace'}"]
     par = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
            "--parallelism.disable_loss_parallel", "--training.local_batch_size", "2"]
-    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"), *par],
-                  cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "captured 4 of 1024 logical ranks (folded)" in r.stderr
-    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", f"report.dir={tmp_path / 'rep'}",
-                   *_script(assets, tmp_path / "o2"), *par], cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    cap, emu = _losses(rank_lines(tmp_path / "cap", 613)), _losses(rank_lines(tmp_path / "emu", 613))
-    assert len(cap) == 3 and emu == cap, (emu, cap)
-    report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    rank = report["ranks"]["613"]
+    report, rank, _ = _capture_and_emulate(assets, tmp_path, monkeypatch, FOLDED_1024, par, 613,
+                                           "captured 4 of 1024 logical ranks (folded)")
     assert report["virtual_ranks"] == 1023 and rank["p2p"], rank.get("p2p")
-    assert rank["losses"] == rank["captured_losses"] and len(set(rank["losses"])) == 3
-    assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
     assert report["predicted"]["throughput"]["tokens_per_step"] == 256 * 2 * 64  # local batch 2 x DP 256 x seq 64
 
 
@@ -138,9 +124,7 @@ def test_sweep_dp_shard_by_tp(assets, tmp_path, monkeypatch):
     torchtitan's tokens per step."""
     import csv
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    _offline(tmp_path, monkeypatch)
     sweep = tmp_path / "sweep"
     r = run_prism(["--multirun", "--nproc-per-node", "8", "-r", "3", "device=cpu", "comm.timeout_s=120",
                    "capture.fold=true", "sandbox.ranks=[0]", f"hydra.sweep.dir={sweep}", "target.parallel.tp=1,2,4,8",
@@ -159,40 +143,15 @@ def test_sweep_dp_shard_by_tp(assets, tmp_path, monkeypatch):
         assert float(row["iteration_time_s"]) > 0 and float(row["tokens_per_s_per_gpu"]) > 0
 
 
-def _cp_capture_and_emulate(assets, tmp_path, monkeypatch, parallelism, sandbox):
-    """Capture torchtitan at 8 ranks with ``parallelism``, emulate rank ``sandbox`` alone, and
-    check it is bit-identical to its capture; returns the rank's report and captured log lines."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    base = ["--nproc-per-node", "8", "device=cpu", "comm.timeout_s=120", f"trace.dir={tmp_path / 'trace'}"]
-    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"),
-                   *parallelism], cwd=tmp_path, timeout=400)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "captured 8 logical ranks" in r.stderr
-    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", f"sandbox.ranks=[{sandbox}]",
-                   f"report.dir={tmp_path / 'rep'}", *_script(assets, tmp_path / "o2"), *parallelism],
-                  cwd=tmp_path, timeout=400)
-    assert r.returncode == 0, r.stderr[-4000:]
-    captured = rank_lines(tmp_path / "cap", sandbox)
-    cap, emu = _losses(captured), _losses(rank_lines(tmp_path / "emu", sandbox))
-    assert len(cap) == 3 and emu == cap, (emu, cap)
-    report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    rank = report["ranks"][str(sandbox)]
-    assert report["virtual_ranks"] == 7 and rank["ops"] > 50
-    assert rank["losses"] == rank["captured_losses"] and rank["losses_match_capture"], rank["losses"]
-    assert len(set(rank["losses"])) == 3  # it trains
-    assert rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}, rank["divergences"][:3]
-    return rank, captured
-
-
 @pytest.mark.slow
 def test_cp_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
     """CP2 x FSDP4 at 8 ranks: torchtitan's context parallelism (torch's ring attention over SDPA's
     CPU flash op, integrations/torchtitan_cp.py; head-tail load balancing) is captured, and rank 3
     (FSDP index 1, CP rank 1) is emulated bit for bit: its ring exchanges come from the trace."""
-    _, captured = _cp_capture_and_emulate(
-        assets, tmp_path, monkeypatch, ["--parallelism.context_parallel_degree", "2"], sandbox=3)
+    report, rank, captured = _capture_and_emulate(assets, tmp_path, monkeypatch, EIGHT,
+                                                  ["--parallelism.context_parallel_degree", "2"], 3,
+                                                  "captured 8 logical ranks")
+    assert report["virtual_ranks"] == 7 and rank["ops"] > 50
     assert any("Applied Context Parallel" in line for line in captured), captured[-20:]
 
 
@@ -203,7 +162,9 @@ def test_cp_tp_fsdp_8_ranks_capture_and_emulate(assets, tmp_path, monkeypatch):
     Loss parallelism is off (on CPU, DTensor's loss-parallel path moves targets to 'cuda')."""
     par = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
            "--parallelism.disable_loss_parallel"]
-    _, captured = _cp_capture_and_emulate(assets, tmp_path, monkeypatch, par, sandbox=7)
+    report, rank, captured = _capture_and_emulate(assets, tmp_path, monkeypatch, EIGHT, par, 7,
+                                                  "captured 8 logical ranks")
+    assert report["virtual_ranks"] == 7 and rank["ops"] > 50
     assert any("dp_shard=2, cp=2, tp=2" in line for line in captured), captured[:20]
     assert any("Applied Context Parallel" in line for line in captured), captured[-20:]
 
@@ -213,23 +174,9 @@ def test_torch_compile_fsdp_2_ranks_capture_and_emulate(assets, tmp_path, monkey
     backend): the compiled program is captured and rank 1 emulated bit for bit. The capture
     does not count its FLOPs (a dispatch mode would stop compiled frames): the report takes
     torchtitan's own count instead and says why."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    base = ["--nproc-per-node", "2", "device=cpu", "comm.timeout_s=300", f"trace.dir={tmp_path / 'trace'}"]
-    r = run_prism([*base, "--log-dir", tmp_path / "cap", "mode=capture", *_script(assets, tmp_path / "o1"),
-                   "--compile.enable"], cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = run_prism([*base, "--log-dir", tmp_path / "emu", "mode=emulate", "sandbox.ranks=[1]",
-                   f"report.dir={tmp_path / 'rep'}", *_script(assets, tmp_path / "o2"), "--compile.enable"],
-                  cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    report, rank, _ = _capture_and_emulate(assets, tmp_path, monkeypatch, ["--nproc-per-node", "2"],
+                                           ["--compile.enable"], 1, "captured 2 logical ranks", timeout=600)
     assert any("Compiling each TransformerBlock with torch.compile" in line for line in rank_lines(tmp_path / "emu", 1))
-    cap, emu = _losses(rank_lines(tmp_path / "cap", 1)), _losses(rank_lines(tmp_path / "emu", 1))
-    assert len(cap) == 3 and emu == cap, (emu, cap)
-    report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    rank = report["ranks"]["1"]
-    assert rank["losses_match_capture"] and rank["divergence_counts"] == {"value": 0, "tolerance": 0, "host_scalar": 0}
     t = report["predicted"]["throughput"]
     assert "torch.compile" in t["flops_source"] and "torchtitan's own count" in t["flops_source"], t["flops_source"]
     assert t["model_flops_per_step"] == 35_016_192 * 128  # debugmodel at seq 64: its trainer's FLOPs/token x 2 x 64
