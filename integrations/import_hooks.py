@@ -129,6 +129,9 @@ def replaces(owner: Any, name: str) -> Callable[[Callable], Callable | None]:
         original = getattr(owner, name, None)
         if original is None or getattr(original, MARK, False):
             return None
+        if isinstance(vars(owner).get(name) if hasattr(owner, "__dict__") else None, (staticmethod, classmethod)):
+            raise TypeError(f"replaces({getattr(owner, '__name__', owner)!r}, {name!r}): a staticmethod or "
+                            "classmethod would become an instance method; wrap its function in the right decorator")
 
         @functools.wraps(original)
         def replacement(*args, **kwargs):

@@ -13,6 +13,7 @@ size).
 
 from __future__ import annotations
 
+import copy
 import tomllib
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ def model_flops(args: list[str], world_size: int) -> tuple[float | None, str]:
 
         job = ConfigManager().parse_args(list(args))
         spec = get_train_spec(job.model.name)
-        model_args = spec.model_args[job.model.flavor]
+        model_args = copy.deepcopy(spec.model_args[job.model.flavor])  # the registry's own stays as it is
         model_args.update_from_config(job)
         with torch.device("meta"):
             model = spec.model_cls(model_args)

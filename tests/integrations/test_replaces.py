@@ -32,3 +32,16 @@ def test_a_module_function_and_an_absent_one():
     made = replaces(mod, "f")(lambda orig, x, y=1: orig(x, y=y) * 2)
     assert made is mod.f and mod.f(1, y=2) == 6
     assert replaces(mod, "missing")(lambda orig: None) is None and not hasattr(mod, "missing")
+
+
+def test_a_static_or_class_method_is_refused_by_name():
+    import pytest
+
+    class Box:
+        @staticmethod
+        def make():
+            return 1
+
+    with pytest.raises(TypeError, match="staticmethod or classmethod"):
+        replaces(Box, "make")(lambda orig: orig())
+    assert Box.make() == 1
