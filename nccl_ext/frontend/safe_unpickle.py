@@ -44,6 +44,8 @@ _ALLOWED = frozenset({
     "argparse.Namespace", "collections.OrderedDict", "collections.defaultdict", "collections.deque",
     *(f"datetime.{n}" for n in ("datetime", "date", "time", "timedelta", "timezone")),
     "pathlib.PurePosixPath", "pathlib.PosixPath", "pathlib.PurePath", "pathlib.Path",  # no I/O when built
+    # Python 3.13 pickles them under the module that defines them
+    "pathlib._local.PurePosixPath", "pathlib._local.PosixPath", "pathlib._local.PurePath", "pathlib._local.Path",
     "torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter",
     *(f"torch._utils.{n}" for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter",
                                     "_rebuild_parameter_with_state", "_rebuild_device_tensor_from_numpy",
@@ -60,6 +62,12 @@ def _refuse(what: str) -> RestrictedPayloadError:
         f"an object-collective payload of this trace names {what}, which an unsigned or foreign trace may not "
         "load (a trace's pickles run code when unpickled; only plain data, tensors and the frameworks' dataclasses "
         "are allowed). Re-capture the trace yourself, or pass trace.trusted=true if you trust the trace's author")
+
+
+_STORAGE_LOADERS = frozenset({"torch.storage._load_from_bytes", "megatron.core.safe_globals.safe_load_from_bytes"})
+"""How a pickled tensor storage names its loader: torch's own, or megatron-core 0.19's (it registers
+``safe_load_from_bytes``, a ``torch.load(weights_only=True)``, for storages). Both are served by
+:func:`_load_storage_bytes`; neither function is imported."""
 
 
 def _load_storage_bytes(b: bytes):
@@ -79,7 +87,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         full = f"{module}.{name}"
         if full in _ALLOWED:
             return super().find_class(module, name)
-        if full == "torch.storage._load_from_bytes":
+        if full in _STORAGE_LOADERS:
             return _load_storage_bytes
         if "__" in name:  # dotted qualnames may not reach into dunders (Cls.__init__.__globals__)
             raise _refuse(full)
