@@ -115,19 +115,30 @@ def _err(pred: float | None, pub: float) -> float | None:
     return None if pred is None else 100.0 * (pred - pub) / pub
 
 
-def run_row(row: str, work: Path, steps: int, cluster: str, derated: float, timeout: float) -> list[Figure]:
+def _log_tails(logs: Path, n: int = 3) -> None:
+    """The ends of the ranks' stderr logs of a failed run (its folder is removed afterwards)."""
+    for log in sorted(logs.rglob("stderr.log"))[-n:]:
+        text = log.read_text(errors="replace").strip()
+        if text:
+            print(f"--- {log.relative_to(logs)}:\n{text[-2500:]}", file=sys.stderr)
+
+
+def run_row(row: str, work: Path, steps: int, cluster: str, derated: float, timeout: float,
+            repeats: int) -> list[Figure]:
     name, tps_pub, mem_pub, extra = PUBLISHED[row]
     tok, data = _assets(work / "assets")
     base = ["--nproc-per-node", "8", f"device={SHAPE['device']}", f"cluster={cluster}", "capture.payload=none",
             "capture.fold=true",  # the 8 FSDP ranks are replicas of one shard class: one rank captured
             "sandbox.ranks=[0]", f"trace.dir={work / 'trace'}", "comm.timeout_s=600"]
     rc, wall, err = _prism([*base, "--log-dir", str(work / "auto"), "mode=auto", "calibrate.in_auto=true",
+                            f"calibrate.repeats={repeats}",
                             f"report.dir={work / 'report'}", *_script(tok, data, steps, work / "o1", extra)],
                            work, timeout)
     print(f"{name}: mode=auto (capture, calibrate, emulate) exit {rc} in {wall:.0f} s", flush=True)
     got = _read(work / "report" / "report.json") if rc == 0 else {}
     if rc != 0:
         print(err, file=sys.stderr)
+        _log_tails(work / "auto")
     low = _repredict(work / "trace", [f"device={SHAPE['device']}", f"cluster={cluster}", "integration.kind=torchtitan",
                                       f"cluster.gpu.peak_bf16_tflops={derated:g}"]) if rc == 0 else {}
     tps, mem, tps_low = got.get("tps_per_gpu"), got.get("memory_gib"), low.get("tps_per_gpu")
@@ -150,6 +161,9 @@ def main() -> int:
     ap.add_argument("--cluster", default="h100_96gb_gt")
     ap.add_argument("--derated-tflops", type=float, default=835.0)
     ap.add_argument("--timeout", type=float, default=270.0, help="seconds per prism-launch run")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="calibrate.repeats: runs of the one shard class (FSDP's 8 ranks are one class); "
+                         "each run's steps give every event several measurements already")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--flavor", default=SHAPE["flavor"])
     ap.add_argument("--seq-len", type=int, default=SHAPE["seq_len"])
@@ -164,7 +178,7 @@ def main() -> int:
     figures: list[Figure] = []
     for row in rows:
         with tempfile.TemporaryDirectory(prefix=f"prism-titan-{row}-") as d:
-            figures += run_row(row, Path(d), a.steps, a.cluster, a.derated_tflops, a.timeout)
+            figures += run_row(row, Path(d), a.steps, a.cluster, a.derated_tflops, a.timeout, a.repeats)
     print(table(figures))
     if a.out:
         a.out.write_text(json.dumps([{"name": f.name, "value": f.value} for f in figures], indent=1))
