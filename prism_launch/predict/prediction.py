@@ -94,6 +94,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
     source = origin.source
     rows, scaling, count = scaled_rows(cfg, bare, reader, compute)
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+    names = group_names(reader.manifest.groups)
     world = reader.manifest.world_size
     graph = graph_from_events(rows, groups, world, compute=compute)
     model = make_cost_model(cfg.replay.cost_model, cfg.cluster)
@@ -112,6 +113,7 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
             "compute_s": res.compute_s, "exposed_comm_s": res.blocked_s - res.bubble_s,
             "bubble_s": res.bubble_s, "peak_memory_bytes": peak,
             "oom": None if peak is None else peak > limit,
+            "step": step_breakdown(res.steady_step(), names),
         }
     fold = bare.read_json(TraceLayout.FOLD) if TraceLayout.FOLD in bare.json_files() else None
     if fold is not None:  # expand to the whole world: an uncaptured rank mirrors its stand-in
@@ -143,6 +145,24 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
     predicted["mfu_warning"] = mfu_warning(predicted) or None
     return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline, "replay": rep,
             "rows": rows, "compute_clock": compute}
+
+
+def group_names(groups: list[dict]) -> dict[int, str]:
+    """Each process group's name in a breakdown: the description its creator gave it (Megatron's
+    ``TENSOR_MODEL_PARALLEL_GROUP``, a DeviceMesh dimension's name), else its size."""
+    return {int(g["id"]): g.get("desc") or f"group of {len(g['ranks'])}" for g in groups}
+
+
+def step_breakdown(step: dict, names: dict[int, str]) -> dict:
+    """One steady step of a rank (:meth:`RankResult.steady_step`): compute, waits on collectives
+    by group name (exposed communication and waiting for the group's last member), and waits on
+    point-to-point receives (pipeline bubbles with the exposed transfers)."""
+    by_name: dict[str, float] = {}
+    for gid, s in step["blocked_by_group"].items():
+        name = names.get(gid, f"group {gid}")
+        by_name[name] = by_name.get(name, 0.0) + s
+    return {"compute_s": step["compute_s"], "collective_waits_s": by_name,
+            "p2p_waits_s": step["bubble_s"], "waits_s": step["blocked_s"]}
 
 
 def _throughput(cfg: PrismConfig, bare: TraceReader, count, iteration_s: float, world: int, fold: dict | None) -> dict:

@@ -66,7 +66,28 @@ class RankResult:
     """Time spent waiting on ops (exposed communication + waiting for peers)."""
     bubble_s: float = 0.0
     """Part of ``blocked_s`` spent waiting on point-to-point receives (pipeline bubbles)."""
+    blocked_by_group: dict[int, float] = field(default_factory=dict)
+    """Part of ``blocked_s`` spent waiting on collectives, by process-group id."""
+    marks: list[tuple[float, float, float, dict[int, float]]] = field(default_factory=list)
+    """``(compute_s, blocked_s, bubble_s, blocked_by_group)`` as they stood at each step's end."""
     end: float = 0.0
+
+    def steady_step(self) -> dict:
+        """One step's compute, waits and bubble: the mean over the steps after the first
+        (all steps when there are fewer than three), as :attr:`Replay.iteration_time_s` takes them."""
+        rows, prev = [], (0.0, 0.0, 0.0, {})
+        for m in self.marks:
+            rows.append((m[0] - prev[0], m[1] - prev[1], m[2] - prev[2],
+                         {g: v - prev[3].get(g, 0.0) for g, v in m[3].items()}))
+            prev = m
+        rows = rows[1:] if len(rows) > 2 else rows
+        if not rows:
+            return {"compute_s": 0.0, "blocked_s": 0.0, "bubble_s": 0.0, "blocked_by_group": {}}
+        k = len(rows)
+        groups = {g for r in rows for g in r[3]}
+        return {"compute_s": sum(r[0] for r in rows) / k, "blocked_s": sum(r[1] for r in rows) / k,
+                "bubble_s": sum(r[2] for r in rows) / k,
+                "blocked_by_group": {g: sum(r[3].get(g, 0.0) for r in rows) / k for g in sorted(groups)}}
 
 
 @dataclass(slots=True)
@@ -158,13 +179,14 @@ def _graph_from_events(rows, groups, world_size, compute, calibrated) -> Graph:
     return Graph(ranks=ranks, world_size=world_size)
 
 
-def _intern(graph: Graph) -> tuple[list[list[tuple]], int]:
+def _intern(graph: Graph) -> tuple[list[list[tuple]], int, dict[int, int]]:
     """Replace tuple keys by dense integer slots (one hash per event, list lookups after).
 
     Per rank, events become ``(code, span, slot, info)``: COLL slot of its completion, info
     ``(kind, nbytes, members)``; SEND slot of the send's completion, info
     ``(nbytes, src, dst, recv_slot)``; RECV slot of the receive's completion; WAIT the slot
-    it waits on, info ``"c"``/``"s"``/``"r"``; MARK info the unit.
+    it waits on, info ``"c"``/``"s"``/``"r"``; MARK info the unit. Also returns the number of
+    slots and each collective slot's process-group id.
     """
     ids: dict = {}
 
@@ -175,11 +197,14 @@ def _intern(graph: Graph) -> tuple[list[list[tuple]], int]:
         return i
 
     out = []
+    group_of: dict[int, int] = {}
     for r in sorted(graph.ranks):
         evs = []
         for code, span, key, info in graph.ranks[r]:
             if code == COLL:
-                evs.append((COLL, span, slot(key), info))
+                sl = slot(key)
+                group_of[sl] = key[1]
+                evs.append((COLL, span, sl, info))
             elif code == SEND:
                 evs.append((SEND, span, slot(("s", key)), (info, key[1], key[2], slot(("r", key)))))
             elif code == RECV:
@@ -189,7 +214,7 @@ def _intern(graph: Graph) -> tuple[list[list[tuple]], int]:
             else:
                 evs.append((MARK, span, -1, key))
         out.append(evs)
-    return out, len(ids)
+    return out, len(ids), group_of
 
 
 def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = (), record_issue: bool = False) -> Replay:
@@ -209,7 +234,7 @@ def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()
 
 def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], record_issue: bool = False) -> Replay:
     order = sorted(graph.ranks)
-    ops, n_slots = _intern(graph)
+    ops, n_slots, group_of = _intern(graph)
     n = len(order)
     index = {r: i for i, r in enumerate(order)}
     keep = {index[r] for r in timeline_ranks if r in index}
@@ -290,6 +315,10 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
                     res.blocked_s += end - t
                     if info == "r":
                         res.bubble_s += end - t
+                    elif info == "c":
+                        by_group = res.blocked_by_group
+                        g = group_of[sl]
+                        by_group[g] = by_group.get(g, 0.0) + (end - t)
                     if tl is not None:
                         tl.append(("wait" if info == "c" else "p2p-wait", t, end))
                     bind[p] = (t, end, cause[sl])
@@ -350,6 +379,7 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
                     complete(sl, max(t, msg[0]), (msg[1], msg[2], msg[3]) if msg[0] >= t else (r, p, t))
             else:
                 res.step_ends.append(t)
+                res.marks.append((res.compute_s, res.blocked_s, res.bubble_s, dict(res.blocked_by_group)))
             p += 1
         pos[r], clock[r], fresh_at[r] = p, t, fresh
         res.end = t

@@ -85,3 +85,30 @@ def test_incomplete_trace_is_reported_not_hung():
     g = {0: [(COLL, 0.0, ("c", 0, 0), ("all_reduce", 4, (0, 1))), (WAIT, 0.0, ("c", 0, 0), None)], 1: []}
     with pytest.raises(RuntimeError, match="deadlocked: 1 rank"):
         replay(Graph(g, 2), Flat())
+
+
+def test_steady_step_splits_waits_by_group_and_skips_the_first_step():
+    # three steps on two ranks: a TP all-reduce (group 3) that rank 1 reaches late, then a
+    # pipeline receive from rank 1; the first step's compute is longer (warm-up)
+    def step(n, first, late):
+        tp = ("c", 3, n)
+        key = (0, 1, 0, 0, n)
+        r0 = [(COLL, first, tp, ("all_reduce", 64, (0, 1))), (WAIT, 0.0, tp, None),
+              (RECV, 0.0, key, None), (WAIT, 0.0, ("r", key), None), (MARK, 0.5, n, None)]
+        r1 = [(COLL, first + late, tp, ("all_reduce", 64, (0, 1))), (WAIT, 0.0, tp, None),
+              (SEND, 0.25, key, 4), (WAIT, 0.0, ("s", key), None), (MARK, 0.25, n, None)]
+        return r0, r1
+
+    steps = [step(0, 3.0, 1.0), step(1, 1.0, 1.0), step(2, 1.0, 1.0)]
+    g = {0: [e for s in steps for e in s[0]], 1: [e for s in steps for e in s[1]]}
+    rep = replay(Graph(g, 2), Flat(coll=0.5))
+    first = rep.ranks[0].marks[0]
+    assert first[3] == {3: pytest.approx(1.5)}           # 1 s late peer + 0.5 s all-reduce
+    steady = rep.ranks[0].steady_step()
+    # after the first step: compute 1 + 0.5; rank 0 ends each step 0.25 s after rank 1 (it waits
+    # for rank 1's send), so rank 1's 1 s lateness costs it 0.75 s, plus the 0.5 s all-reduce
+    assert steady["compute_s"] == pytest.approx(1.5)
+    assert steady["blocked_by_group"] == {3: pytest.approx(1.25)}
+    assert steady["bubble_s"] == pytest.approx(0.25)
+    assert steady["blocked_s"] == pytest.approx(1.5)
+    assert rep.ranks[1].steady_step()["blocked_by_group"] == {3: pytest.approx(0.5)}
