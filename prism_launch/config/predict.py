@@ -69,10 +69,16 @@ class ReplayConfig:
     """Ranks in the timeline (default: sandbox ranks plus an even sample)."""
     timeline_max_ranks: int = 64
     """Cap on sampled timeline ranks."""
+    compute_speedup: float = 1.0
+    """Every compute span is divided by this after scaling to the target GPU: a what-if for a
+    faster implementation than the one measured (e.g. Transformer Engine's fused layers against
+    megatron-core's local ones, as measured by ``bench/gpu_layer_factor.py``). The report states it."""
 
     def validate(self) -> None:
         if self.timeline_max_ranks < 1:
             raise ConfigError(f"replay.timeline_max_ranks must be >= 1 (got {self.timeline_max_ranks})")
+        if not self.compute_speedup > 0:
+            raise ConfigError(f"replay.compute_speedup must be > 0 (got {self.compute_speedup})")
 
 
 @dataclass(kw_only=True, slots=True)

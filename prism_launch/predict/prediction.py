@@ -69,7 +69,17 @@ def scaled_rows(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, comput
     count = counted(bare)
     device = reader.manifest.extra.get("measuring_device") or bare.manifest.extra.get("measuring_device")
     scaling = scale_rows(rows, device, cfg.cluster.gpu, count, compute)
+    if cfg.replay.compute_speedup != 1.0:
+        scaling = {**scaling, "compute_speedup": speed_up(rows, cfg.replay.compute_speedup)}
     return rows, scaling, count
+
+
+def speed_up(rows: list[dict], speedup: float) -> float:
+    """Divide every compute span of ``rows`` (in place) by ``speedup`` (``replay.compute_speedup``)."""
+    for row in rows:
+        row["compute_cpu_s"] = (row["compute_cpu_s"] or 0.0) / speedup
+        row["compute_wall_s"] = (row["compute_wall_s"] or 0.0) / speedup
+    return speedup
 
 
 def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[int, list[float]]:

@@ -251,6 +251,9 @@ def throughput_lines(pred: dict) -> list[str]:
                      f"{s['comm_fraction']:.0%} communication time (kernel mix: {s['mix_source']})")
     elif s.get("why"):
         lines.append(f"  compute not scaled: {s['why']}")
+    if s.get("compute_speedup"):
+        lines.append(f"  compute spans divided by replay.compute_speedup={s['compute_speedup']:g} (a what-if, "
+                     "not measured in this run)")
     if pred.get("mfu_warning"):
         lines.append(f"  [bold red]warning[/bold red]: {pred['mfu_warning']}")
     return lines

@@ -105,3 +105,15 @@ def test_gpu_spans_missing_for_a_rank_or_not_matching_its_events_are_refused():
     reader, _origin = select(_cfg(ComputeSource.auto), _cuda_bare({0: [0.1, 0.1], 1: [0.1]}), _trace())
     with pytest.raises(UncalibratedCudaTraceError, match=r"ranks \[1\].*different count"):
         reader.events()
+
+
+def test_compute_speedup_divides_every_span_and_must_be_positive():
+    from prism_launch.config import ConfigError, compose, resolve
+    from prism_launch.predict.prediction import speed_up
+
+    rows = [{"compute_cpu_s": 0.4, "compute_wall_s": 0.5}, {"compute_cpu_s": None, "compute_wall_s": 0.25}]
+    assert speed_up(rows, 2.0) == 2.0
+    assert rows == [{"compute_cpu_s": 0.2, "compute_wall_s": 0.25}, {"compute_cpu_s": 0.0, "compute_wall_s": 0.125}]
+    assert resolve(compose(["replay.compute_speedup=1.5"])).replay.compute_speedup == 1.5
+    with pytest.raises(ConfigError, match="compute_speedup must be > 0"):
+        resolve(compose(["replay.compute_speedup=0"])).validate()
