@@ -1,0 +1,147 @@
+"""The implementation factor: one transformer layer of megatron-core's local spec (what the device
+machine runs: no Transformer Engine) against a torch-native layer of the same shape (SDPA's flash
+attention, elementwise ops fused by ``torch.compile``), forward and backward, bf16, on one GPU.
+
+    source .mlm/activate.sh && python bench/gpu_layer_factor.py [--shapes 1.7b,7.1b] [--out f.json]
+
+Shapes are Megatron-LM README rows (GPT: LayerNorm, MHA, FFN 4h with GeLU, seq 4096, micro-batch 1),
+each layer at its tensor-parallel width on one GPU (7.1B: TP2, so half the heads and half the FFN).
+Prints each shape's local and native time per layer and their ratio, and the one factor (the
+geometric mean of the shapes' ratios) that ``bench/gpu_megatron_rows.py`` applies to every row
+through ``replay.compute_speedup``. Exits non-zero when a figure is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from figures import Figure, report  # noqa: E402
+
+SHAPES = {  # hidden, heads, ffn, tensor-parallel size
+    "1.7b": (2048, 16, 8192, 1),
+    "7.1b": (4096, 32, 16384, 2),
+}
+SEQ = 4096
+
+
+def _time(fn, x, iters: int) -> float:
+    """Median seconds of forward + backward (CUDA events), after warm-up."""
+    import torch
+
+    times = []
+    for i in range(iters + 3):
+        x.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(x)
+        out.float().sum().backward()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure(name: str, iters: int) -> dict:
+    import torch
+
+    hidden, heads, ffn, tp = SHAPES[name]
+    h_heads, h_ffn = heads // tp, ffn // tp  # the layer one GPU of the TP group runs (its attention/FFN share)
+    x = torch.randn(SEQ, 1, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = {"shape": name, "hidden": hidden, "heads_per_gpu": h_heads, "ffn_per_gpu": h_ffn, "tp": tp}
+    out["local_s"] = _time(local_layer(hidden, heads, ffn, tp), x, iters)
+    out["native_s"] = _time(native_layer(hidden, heads, ffn, tp), x, iters)
+    out["factor"] = out["local_s"] / out["native_s"]
+    return out
+
+
+def local_layer(hidden: int, heads: int, ffn: int, tp: int):
+    """megatron-core's local-spec GPT layer (LayerNorm, unfused core attention, GeLU MLP) at one TP
+    rank's share: heads / tp of width hidden / heads, FFN / tp, without the TP all-reduces."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads // tp,
+                            kv_channels=hidden // heads, ffn_hidden_size=ffn // tp,
+                            bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                            hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
+                            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+                            gradient_accumulation_fusion=False, persist_layer_norm=False)
+    block = TransformerBlock(cfg, get_gpt_layer_local_spec()).cuda()
+    return lambda x: block(x, attention_mask=None)
+
+
+def native_layer(hidden: int, heads: int, ffn: int, tp: int):
+    """The same share in plain torch: SDPA (flash) attention, elementwise ops compiled."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    hh, d, f = heads // tp, hidden // heads, ffn // tp
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.qkv, self.proj = nn.Linear(hidden, 3 * hh * d), nn.Linear(hh * d, hidden)
+            self.fc1, self.fc2 = nn.Linear(hidden, f), nn.Linear(f, hidden)
+
+        def forward(self, x):  # x: [s, b, h] as Megatron's
+            s, b, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, hh, d).permute(2, 1, 3, 0, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, hh * d)
+            x = x + self.proj(a)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+    return torch.compile(Layer().cuda().to(torch.bfloat16))
+
+
+def factor(shapes: list[str], iters: int) -> tuple[float | None, list[dict]]:
+    """Each shape's measurement and the geometric mean of their factors."""
+    import torch
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    rows = [measure(s, iters) for s in shapes]
+    fs = [r["factor"] for r in rows if r.get("factor")]
+    return (math.exp(sum(map(math.log, fs)) / len(fs)) if fs and len(fs) == len(rows) else None), rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1.7b,7.1b")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    f, rows = factor([s.strip() for s in a.shapes.split(",") if s.strip()], a.iters)
+    figs = []
+    for r in rows:
+        print(f"{r['shape']}: layer at TP{r['tp']} (hidden {r['hidden']}, {r['heads_per_gpu']} heads, FFN "
+              f"{r['ffn_per_gpu']} per GPU), seq {SEQ}: local {r['local_s'] * 1e3:.2f} ms, native "
+              f"{r['native_s'] * 1e3:.2f} ms forward + backward")
+        figs.append(Figure(f"{r['shape']} local / native", r.get("factor"), None, ".3f"))
+    figs.append(Figure("implementation factor (geometric mean)", f, None, ".3f"))
+    if a.out:
+        a.out.write_text(json.dumps({"factor": f, "shapes": rows}, indent=1))
+    return report(figs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
