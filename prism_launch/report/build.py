@@ -210,6 +210,16 @@ def prediction_lines(pred: dict) -> list[str]:
     ]
 
 
+def step_line(rank: int, step: dict) -> str:
+    """One predicted steady step of ``rank`` (:func:`~prism_launch.predict.prediction.step_breakdown`):
+    compute, waits on collectives by group (exposed communication and waiting for the group's
+    last member), waits on point-to-point receives (pipeline bubble and exposed transfers)."""
+    waits = sorted(((s, name) for name, s in step["collective_waits_s"].items() if s >= 5e-5), reverse=True)
+    by_group = ", ".join(f"{name} {s * 1e3:.1f}" for s, name in waits) or "none"
+    return (f"  rank {rank}, one steady step: compute {step['compute_s'] * 1e3:.1f} ms; collective waits by group "
+            f"(ms): {by_group}; point-to-point waits (bubble, transfers) {step['p2p_waits_s'] * 1e3:.1f} ms")
+
+
 def compute_statement_lines(pred: dict) -> list[str]:
     """Where the compute spans came from and what that means for accuracy
     (:mod:`prism_launch.predict.compute_source`); a source the trace's device does not call
@@ -313,6 +323,9 @@ def print_report(report: dict, path: Path) -> None:
     if pred:
         for line in prediction_lines(pred):
             console.print(line, soft_wrap=True)  # one figure, one line, whatever the width
+        for rank, r in report["ranks"].items():
+            if r.get("sandbox") and r.get("step"):
+                console.print(step_line(int(rank), r["step"]), soft_wrap=True)
         if pred["stragglers"]:
             s0 = pred["stragglers"][0]
             console.print(f"  top straggler: rank {s0['rank']} (made peers wait {s0['delay_caused_s'] * 1e3:.2f} ms)")

@@ -31,3 +31,14 @@ def test_long_rank_lists_are_cut_and_counted():
 def test_two_steps_say_the_median_covers_both():
     _, iteration, path = prediction_lines(_pred(iteration_times_s=[0.3, 0.2]))
     assert "median of 2 step(s)" in iteration and "(2 steps, the first included)" in path
+
+
+def test_a_steady_step_line_names_groups_largest_first_and_leaves_out_empty_ones():
+    from prism_launch.report.build import step_line
+
+    line = step_line(7, {"compute_s": 0.1, "collective_waits_s": {"DATA_PARALLEL_GROUP": 0.002, "default_pg": 0.0,
+                                                                   "TENSOR_MODEL_PARALLEL_GROUP": 0.0067},
+                         "p2p_waits_s": 0.0117, "waits_s": 0.0204})
+    assert line.startswith("  rank 7, one steady step: compute 100.0 ms")
+    assert "TENSOR_MODEL_PARALLEL_GROUP 6.7, DATA_PARALLEL_GROUP 2.0;" in line and "default_pg" not in line
+    assert line.endswith("point-to-point waits (bubble, transfers) 11.7 ms")
