@@ -37,9 +37,13 @@
   dependent weight init and dropout behave as on GPU). ``torch.cuda._lazy_call``
   runs its callback immediately, which Megatron's ``_set_cuda_rng_state`` relies
   on (the stock CPU build would queue it forever).
-* **is_available() stays False.** Scripts then choose the ``gloo`` backend and
-  Megatron keeps its CPU-safe branches (straggler detector, TE float8 imports,
-  activation offloading).
+* **is_available() stays False** (truthful: it counts GPUs with torch's own
+  ``device_count``). Scripts then choose the ``gloo`` backend and Megatron keeps
+  its CPU-safe branches (straggler detector, TE float8 imports, activation
+  offloading). It is replaced because on a CUDA build of torch with
+  ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (importing DeepSpeed sets it) the stock
+  ``is_available`` counts the stand-in ``device_count`` and answers True
+  without a GPU.
 
 Backward pass: a TorchFunctionMode is popped while its own handler runs.
 ``Tensor.backward``/``torch.autograd.backward``/``torch.autograd.grad`` are

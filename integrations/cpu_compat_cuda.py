@@ -1,7 +1,8 @@
 """Host stand-ins for the ``torch.cuda`` API, as :mod:`integrations.cpu_compat` installs them.
 
 This module owns what ``torch.cuda`` becomes on a CPU-only torch: device management
-(``current_device`` 0, ``device_count`` = ``LOCAL_WORLD_SIZE``, no-op ``set_device`` /
+(``is_available`` answered from torch's own device count, ``current_device`` 0,
+``device_count`` = ``LOCAL_WORLD_SIZE``, no-op ``set_device`` /
 ``synchronize``, an sm_80-class ``get_device_properties``), zeroed memory statistics
 (``mem_get_info`` reports host memory), RNG functions acting on ``torch.default_generator``,
 synchronous ``Stream`` / ``Event`` stand-ins (events time with the wall clock), no-op NVTX,
@@ -31,6 +32,21 @@ def _device_count() -> int:
     except ValueError:
         n = 1
     return max(1, n)
+
+
+def _is_available(stock_device_count):
+    """A stand-in ``torch.cuda.is_available`` that counts the GPUs with ``stock_device_count``
+    (torch's own ``device_count``, taken before :func:`_device_count` replaces it).
+
+    Torch's ``is_available`` looks ``device_count`` up in ``torch.cuda`` when
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (which importing DeepSpeed sets), so on a CUDA build of
+    torch it would count the stand-in's ``LOCAL_WORLD_SIZE`` devices and report CUDA on a
+    machine without a GPU; this one keeps the answer truthful whatever the variable says."""
+
+    def is_available() -> bool:
+        return stock_device_count() > 0
+
+    return is_available
 
 
 def _current_device() -> int:
@@ -347,6 +363,7 @@ def replacements():
 
     # Device management.
     yield from _each(cuda, {
+        "is_available": _is_available(cuda.device_count),
         "current_device": _current_device,
         "device_count": _device_count,
         "set_device": _noop,

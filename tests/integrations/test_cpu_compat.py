@@ -177,6 +177,25 @@ def test_torch_cuda_stubs(compat):
         pass
 
 
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_is_available_counts_real_gpus_under_the_nvml_check(monkeypatch, gpus):
+    """A CUDA build of torch with ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (importing DeepSpeed sets
+    it) answers ``is_available`` from ``torch.cuda.device_count``: the stand-in's
+    ``LOCAL_WORLD_SIZE`` must not make a machine without a GPU report CUDA."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)  # a CUDA build, whatever is installed
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)  # the GPUs this machine has
+    stock = torch.cuda.is_available
+    cpu_compat.install()
+    try:
+        assert torch.cuda.device_count() == 4
+        assert torch.cuda.is_available() is (gpus > 0)
+    finally:
+        cpu_compat.uninstall()
+    assert torch.cuda.is_available is stock
+
+
 def test_plain_cpu_code_unchanged(compat):
     cpu_compat.uninstall()
     ref_loss, ref_grads = _reference_training_step()
