@@ -289,10 +289,12 @@ def test_lock_names_its_holder_and_goes_with_it(tmp):
 
 
 def _as_user(args: list) -> list:
-    """Root writes through 0o500: run as nobody then (setpriv), so the permission bits count."""
+    """Root writes through 0o500 (CAP_DAC_OVERRIDE): run ``args`` without the capabilities that
+    bypass permission bits (setpriv), so the bits count. The process stays root, so an interpreter
+    that only root can reach (pyenv's under a 0o700 /root) still starts."""
     if os.geteuid() != 0:
         return args
-    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *args]
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all", *args]
 
 
 def test_unwritable_trace_directory_is_refused_before_any_rank(tmp_path_factory):
@@ -303,9 +305,7 @@ def test_unwritable_trace_directory_is_refused_before_any_rank(tmp_path_factory)
         d.chmod(0o755)
         parent = d / "ro"
         parent.mkdir()
-        if os.geteuid() == 0:
-            os.chown(parent, 65534, 65534)  # nobody's own directory, read-only to its owner
-        parent.chmod(0o500)
+        parent.chmod(0o500)  # read-only to its owner, this test's user
         cmd = _as_user([sys.executable, "-m", "prism_launch", *BASE, "mode=capture", f"trace.dir={parent / 'tr'}",
                         str(HANG)])
         env = _env({"HOME": str(d)})
