@@ -32,12 +32,21 @@ def sandbox(tmp_path_factory):
     return out
 
 
+def _steady_ms(rank: dict) -> float:
+    """The median step after the first (warm-up) one, in ms."""
+    return 1e3 * statistics.median(rank["step_times_s"][1:])
+
+
 def test_predicted_timing_makes_the_sandbox_wait_for_its_slower_peers(sandbox):
     waited_ms = 1e3 * sandbox["predicted"]["replay_wait_s"]
     # the burns are CPU time: on a busy machine rank 0's own take longer in wall time and eat into
-    # its waits, hence the lower bound at half; a lag replayed twice, or recorded wall-clock lags,
-    # would pass the upper one
-    assert 0.5 * STEPS * LAG_MS <= waited_ms <= 1.6 * STEPS * LAG_MS, sandbox["predicted"]
+    # its waits, hence the lower bound at half
+    assert waited_ms >= 0.5 * STEPS * LAG_MS, sandbox["predicted"]
+    # a lag replayed twice, or recorded wall-clock lags, would pass this bound on a steady step; the
+    # first step's lag also carries the peers' warm-up in the capture (first allocations, lazy
+    # initialisation), which differs between stacks, so it is left out
+    extra = _steady_ms(sandbox["predicted"]) - _steady_ms(sandbox["none"])
+    assert extra <= 1.6 * LAG_MS, sandbox
 
 
 def test_no_timing_means_no_wait(sandbox):
@@ -45,8 +54,5 @@ def test_no_timing_means_no_wait(sandbox):
 
 
 def test_the_wait_shows_in_the_sandboxs_steps(sandbox):
-    def steady_ms(rank):
-        return 1e3 * statistics.median(rank["step_times_s"][1:])
-
     assert len(sandbox["predicted"]["step_times_s"]) == STEPS
-    assert steady_ms(sandbox["predicted"]) - steady_ms(sandbox["none"]) >= 0.5 * LAG_MS, sandbox
+    assert _steady_ms(sandbox["predicted"]) - _steady_ms(sandbox["none"]) >= 0.5 * LAG_MS, sandbox
