@@ -196,3 +196,34 @@ def test_the_fidelity_table_prints_missing_never_nan():
 def test_gpu_lean_reports_an_oom_verdict_only_when_the_report_gives_one():
     assert {f.name: f.shown() for f in _lean(oom_ranks=[])}["OOM ranks at the cluster's memory"] == "none"
     assert exit_code(_lean(oom_ranks=None)) != 0 and exit_code(_lean(oom_ranks=[3, 7])) == 0
+
+
+def _report_8b(iteration_s, source="calibrated (6 shard classes)"):
+    import gpu_predict8b
+
+    step = {"compute_s": 0.1, "collective_waits_s": {"TENSOR_MODEL_PARALLEL_GROUP": 0.02, "DATA_PARALLEL_GROUP": 0.01},
+            "p2p_waits_s": 0.03, "waits_s": 0.06}
+    rep = {"predicted": {"iteration_time_s": iteration_s, "iteration_times_s": [1.0, iteration_s or 0.0],
+                         "compute_source": source, "throughput": {"tokens_per_s_per_gpu": 1000.0,
+                                                                  "model_tflops_per_gpu": 200.0, "mfu": 0.2,
+                                                                  "peak_bf16_tflops": 989.0}},
+           "ranks": {"8191": {"sandbox": True, "step": step}}}
+    return gpu_predict8b.summarize(rep, gpu_predict8b.Shape(), 8191)[0]
+
+
+def test_the_8b_prediction_must_fall_in_its_band_be_calibrated_and_be_there():
+    assert exit_code(_report_8b(0.25)) == 0
+    assert exit_code(_report_8b(0.84)) == 1            # outside 170-380 ms
+    assert exit_code(_report_8b(None)) == 1            # not predicted
+    assert exit_code(_report_8b(0.25, source="cpu thread")) == 1
+    figs = {f.name: f.value for f in _report_8b(0.25)}
+    assert figs["sandbox exposed TP ms"] == pytest.approx(20.0) and figs["sandbox exposed DP ms"] == pytest.approx(10.0)
+
+
+def test_the_8b_first_principles_estimate_is_megatrons_count():
+    import gpu_predict8b
+
+    sh = gpu_predict8b.Shape()
+    assert sh.flops_per_token() / 1e9 == pytest.approx(51.47, abs=0.01) and sh.micro_batches == 8
+    lo, hi = gpu_predict8b.first_principles(sh)["total"]
+    assert 0.17 <= lo < hi <= 0.38
