@@ -23,7 +23,7 @@ With ``--log-all-ranks`` every rank prints its values and a checksum of its para
 With ``--log-gate-counts`` every rank prints, for every forward of every MoE layer's gate, the
 tokens it routed to each expert before (``exp_counts``) and after (``routed``) the capacity limit::
 
-    gate_counts {"rank": R, "iter": N, "layer": L, "exp_counts": [...], "routed": [...]}
+    gate_counts {"rank": R, "iter": N, "layer": L, "exp_counts": [...], "routed": [...], "l_aux": x}
 """
 
 import argparse
@@ -131,7 +131,7 @@ def log_gate_counts(model, rank, state):
             else:  # the dispatch mask [tokens, experts, capacity]
                 routed = output[2].sum(dim=(0, 2))
             line = {"rank": rank, "iter": state["iter"], "layer": layer, "exp_counts": exp_counts.tolist(),
-                    "routed": routed.tolist()}
+                    "routed": routed.tolist(), "l_aux": float(output[0])}
             sys.stdout.write(f"gate_counts {json.dumps(line)}\n")
         return print_counts
 

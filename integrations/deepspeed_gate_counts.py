@@ -13,7 +13,8 @@ reads what the gate returned:
 
 and hands ``[TAG, layer, experts, capacity, *exp_counts, *routed]`` to
 :func:`nccl_ext.core.routing_counts.attach`: the capture sends it as the ``ints`` of the
-rank's next all-to-all, the token dispatch. Nothing is communicated and nothing the program
+rank's next all-to-all, the token dispatch. The gate's auxiliary loss ``l_aux`` (its first
+output, before the recipe's coefficient) goes with it (:mod:`integrations.moe_aux`). Nothing is communicated and nothing the program
 computes changes; the hook acts only in a capture on an expert-parallel gate (EP size > 1), and
 reads the few counts back from the GPU (the layer synchronises on its capacity anyway).
 ``layer`` is the order in which the rank's gates first ran (its pipeline stage's MoE layers).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
+from integrations import moe_aux
 from integrations.import_hooks import replaces
 
 TAG = 0x5DE7
@@ -100,6 +102,8 @@ def record(gate, _inputs, output) -> None:
         layer = _layers[gate] = next(_next_layer)
     capacity, exp_counts, routed = gate_counts(output)
     routing_counts.attach(encode(layer, capacity, exp_counts, routed))
+    if hasattr(output[0], "detach"):
+        moe_aux.attach(layer, "l_aux", output[0])
 
 
 def patch_gate(mod) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from integrations import moe_aux
 from integrations.deepspeed_gate_counts import decode
 
 
@@ -40,9 +41,13 @@ def gate_of(row: dict) -> dict | None:
         return None
     extra = _extra(row)
     ints = extra.get("ints")
-    if extra.get("kind") != "all_to_all" or not ints or len(ints) != 1:
+    if extra.get("kind") != "all_to_all" or not ints:
         return None
-    return decode([int(v) for v in ints[0]])
+    for values in ints:  # the gate's counts, beside any other attachment (its auxiliary loss)
+        gate = decode([int(v) for v in values])
+        if gate is not None:
+            return gate
+    return None
 
 
 def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
@@ -99,7 +104,7 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
         caps = sorted({d["capacity"] for d in dispatches})
         notes.append(f"DeepSpeed all-to-alls move a fixed capacity per expert ({caps[0]}"
                      f"{'' if len(caps) == 1 else f'..{caps[-1]}'} tokens): token counts are the gates'")
-    return {"dispatches": dispatches, "notes": notes,
+    return {"dispatches": dispatches, "notes": notes, "aux_losses": moe_aux.collect(rows),
             "counts_source": "every captured rank's gate counts (exp_counts and the routes kept within capacity), "
                              "sent with its dispatch all-to-all (extra.ints) in every payload mode",
             "dropped_source": ("the gate's exp_counts (top-k before the capacity limit) minus the routes kept within "

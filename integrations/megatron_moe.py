@@ -20,7 +20,9 @@ counts: such traces show no dispatches.
 
 The counts are read from the events (``extra["ints"]``, kept by value in every payload mode:
 :mod:`nccl_ext.core.routing_counts`), or from stored tensors in older traces. Nothing here
-depends on recognising a flag but the dropped-token count without an aux loss.
+depends on recognising a flag but the dropped-token count without an aux loss. The routers'
+auxiliary losses come with the dispatch all-to-alls (:mod:`integrations.megatron_probe`,
+:mod:`integrations.moe_aux`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from integrations import moe_aux
 from integrations.megatron_flags import get_flag
 
 
@@ -185,7 +188,7 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
     notes = []
     if incomplete:
         notes.append(f"{incomplete} dispatches skipped: not every member of their gather recorded its counts")
-    out = {"dispatches": dispatches, "notes": notes, "dropped_source": None}
+    out = {"dispatches": dispatches, "notes": notes, "dropped_source": None, "aux_losses": moe_aux.collect(rows)}
     if dispatches:
         if all(d["pre_drop"] is not None for d in dispatches):
             out["dropped_source"] = "the router's pre-drop token counts (aux-loss all-reduce) minus routed tokens"

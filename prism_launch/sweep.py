@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 COLUMNS = ("point", "overrides", "status", "rank", "iteration_time_s", "mfu", "tokens_per_s_per_gpu", "tokens_per_s",
            "model_tflops_per_gpu", "peak_memory_bytes", "oom", "oom_ranks",
            "moe_expert_imbalance", "moe_ep_rank_imbalance", "moe_a2a_wait_excess_s", "moe_dropped_tokens",
-           "world_size", "wall_s", "script_args", "report")
+           "moe_aux_loss", "world_size", "wall_s", "script_args", "report")
 
 
 # -- rendering through the integration ------------------------------------------------------
@@ -84,6 +84,7 @@ def summarize_report(report: dict) -> dict:
         "moe_ep_rank_imbalance": moe.get("ep_rank_imbalance"),
         "moe_a2a_wait_excess_s": effect.get("a2a_wait_excess_s"),
         "moe_dropped_tokens": moe.get("dropped_tokens"),
+        "moe_aux_loss": moe.get("aux_loss"),
         "world_size": report.get("world_size"),
     }
 
@@ -401,7 +402,8 @@ def print_table(rows: list[dict], *, rank_by: str = "iteration_time_s", csv_path
     table = Table(title=f"prism-launch sweep: {len(rows)} points, ranked by {rank_by}", title_justify="left")
     for name, just in (("#", "right"), ("point", "right"), ("overrides", "left"), ("iter time (ms)", "right"),
                        ("MFU", "right"), ("tok/s/GPU", "right"), ("peak mem (MiB)", "right"), ("OOM", "left"), ("MoE max/mean expert", "right"),
-                       ("MoE max/mean EP rank", "right"), ("status", "left")):
+                       ("MoE max/mean EP rank", "right"), ("MoE dropped", "right"), ("MoE aux loss", "right"),
+                       ("status", "left")):
         table.add_column(name, justify=just, overflow="fold")
     for i, r in enumerate(ranked(rows, rank_by), 1):
         it, mem = r.get("iteration_time_s"), r.get("peak_memory_bytes")
@@ -414,7 +416,9 @@ def print_table(rows: list[dict], *, rank_by: str = "iteration_time_s", csv_path
                       "" if r.get("tokens_per_s_per_gpu") is None else f"{r['tokens_per_s_per_gpu']:,.1f}",
                       "" if mem is None else f"{mem / 2**20:.1f}",
                       "" if r.get("oom") is None else ("yes" if r["oom"] else "no"),
-                      "" if ei is None else f"{ei:.2f}", "" if ri is None else f"{ri:.2f}", status, style=style)
+                      "" if ei is None else f"{ei:.2f}", "" if ri is None else f"{ri:.2f}",
+                      _cell(r.get("moe_dropped_tokens")),
+                      "" if r.get("moe_aux_loss") is None else f"{r['moe_aux_loss']:.4g}", status, style=style)
     console.print(table)
     if csv_path is not None:
         console.print(f"summary: {csv_path}" + (f"  plot: {png_path}" if png_path else ""))

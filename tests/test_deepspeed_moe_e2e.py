@@ -68,6 +68,15 @@ def test_the_moe_section_has_the_recipes_gate_counts(tmp_path):
     assert eff["most_loaded_tokens"] == max(o["tokens_per_ep_rank"].values()) and len(eff["per_rank"]) == 8
     assert (report / moe["plot"]).exists()
     assert "MoE routing (4 experts, EP [4], 24 dispatches)" in r.stderr
+    # the gates' auxiliary losses, bit for bit what they returned, every captured gate call
+    aux = moe["aux_losses"]["l_aux"]
+    assert aux["calls"] == len(gates) and aux["ranks"] == 8
+    assert aux["mean"] == pytest.approx(sum(g["l_aux"] for g in gates) / len(gates), rel=1e-12)
+    for step, it in zip(aux["per_step"], range(1, ITERS + 1)):
+        mine = [g["l_aux"] for g in gates if g["iter"] == it]
+        assert step["mean"] == pytest.approx(sum(mine) / len(mine), rel=1e-12)
+    assert o["aux_loss"] == aux["mean"] and o["aux_loss_name"] == "l_aux"
+    assert "auxiliary losses" in r.stderr and "l_aux" in r.stderr
 
 
 def test_a_1024_rank_world_folded_to_four_routers_of_one_ep_group(tmp_path):

@@ -53,6 +53,14 @@ def test_the_report_has_the_recipes_routing(full):
     assert moe["effect"]["most_loaded_tokens"] == o["tokens_per_ep_rank"][busiest]
     assert set(moe["effect"]["per_rank"]) == {"0", "1", "2", "3"}
     assert "MoE routing (4 experts, EP [2], 48 dispatches)" in err  # and in the terminal
+    # the routers' load-balancing loss (coefficient 0.01): one value per router call of every
+    # captured rank (4 ranks x 2 layers of its stage x 4 micro-batches x 3 steps), layers 1-4
+    aux = moe["aux_losses"]["load_balancing_loss"]
+    assert aux["calls"] == RANKS * LAYERS_PER_STAGE * MICRO * STEPS and aux["ranks"] == RANKS
+    assert [x["layer"] for x in aux["per_layer"]] == [1, 2, 3, 4] and len(aux["per_step"]) == STEPS
+    # E * sum(f_e * P_e) / top-k: 1 when balanced, at most E / top-k
+    assert 0.9 < aux["mean"] < 4 / TOPK and o["aux_loss"] == aux["mean"]
+    assert "load_balancing_loss" in err
 
 
 def test_moe_stats_prints_the_section_for_the_trace_alone(full):
@@ -74,6 +82,7 @@ def test_an_exact_trace_has_the_same_routing_statistics(full, tmp_path):
     ref = full[1]["moe"]
     assert moe["overall"]["tokens_per_expert"] == ref["overall"]["tokens_per_expert"]
     assert moe["overall"]["tokens_per_ep_rank"] == ref["overall"]["tokens_per_ep_rank"]
+    assert moe["aux_losses"] == ref["aux_losses"]  # the same routers' values, whatever the payload
     assert moe["dispatches"] == moe["dispatches_verified"] == ref["dispatches"]
     # layers of a stage from the op order: 2 stages x 2 layers, each layer once per micro-batch and step
     assert [(x["ep_group_first_rank"], x["layer"]) for x in moe["per_layer"]] == [(0, 0), (0, 1), (2, 0), (2, 1)]

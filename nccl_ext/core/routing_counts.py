@@ -14,7 +14,9 @@ Some dispatchers exchange no counts: DeepSpeed's ``MOELayer`` all-to-alls a fixe
 expert, its gate's counts stay on the rank. An integration hands such counts to
 :func:`attach` (from a forward hook, reading what the program computed anyway); they travel
 as the ``ints`` of the rank's next all-to-all whose own contribution is no integer counts —
-the dispatch that follows the gate — and the program issues nothing more.
+the dispatch that follows the gate — and the program issues nothing more. Several attachments
+(a gate's counts, a router's auxiliary losses) travel together, one list each; a later one with
+the same key replaces an earlier one.
 """
 
 from __future__ import annotations
@@ -48,22 +50,30 @@ def is_ep_proper(desc: str) -> bool:
     return any(p in desc for p in EP_PROPER) and not any(p in desc for p in EP_GROUPS if p not in EP_PROPER)
 
 
-_attached: list[list[int]] | None = None
-"""Counts an integration attached to the rank's next all-to-all (:func:`attach`); one slot: a
-later attachment before that all-to-all replaces it (at most one per dispatch is meant)."""
+_attached: dict = {}
+"""What integrations attached to the rank's next all-to-all (:func:`attach`), by key, in order;
+a value is a list of small integers or a callable returning one (read when the all-to-all is
+issued, when the dispatcher has synchronised on its split sizes anyway)."""
 
 
-def attach(values: list[int]) -> None:
-    """Send ``values`` (small integers) as the ``ints`` of this rank's next all-to-all whose own
-    contribution is no integer counts (module doc). Only a capturing transport consumes them."""
-    global _attached
-    _attached = [[int(v) for v in values]]
+def attach(values, key=None) -> None:
+    """Send ``values`` (small integers, or a callable returning them) as one of the ``ints`` of
+    this rank's next all-to-all whose own contribution is no integer counts (module doc); it
+    replaces an earlier attachment of the same ``key`` (default: the first value, a tag) not yet
+    sent. Only a capturing transport consumes them."""
+    if not callable(values):
+        values = [int(v) for v in values]
+        if key is None and values:
+            key = values[0]
+    _attached[key] = values
 
 
 def take_attached() -> list[list[int]] | None:
-    """The attached counts, once (None when there are none)."""
-    global _attached
-    out, _attached = _attached, None
+    """The attached lists, once (None when there are none)."""
+    if not _attached:
+        return None
+    out = [[int(v) for v in (v() if callable(v) else v)] for v in _attached.values()]
+    _attached.clear()
     return out
 
 
@@ -86,7 +96,7 @@ def small_ints(kind: Collective, tensors, read: bool = True):
     few bytes back (a synchronisation the dispatcher makes anyway for its split sizes)."""
     if kind not in _KINDS or not tensors:
         return None
-    if read and kind is Collective.ALL_TO_ALL and _attached is not None and \
+    if read and kind is Collective.ALL_TO_ALL and _attached and \
             any(t.dtype not in _COUNT_DTYPES for t in tensors):
         return take_attached()  # the integration's counts for this dispatch (module doc)
     total = 0

@@ -147,6 +147,8 @@ class RankPlan:
     """``cpu`` or ``cuda`` (resolved)."""
     compat: tuple[str, ...] = ()
     """Modules whose ``install()`` runs first in every rank (CPU compatibility layers)."""
+    probes: tuple[str, ...] = ()
+    """Modules whose ``install()`` runs in a capturing rank (recorders of what no op carries)."""
     timeout_s: float
     """Deadline of every communication wait."""
     subgroups: str = "auto"

@@ -14,6 +14,9 @@ An :class:`Integration` says which of its modules fill which role:
   (``tokens_per_step(script_args, world_size, embedded_tokens)``; optionally the framework's
   own FLOP count, ``model_flops(script_args, world_size)``, which the report uses where the
   capture could not count FLOPs: a torch.compile'd program);
+- ``probe``: installed in every capturing rank on any device (the module's ``install()``):
+  records what the program computes that no op carries (megatron-core's routers' auxiliary
+  losses), read back by the ``moe`` module;
 - ``recipe_flags``: script flags by which a recipe of this kind is recognised (DeepSpeed's
   ``--deepspeed_config``), so its compat layer joins by default and ``warm_imports`` are
   imported before ranks are forked.
@@ -32,7 +35,7 @@ from typing import Literal
 
 from prism_launch.config.errors import ConfigError
 
-Role = Literal["compat", "renderer", "moe", "waits", "workload"]
+Role = Literal["compat", "renderer", "moe", "waits", "workload", "probe"]
 ENTRY_POINT_GROUP = "prism_launch.integrations"
 
 
@@ -53,6 +56,9 @@ class Integration:
     """Module whose ``tokens_per_step(script_args, world_size, embedded_tokens)`` says how many
     tokens a step trains on (throughput in reports and sweeps), and optionally
     ``model_flops(script_args, world_size)`` its own count of a step's FLOPs."""
+    probe: str | None = None
+    """Module whose ``install()`` every capturing rank runs, on any device, for the integrations of
+    ``compat.integrations``."""
     compat_devices: tuple[str, ...] = ("cpu",)
     """The devices (``cpu``, ``cuda``) on which the ``compat`` module is activated."""
     recipe_flags: tuple[str, ...] = ()
@@ -73,7 +79,7 @@ BUILTIN: tuple[Integration, ...] = (
     # Megatron-LM's output flags, checked against megatron/training/arguments.py (core_r0.19.0)
     Integration(name="megatron", compat="integrations.megatron_compat", renderer="integrations.megatron_flags",
                 moe="integrations.megatron_moe", waits="integrations.megatron_flags",
-                workload="integrations.megatron_workload",
+                workload="integrations.megatron_workload", probe="integrations.megatron_probe",
                 # (not --data-cache-path: ranks read the dataset index cache that rank 0 builds there)
                 output_args=("--save", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")),
     Integration(name="deepspeed", compat="integrations.deepspeed_compat", renderer="integrations.deepspeed_config",

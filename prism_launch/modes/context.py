@@ -30,6 +30,13 @@ def compat_modules(cfg: PrismConfig) -> tuple[str, ...]:
     return tuple(i.compat for i in found if i.compat and device in i.compat_devices)
 
 
+def probe_modules(cfg: PrismConfig) -> tuple[str, ...]:
+    """The probes every capturing rank installs (:mod:`prism_launch.config.registry`): those of
+    ``compat.integrations``, whatever the device."""
+    found = (integration(n, where="compat.integrations") for n in cfg.compat.integrations)
+    return tuple(i.probe for i in found if i.probe)
+
+
 def program_config(cfg: PrismConfig) -> dict:
     """The part of the config that changes what the program computes (fingerprinted)."""
     return {"target": asdict(cfg.target), "device": str(cfg.device), "compat": list(compat_modules(cfg))}
@@ -116,7 +123,7 @@ class RunContext:
         """The plan fields every mode shares; the mode runner adds its own section."""
         cfg = self.cfg
         return RankPlan(
-            mode=str(mode), device=str(cfg.device), compat=compat_modules(cfg), timeout_s=cfg.comm.timeout_s,
+            mode=str(mode), device=str(cfg.device), compat=compat_modules(cfg), probes=probe_modules(cfg), timeout_s=cfg.comm.timeout_s,
             subgroups=cfg.comm.subgroups, local_ranks=tuple(ranks), memory_track=cfg.memory.track,
             memory_cpu_hook=cfg.memory.cpu_hook, memory_cache_dir=cfg.memory.cache_dir,
             local_rank_arg=self.local_rank_arg, hook=self.program.no_python,

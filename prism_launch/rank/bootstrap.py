@@ -140,6 +140,8 @@ def activate(plan: RankPlan) -> None:
 
             flops = StepFlops()
             _FLOPS.append((flops, plan.device))
+            for name in plan.probes:
+                importlib.import_module(name).install()
 
         def on_step() -> None:
             if flops is not None:

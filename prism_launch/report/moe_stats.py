@@ -290,6 +290,11 @@ def plot_expert_load(moe: dict, path: Path) -> None:
     plt.close(fig)
 
 
+AUX_PREFERRED = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "l_aux")
+"""The auxiliary loss a sweep's ``moe_aux_loss`` column shows, first found first (megatron-core's
+names, then DeepSpeed's gate loss); else whichever the routers recorded."""
+
+
 def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None = None,
               plot_dir: Path | None = None) -> dict | None:
     """The report's ``moe`` section, or None when the trace has no MoE token dispatch; with
@@ -312,6 +317,10 @@ def moe_stats(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None =
                              "by value in every payload mode; capture it again for MoE routing statistics"}
         return None
     stats["detector"] = name
+    stats["aux_losses"] = found.get("aux_losses") or {}
+    main_loss = next((n for n in AUX_PREFERRED if n in stats["aux_losses"]), next(iter(stats["aux_losses"]), None))
+    stats["overall"]["aux_loss"] = None if main_loss is None else stats["aux_losses"][main_loss]["mean"]
+    stats["overall"]["aux_loss_name"] = main_loss
     stats["payload"] = reader.manifest.extra.get("payload")
     stats["counts_source"] = found.get("counts_source") or (
         "every captured rank's routed-token counts, recorded by value in every payload mode "
@@ -371,6 +380,15 @@ def print_moe(moe: dict, console=None) -> None:
         console.print(f"  per layer: {len(layers)} (stage, layer) pairs; most imbalanced: layer {worst['layer']} of "
                       f"the stage whose EP group starts at rank {worst['ep_group_first_rank']}, tokens/expert "
                       f"max/mean {fmt(worst['expert_imbalance'])}; hottest expert overall: {o.get('hottest_expert')}")
+    aux = moe.get("aux_losses") or {}
+    if aux:
+        console.print("  routers' auxiliary losses (before their coefficient; mean over the captured ranks' router "
+                      "calls): " + "; ".join(f"{n} {fmt(v['mean'], '.4g')} ({v['calls']} calls, {v['ranks']} ranks, "
+                                              f"steps {' '.join(fmt(x['mean'], '.4g') for x in v['per_step'])})"
+                                              for n, v in aux.items()))
+    elif moe.get("aux_losses") is not None:
+        console.print("  routers' auxiliary losses: none recorded (no aux loss configured, or a trace captured "
+                      "before they were kept)")
     eff = moe.get("effect") or {}
     if eff:
         w = eff["a2a_wait_s"]

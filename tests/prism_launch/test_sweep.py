@@ -21,7 +21,8 @@ def _report(it, peaks, oom=(), moe=None):
     rep = {"world_size": 16, "predicted": {"iteration_time_s": it, "oom_ranks": list(oom)},
            "ranks": {str(r): {"peak_memory_bytes": p} for r, p in enumerate(peaks)}}
     if moe is not None:
-        rep["moe"] = {"overall": {"expert_imbalance": moe, "ep_rank_imbalance": moe / 2, "dropped_tokens": 7},
+        rep["moe"] = {"overall": {"expert_imbalance": moe, "ep_rank_imbalance": moe / 2, "dropped_tokens": 7,
+                                  "aux_loss": 1.0625, "aux_loss_name": "load_balancing_loss"},
                       "effect": {"a2a_wait_excess_s": 0.001}}
     return rep
 
@@ -44,6 +45,7 @@ def test_summarize_report():
     s = summarize_report(_report(0.25, [1, 9, None, 4], oom=[1], moe=1.25))
     assert s["iteration_time_s"] == 0.25 and s["peak_memory_bytes"] == 9 and s["oom"] is True
     assert s["oom_ranks"] == 1 and s["moe_expert_imbalance"] == 1.25 and s["moe_dropped_tokens"] == 7
+    assert s["moe_aux_loss"] == 1.0625
     assert summarize_report(_report(0.1, [1]))["moe_expert_imbalance"] is None
 
 
@@ -54,6 +56,7 @@ def test_summary_csv_plot_and_ranked_table(tmp_path):
     assert [r["overrides"] for r in got] == ["target.parallel.tp=1", "target.parallel.tp=2", "target.parallel.tp=4"]
     assert got[1]["oom"] == "True" and got[1]["peak_memory_bytes"] == str(2 << 20)
     assert got[1]["moe_expert_imbalance"] == "1.5" and got[0]["moe_expert_imbalance"] == ""
+    assert got[1]["moe_aux_loss"] == "1.0625" and got[1]["moe_dropped_tokens"] == "7"
     assert got[2]["status"].startswith("invalid: target.parallel.tp=4")
     assert png_path.stat().st_size > 10_000 and png_path.read_bytes()[:4] == b"\x89PNG"
     assert [r["point"] for r in ranked(rows)] == [1, 0, 2]
@@ -61,6 +64,7 @@ def test_summary_csv_plot_and_ranked_table(tmp_path):
     print_table(rows, file=buf)
     text = buf.getvalue()
     assert text.index("100.00") < text.index("200.00") < text.index("invalid")
+    assert "MoE aux loss" in text and "1.062" in text  # beside the point's time, dropped tokens and imbalance
     assert varying(rows)[0] == "target.parallel.tp=1"
 
 
