@@ -227,3 +227,51 @@ def test_the_8b_first_principles_estimate_is_megatrons_count():
     assert sh.flops_per_token() / 1e9 == pytest.approx(51.47, abs=0.01) and sh.micro_batches == 8
     lo, hi = gpu_predict8b.first_principles(sh)["total"]
     assert 0.17 <= lo < hi <= 0.38
+
+
+def _moe_section(aux=1.02):
+    return {"num_experts": 8, "ep_sizes": [8], "dispatches": 96, "dispatches_verified": 96, "ranks_counted": 1024,
+            "dropped_source": "dropless", "fold": {"captured_ranks": 16, "world_size": 1024},
+            "overall": {"tokens_per_expert": [10, 20, 30, 40, 10, 20, 30, 40], "expert_imbalance": 1.6,
+                        "expert_cv": 0.45, "ep_rank_imbalance": 1.6, "ep_rank_cv": 0.45, "dropped_tokens": 0,
+                        "aux_loss": aux, "aux_loss_name": "load_balancing_loss"},
+            "per_step": [{"step": 0, "expert_imbalance": 1.6, "expert_cv": 0.45, "ep_rank_imbalance": 1.6,
+                          "dropped_tokens": 0}],
+            "effect": {"a2a_wait_s": {"most_loaded": 0.004, "mean": 0.002}}}
+
+
+def _report_moe(captured=16, steps=3, source="calibrated by shard class", moe="ok", aux=1.02):
+    import gpu_moe_rows
+
+    rep = {"predicted": {"iteration_time_s": 0.9, "iteration_times_s": [0.9] * steps, "compute_source": source,
+                         "throughput": {"tokens_per_s_per_gpu": 9000.0, "peak_bf16_tflops": 989.0}},
+           "moe": _moe_section(aux) if moe == "ok" else moe}
+    return gpu_moe_rows.summarize(rep, gpu_moe_rows.ROWS["mixtral"], 3, captured)[0]
+
+
+def test_the_moe_rows_need_routing_statistics_calibration_steps_and_few_captured_ranks():
+    assert exit_code(_report_moe()) == 0
+    assert exit_code(_report_moe(captured=40)) == 1     # over the row's bound
+    assert exit_code(_report_moe(steps=2)) == 1          # fewer than 3 steps
+    assert exit_code(_report_moe(source="capture device time")) == 1
+    assert exit_code(_report_moe(moe=None)) == 1         # no moe section
+    assert exit_code(_report_moe(moe={"error": "not every member recorded"})) == 1
+    assert exit_code(_report_moe(aux=None)) == 1         # no aux loss recorded
+    figs = {f.name: f.value for f in _report_moe()}
+    assert figs["most loaded EP rank's all-to-all waits ms"] == pytest.approx(4.0)
+
+
+def test_the_moe_rows_are_the_issues_layouts():
+    import gpu_moe_rows
+
+    mix, qwen = gpu_moe_rows.ROWS["mixtral"], gpu_moe_rows.ROWS["qwen3"]
+    for row in (mix, qwen):
+        row.check()
+        args = row.args(3)
+        assert args[args.index("--moe-token-dispatcher-type") + 1] == "alltoall" and "--mock-data" in args
+        assert args[args.index("--global-batch-size") + 1] == str(8 * row.dp)
+    assert (mix.pp, mix.ep, mix.dp, mix.global_batch) == (4, 8, 256, 2048)
+    assert (qwen.pp, qwen.ep, qwen.dp, qwen.global_batch, qwen.max_captured) == (8, 32, 128, 1024, 64)
+    # Megatron's formula: Mixtral ~ 6 x 12.9B active parameters per token, plus attention and logits
+    per_token = gpu_moe_rows.flops_per_step(mix, 3) / mix.global_batch / mix.seq
+    assert 75e9 < per_token < 90e9
