@@ -26,6 +26,7 @@ import itertools
 import weakref
 
 from integrations import moe_aux
+from nccl_ext.core import host_read
 from integrations.import_hooks import replaces
 
 TAG = 0x5DE7
@@ -70,8 +71,8 @@ def gate_counts(output) -> tuple[int, list[int], list[int]]:
             mask = output[2]
             routed = mask.sum(dim=(0, 2))
             capacity = torch.tensor([mask.shape[2]], device=routed.device)
-        flat = torch.cat([capacity.long(), exp_counts.reshape(-1).long().to(routed.device), routed.long()]).cpu()
-    values = [int(v) for v in flat.tolist()]
+        flat = torch.cat([capacity.long(), exp_counts.reshape(-1).long().to(routed.device), routed.long()])
+    values = [int(v) for v in host_read.read([flat])[0]]
     return values[0], values[1:1 + e], values[1 + e:]
 
 

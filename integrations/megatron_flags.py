@@ -251,9 +251,11 @@ def validate(cfg, args: list[str]) -> None:
 
 
 GPU_WAITS_AGAINST = {
-    "--num-experts": "MoE: Megatron's token dispatchers copy routing counts to pageable host memory right "
-                     "after their collectives, and such a copy behind a wait on the GPU holds the CUDA "
-                     "driver's lock that the wait's fold needs (H200: the MoE PP2·EP2 capture stopped there)",
+    "--num-experts": "MoE: Megatron's token dispatchers copied routing counts to pageable host memory right "
+                     "after their collectives, and such a copy behind a wait on the GPU held the CUDA "
+                     "driver's lock that the wait's fold needs (H200: the MoE PP2·EP2 capture stopped there); "
+                     "the capture now makes those copies into pinned memory (integrations.megatron_probe), "
+                     "not yet measured on a GPU: capture.gpu_waits=true opts in",
 }
 """Flags whose programs stop with waits on the GPU, and why."""
 

@@ -1,5 +1,14 @@
-"""What a captured megatron-core rank computes that no op of the trace carries: its MoE routers'
-auxiliary losses (rank side; installed in capturing ranks on every device).
+"""What a capture needs of megatron-core beyond its ops (rank side; the registry's ``probe``
+role, installed in capturing ranks on every device): its MoE routers' auxiliary losses, which no
+op carries, and its MoE token dispatchers' host copies kept off waits on the GPU.
+
+Host copies: the alltoall dispatcher moves its split sizes and token counts to the host with
+``moe_utils.maybe_move_tensor_to_cpu`` (``non_blocking`` on a side stream, then an event
+synchronisation at its sync point), into pageable memory, which makes each copy synchronous and
+holds the CUDA driver's lock until the stream reaches it. Behind a wait on the GPU
+(``capture.gpu_waits``) that stops the rank (:mod:`nccl_ext.core.host_read`). On CUDA the probe
+makes those copies into pinned memory, which is what the dispatcher's own event synchronisation
+was written for; the values are read after that synchronisation, as before.
 
 megatron-core hands each router's loss values, divided by their coefficient, to its logging
 tracker: ``save_to_aux_losses_tracker(name, loss, layer_number, num_layers, ...)`` of
@@ -13,6 +22,7 @@ number. The report's ``moe`` section sums them up (:mod:`integrations.megatron_m
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from integrations import moe_aux
@@ -45,6 +55,29 @@ def _patch_logging(moe_logging) -> None:
         return original(self, name, value, layer_number, *args, **kwargs)
 
 
+def _pinned_move(moe_utils) -> None:
+    original = getattr(moe_utils, "maybe_move_tensor_to_cpu", None)
+    if original is None:
+        return
+
+    @replaces(moe_utils, "maybe_move_tensor_to_cpu")
+    def maybe_move_tensor_to_cpu(original, tensor, as_numpy=False, record_stream=False):
+        import torch
+
+        if not (torch.is_tensor(tensor) and tensor.is_cuda):
+            return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        from nccl_ext.core.host_read import to_pinned
+
+        host = to_pinned(tensor)
+        if record_stream:
+            tensor.record_stream(torch.cuda.current_stream())
+        return host.numpy() if as_numpy else host
+
+    dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    if dispatcher is not None and getattr(dispatcher, "maybe_move_tensor_to_cpu", None) is original:
+        dispatcher.maybe_move_tensor_to_cpu = moe_utils.maybe_move_tensor_to_cpu  # bound at its import
+
+
 def install() -> None:
     """Wrap the trackers now (modules already imported) or as they are imported."""
     global _INSTALLED
@@ -54,3 +87,4 @@ def install() -> None:
         _INSTALLED = True
         after_import("megatron.core.transformer.moe.router", _patch_router)
         after_import("megatron.core.transformer.moe.moe_logging", _patch_logging)
+        after_import("megatron.core.transformer.moe.moe_utils", _pinned_move)

@@ -52,7 +52,15 @@ def attach(layer: int, name: str, value) -> None:
 
     if hasattr(value, "detach"):
         value = value.detach()
-    routing_counts.attach(lambda: encode(layer, name, float(value)), key=(TAG, name, int(layer)))
+
+    def values() -> list[int]:
+        if hasattr(value, "reshape"):
+            from nccl_ext.core import host_read
+
+            return encode(layer, name, float(host_read.read([value])[0][0]))
+        return encode(layer, name, float(value))
+
+    routing_counts.attach(values, key=(TAG, name, int(layer)))
 
 
 def _mean(values: list[float]) -> float | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from nccl_ext.core import host_read
 from nccl_ext.core.ops import Collective
 
 INTS_MAX_BYTES = 4096
@@ -93,7 +94,8 @@ def small_ints(kind: Collective, tensors, read: bool = True):
     """The values of ``tensors`` (one flat list per tensor) when they form a small integer
     contribution to a collective that exchanges counts, else None (``read=False``: True
     instead of the values). On a GPU this reads the
-    few bytes back (a synchronisation the dispatcher makes anyway for its split sizes)."""
+    few bytes back through pinned memory (:mod:`nccl_ext.core.host_read`; a synchronisation the
+    dispatcher makes anyway for its split sizes)."""
     if kind not in _KINDS or not tensors:
         return None
     if read and kind is Collective.ALL_TO_ALL and _attached and \
@@ -108,8 +110,7 @@ def small_ints(kind: Collective, tensors, read: bool = True):
             return None
     if not read:
         return True
-    with torch.no_grad():
-        return [[int(v) for v in t.detach().reshape(-1).cpu().tolist()] for t in tensors]
+    return [[int(v) for v in values] for values in host_read.read(list(tensors))]
 
 
 def apportion(weights: list[int], total: int, salt: int = 0) -> list[int]:

@@ -128,7 +128,9 @@ class CaptureConfig:
     choice and why, and where a rank's waits then stop it captures once more without them,
     saying so. A program that copies to pageable host memory right behind such a wait stops
     there (the copy holds the CUDA driver's lock that the wait's fold needs): Megatron's MoE
-    token dispatchers do, so MoE recipes capture without. Measured speeds: docs/benchmarks.md."""
+    token dispatchers did; a capture makes their copies (and its own reads) into pinned memory,
+    but until that is measured MoE recipes capture without unless this is set to true. Measured
+    speeds: docs/benchmarks.md."""
     fold_exchange: bool = True
     """Folded ``exact``/``full`` captures with ``exchange``: a SUM/AVG all-reduce or reduce-scatter on
     a folded group of more than 64 members with 2 to 8 captured ones (a data-parallel gradient

@@ -126,3 +126,49 @@ def test_megatron_core_installed_here_has_one_of_the_two_apis():
     old = "save_to_aux_losses_tracker" in vars(router)
     new = logging is not None and "record" in vars(getattr(logging, "MoEMetricsTracker", object))
     assert old or new, "megatron-core's routers hand their aux losses to neither known tracker"
+
+
+def test_the_dispatchers_host_copies_leave_cpu_tensors_to_the_original_and_rebind_the_dispatcher():
+    """On CPU the probe's wrapper hands tensors to the function it wraps (megatron-core's, or the
+    CPU layer's); the token dispatcher, which bound the name at its import, gets the wrapper."""
+    calls = []
+    moe_utils = types.ModuleType("megatron.core.transformer.moe.moe_utils")
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        calls.append((as_numpy, record_stream))
+        return tensor.numpy() if as_numpy else tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    dispatcher = types.ModuleType("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    import sys
+
+    saved = sys.modules.get(dispatcher.__name__)
+    sys.modules[dispatcher.__name__] = dispatcher
+    try:
+        megatron_probe._pinned_move(moe_utils)
+    finally:
+        if saved is None:
+            del sys.modules[dispatcher.__name__]
+        else:
+            sys.modules[dispatcher.__name__] = saved
+    assert dispatcher.maybe_move_tensor_to_cpu is moe_utils.maybe_move_tensor_to_cpu is not maybe_move_tensor_to_cpu
+    t = torch.arange(3)
+    assert moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True).tolist() == [0, 1, 2] and calls == [(True, False)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_values_are_read_through_pinned_memory():
+    from nccl_ext.core import host_read
+
+    t = torch.arange(5, device="cuda")
+    pinned = host_read.to_pinned(t)
+    assert pinned.is_pinned()
+    torch.cuda.synchronize()
+    assert pinned.tolist() == [0, 1, 2, 3, 4] and host_read.read([t, t * 2]) == [[0, 1, 2, 3, 4], [0, 2, 4, 6, 8]]
+
+
+def test_host_values_are_read_as_they_are():
+    from nccl_ext.core import host_read
+
+    assert host_read.read([torch.tensor([[1, 2], [3, 4]]), torch.tensor(2.5)]) == [[1, 2, 3, 4], [2.5]]
