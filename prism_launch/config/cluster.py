@@ -27,14 +27,17 @@ class LinkSpec:
     latency_us: float
     """Latency of one algorithm step (one hop of a ring or tree) over this link, in µs."""
     half_size_mib: float = 0.0
-    """Message size (nccl-tests ``size``, MiB) at which NCCL reaches half of ``bandwidth_gbps``
-    over this link (pipeline fill, protocol and channel start-up at small sizes; the curve's
-    shape is ``curve_exponent``); 0 is the bare α–β model. Fitted to published nccl-tests
-    figures by ``bench/nccl_fit.py``."""
+    """Bytes (MiB) one member streams over this link in one dependent step of an algorithm at
+    which NCCL reaches half of ``bandwidth_gbps`` (pipeline fill, protocol and channel start-up;
+    the curve's shape is ``curve_exponent``); 0 is the bare α–β model. The step's bytes are
+    ``cost_model.curve_key``'s: ``size / p`` for a ring of ``p`` (nccl-tests ``size``), the
+    member's ``1/k`` slice for a tree, the per-peer chunk for all_to_all over NVLink, the
+    member's off-node bytes over the network. Fitted to published nccl-tests figures by
+    ``bench/nccl_fit.py``."""
     curve_exponent: float = 1.0
     """Steepness ``k`` of the size curve: bus bandwidth is ``bandwidth_gbps × s^k / (1 + s^k)``
-    with ``s = size / half_size`` (1.0: the plain hyperbola; below 1, a slower ramp, as NCCL's
-    protocol and channel-count changes spread it over more sizes)."""
+    with ``s = step bytes / half_size`` (1.0: the plain hyperbola; below 1, a slower ramp, as
+    NCCL's protocol and channel-count changes spread it over more sizes)."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -54,8 +54,7 @@ __all__ = [
     "busbw_factor",
     "bus_bandwidth_gbps",
     "cluster_from_config",
-    "fit_alpha_beta",
-    "fit_link",
+    "curve_key",
     "load_cluster",
     "make_cost_model",
     "nccl_tests_bytes",
@@ -229,8 +228,13 @@ class NcclCostModel:
       group members on a node (a ring leaves each node once per channel, and the
       group's ``k`` GPUs can drive their own share of the node's NICs).
     * Bandwidth follows the message size: the achieved bus bandwidth of the bottleneck link
-      class is ``bandwidth_gbps × size / (size + half_size)`` (``LinkSpec.half_size_mib``,
-      ``size`` the nccl-tests size), fitted to published nccl-tests figures.
+      class is ``bandwidth_gbps × s^k / (1 + s^k)``, ``s = key / half_size``
+      (``LinkSpec.half_size_mib``, ``curve_exponent``), fitted to published nccl-tests figures.
+      The ``key`` is the bytes one member streams over that link class in one dependent step
+      of the algorithm (:func:`curve_key`): a ring's step moves ``size / p`` and waits for the
+      step before it, so at a fixed size a ring over more members runs lower on the curve
+      (NCCL's ring busbw falls with the node count at a fixed size), while a tree streams each
+      member's ``1/k`` slice of the buffer through in one pass.
     * all_reduce: NCCL's tuner (``src/graph/tuning.cc``) prices every enabled algorithm as
       ``latency + size / bandwidth`` and runs the cheapest; so does this model, over
       ring (``2(p−1)`` hops, ``2(p−1)/p · n / B``); across nodes the double binary tree
@@ -244,7 +248,10 @@ class NcclCostModel:
     * broadcast / reduce: pipelined ring, ``(p−1)`` hops and ``n / B``.
     * all_to_all / gather / scatter: direct transfers; peers on the same node are reached
       over ``intra_node`` and the rest through the member's network share, concurrently
-      (the slower of the two bounds the transfer).
+      (the slower of the two bounds the transfer). Rings and direct transfers share one
+      per-GPU network figure; what differs is the curve key: a direct member posts all its
+      off-node sends at once and its NIC streams them back to back, so it sits high on the
+      curve where a ring's small per-step chunks do not.
     * Traffic that leaves a leaf switch crosses its uplinks (:mod:`prism_launch.predict.fabric`):
       with ``fabric.oversubscription`` > 1 a group whose off-leaf streams exceed them is slowed.
     * Every op pays ``protocol_latency_us`` once; groups of one member and empty
@@ -306,9 +313,10 @@ class NcclCostModel:
         """The algorithm the model picks (``ring``, ``tree``, ``nvls``, ...)."""
         return self.estimate(kind, nbytes, ranks).algorithm
 
-    def busbw_curve(self, link: LinkSpec, size: int) -> float:
-        """Achieved bus bandwidth (GB/s) over ``link`` at nccl-tests size ``size`` (bytes)."""
-        return _curve(link.bandwidth_gbps, link, size)
+    def busbw_curve(self, link: LinkSpec, key: float) -> float:
+        """Achieved bus bandwidth (GB/s) over ``link`` at curve key ``key`` (bytes one member
+        streams per dependent step, :func:`curve_key`)."""
+        return _curve(link.bandwidth_gbps, link, key)
 
     # ---------------------------------------------------------------- internals
 
@@ -413,12 +421,13 @@ class NcclCostModel:
         passes = 2 if kind == "all_reduce" else 1
         inter_steps = passes * (g.n_nodes - 1)
         hop_us = (steps - inter_steps) * c.intra_node.latency_us + inter_steps * c.inter_node.latency_us
-        bw = _curve(self._ring_bandwidth(g), self._link(g), nccl_tests_bytes(kind, nbytes, g.p))
+        key = curve_key("pipeline" if algorithm == "pipeline" else "ring", kind, nbytes, g.p, g.k_min)
+        bw = _curve(self._ring_bandwidth(g), self._link(g), key)
         return self._make(algorithm, hop_us, coef * nbytes / (bw * GB), bw)
 
     def _algbw_estimate(self, algorithm: str, hop_us: float, nbytes: int, algbw: float, g: _Geometry) -> Estimate:
         """An all_reduce moving the buffer at algorithm bandwidth ``algbw`` (plateau, GB/s)."""
-        eff = _curve(algbw, self._link(g), nbytes)
+        eff = _curve(algbw, self._link(g), curve_key(algorithm, "all_reduce", nbytes, g.p, g.k_min))
         return self._make(algorithm, hop_us, nbytes / (eff * GB), eff * busbw_factor("all_reduce", g.p))
 
     def _tree_all_reduce(self, nbytes: int, g: _Geometry) -> Estimate:
@@ -447,10 +456,10 @@ class NcclCostModel:
     def _direct(self, kind: str, nbytes: int, g: _Geometry) -> Estimate:
         """all_to_all / gather / scatter: concurrent transfers to every peer."""
         c = self.cluster
-        size = nccl_tests_bytes(kind, nbytes, g.p)
-        intra_bw = _curve(c.intra_node.bandwidth_gbps, c.intra_node, size)
-        net_bw = _curve(c.network_share_gbps, c.inter_node, size)
         p = g.p
+        k_net = g.k_min if kind == "all_to_all" else g.k_root
+        intra_bw = _curve(c.intra_node.bandwidth_gbps, c.intra_node, curve_key("direct", kind, nbytes, p))
+        net_bw = _curve(c.network_share_gbps, c.inter_node, curve_key("direct_net", kind, nbytes, p, k_net))
         if kind == "all_to_all":
             # Each member sends one p-th of its input to every peer; check the member
             # with the most on-node peers and the one with the most off-node peers.
@@ -470,12 +479,44 @@ class NcclCostModel:
         return self._make("direct", hop_us, transfer, bw)
 
 
-def _curve(plateau_gbps: float, link: LinkSpec, size: int) -> float:
-    """Achieved bandwidth at nccl-tests size ``size`` over ``link``'s class:
-    ``plateau × s^k / (1 + s^k)``, ``s = size / half_size`` (``LinkSpec.half_size_mib``)."""
-    if link.half_size_mib <= 0 or size <= 0:
+def curve_key(algorithm: str, kind: str, nbytes: int, p: int, k: int = 1) -> float:
+    """The size (bytes) the bandwidth curve is read at: what one member streams over the link
+    in one dependent step of ``algorithm`` (``kind`` over ``p`` members, ``nbytes`` per the
+    module table, ``k`` group members on the node in question).
+
+    NCCL's achieved bandwidth ramps with the size of what is in flight: each dependent step
+    pays pipeline fill, protocol and proxy start-up again before it runs at the link's rate.
+
+    * ``ring`` (all_reduce, all_gather, reduce_scatter): ``size / p`` — each of the ring's steps
+      moves one ``p``-th of the nccl-tests ``size`` (for all_gather the gathered output) and
+      cannot start before the step before it has arrived, so one size spread over more members
+      runs lower on the curve;
+    * ``nvls``: ``nbytes / p`` — each member reduces and multicasts its own ``1/p`` slice;
+    * ``tree``, ``nvls_tree``, ``collnet``: ``nbytes / k`` — the buffer is split over the node's
+      ``k`` members (NCCL's channels, one rail NIC each; NVLS-tree's per-GPU slices) and each
+      slice streams through the tree in one pipelined pass;
+    * ``pipeline`` (broadcast, reduce) and ``p2p``: ``nbytes`` — the whole buffer streams through;
+    * ``direct`` (all_to_all, gather, scatter over NVLink): the chunk for one peer (each peer is
+      reached over its own connection);
+    * ``direct_net`` (the same over the network): the member's off-node bytes, ``p − k`` chunks —
+      all its sends are posted at once and leave through its one rail NIC back to back.
+    """
+    if algorithm in ("ring", "nvls"):
+        return nccl_tests_bytes(kind, nbytes, p) / p
+    if algorithm in ("tree", "nvls_tree", "collnet"):
+        return nbytes / k
+    if algorithm in ("direct", "direct_net"):
+        chunk = nbytes if kind == "gather" else nbytes / p
+        return chunk * (p - k) if algorithm == "direct_net" else chunk
+    return float(nbytes)
+
+
+def _curve(plateau_gbps: float, link: LinkSpec, key: float) -> float:
+    """Achieved bandwidth over ``link``'s class at curve key ``key`` (bytes, :func:`curve_key`):
+    ``plateau × s^k / (1 + s^k)``, ``s = key / half_size`` (``LinkSpec.half_size_mib``)."""
+    if link.half_size_mib <= 0 or key <= 0:
         return plateau_gbps
-    sk = (size / (link.half_size_mib * MIB)) ** link.curve_exponent
+    sk = (key / (link.half_size_mib * MIB)) ** link.curve_exponent
     return plateau_gbps * sk / (1.0 + sk)
 
 
@@ -519,70 +560,3 @@ def make_cost_model(name: str, cluster: ClusterSpec | Any) -> CostModel:
     except (KeyError, TypeError):
         raise ValueError(f"unknown cost model {name!r} (valid: {', '.join(sorted(COST_MODELS))})") from None
     return cls(cluster)
-
-
-# --------------------------------------------------------------------------- fitting
-
-
-def fit_link(
-    samples: Iterable[tuple[str, int, int, float]],
-    *,
-    protocol_latency_us: float = 0.0,
-) -> LinkSpec:
-    """Fit one link's α (µs per hop) and bandwidth from ``(kind, p, nbytes, seconds)`` samples
-    of ops whose members all share that link (e.g. several kinds measured on one node).
-
-    Model: ``seconds = protocol + steps(kind, p) × α + coef(kind, p) × nbytes / B`` (the
-    single-link formulas of :class:`NcclCostModel`). The fit is linear least squares on
-    relative error (each sample weighted by ``1 / seconds``), so small, latency-bound
-    sizes count as much as large ones; α is kept >= 0.
-    """
-    rows: list[tuple[float, float, float]] = []
-    for kind, p, nbytes, seconds in samples:
-        kind = _check_kind(kind, allow_p2p=True)
-        if p < 2:
-            raise ValueError(f"cannot fit from a group of {p} rank(s); need p >= 2")
-        if not (seconds > 0 and math.isfinite(seconds)):
-            raise ValueError(f"sample time must be a finite number > 0 s (got {seconds!r})")
-        steps, coef = _link_coefficients(kind, p)
-        y = seconds - protocol_latency_us * US
-        w = 1.0 / seconds
-        rows.append((steps * w, coef * nbytes * w, y * w))
-    if len({r[1] / r[0] for r in rows if r[0]}) < 2:
-        raise ValueError("fitting α and bandwidth needs samples at two or more distinct sizes")
-    # Normal equations of  y ≈ a·x_a + b·x_b   with a = α (s), b = 1/B (s/byte).
-    saa = sum(r[0] * r[0] for r in rows)
-    sab = sum(r[0] * r[1] for r in rows)
-    sbb = sum(r[1] * r[1] for r in rows)
-    say = sum(r[0] * r[2] for r in rows)
-    sby = sum(r[1] * r[2] for r in rows)
-    det = saa * sbb - sab * sab
-    if det <= 0:
-        raise ValueError("fitting α and bandwidth needs samples at two or more distinct sizes")
-    a = (say * sbb - sby * sab) / det
-    b = (saa * sby - sab * say) / det
-    if a < 0:  # latency below resolution: constrain α = 0 and refit the slope alone
-        a, b = 0.0, sby / sbb
-    if b <= 0:
-        raise ValueError(
-            "the measured times do not grow with the size, so no bandwidth can be fitted; "
-            "measure larger sizes"
-        )
-    return LinkSpec(bandwidth_gbps=1.0 / b / GB, latency_us=a / US)
-
-
-def fit_alpha_beta(
-    samples: list[tuple[int, float]],
-    kind: str,
-    p: int,
-    *,
-    protocol_latency_us: float = 0.0,
-) -> LinkSpec:
-    """Least-squares α/β of a link from ``(nbytes, seconds)`` measurements of collective
-    ``kind`` (or ``"p2p"``) over ``p`` ranks sharing that link.
-
-    ``nbytes`` has the meaning of the module table. The fixed ``protocol_latency_us`` is
-    subtracted first; with the default 0 the whole fixed cost is attributed to the hops
-    (``latency_us`` is then the per-hop share of it).
-    """
-    return fit_link(((kind, p, n, t) for n, t in samples), protocol_latency_us=protocol_latency_us)

@@ -15,8 +15,8 @@ the median over iterations of the slowest rank. The iterations are split into
 not bias one series. Buffers for every size stay allocated: about (nproc + 3) × the sum
 of the sizes per process.
 
-Each op's times are fitted with :func:`prism_launch.predict.cost_model.fit_alpha_beta`, and all of
-them jointly with :func:`~prism_launch.predict.cost_model.fit_link`; ``--fit`` picks the fit that is
+Each op's times are fitted with :func:`prism_launch.predict.link_fit.fit_alpha_beta`, and all of
+them jointly with :func:`~prism_launch.predict.link_fit.fit_link`; ``--fit`` picks the fit that is
 written (default all_reduce, the op whose bus bandwidth nccl-tests quotes and which
 carries data-parallel gradients). The launch overhead is folded into the per-hop
 latency, so ``protocol_latency_us`` is written as 0. A table of measured vs predicted
@@ -59,10 +59,9 @@ from prism_launch.predict.cost_model import (
     LinkSpec,
     NcclCostModel,
     bus_bandwidth_gbps,
-    fit_alpha_beta,
-    fit_link,
     preset_dir,
 )
+from prism_launch.predict.link_fit import fit_alpha_beta, fit_link
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M"
 KINDS = ("all_reduce", "all_gather", "broadcast", "p2p")

@@ -18,13 +18,12 @@ from prism_launch.predict.cost_model import (
     NcclCostModel,
     bus_bandwidth_gbps,
     busbw_factor,
-    fit_alpha_beta,
-    fit_link,
     load_cluster,
     make_cost_model,
     nccl_tests_bytes,
     preset_dir,
 )
+from prism_launch.predict.link_fit import fit_alpha_beta, fit_link
 
 US = 1e-6
 GB = 1e9
