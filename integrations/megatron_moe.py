@@ -12,9 +12,11 @@ all-to-all's group owns experts ``j*L .. (j+1)*L-1`` with ``L = num_experts / ep
 Dropped tokens (``--moe-expert-capacity-factor``): when an aux loss is on, the router first
 all-reduces ``routing_map_for_aux_loss.sum(0)`` — the same top-k before dropping — over the
 tensor x context parallel group (int64 ``[num_experts]``); a rank's contribution there minus its
-contribution to the gather is what it dropped. Without an aux loss the trace holds no
-pre-drop count: it is derived from the recipe's flags (sequence length, micro-batch size,
-top-k, tp with sequence parallelism, cp) when they are given, else reported as not derivable.
+contribution to the gather is what it dropped. Where that group has one member (no op), the
+capture's probe sends the pre-drop counts with the dispatch all-to-all
+(:func:`integrations.moe_aux.attach_pre_drop`). A trace without either derives them from the
+recipe's flags (sequence length, micro-batch size, top-k, tp with sequence parallelism, cp) when
+they are given, else reports them as not derivable.
 With ``--moe-pad-expert-input-to-capacity`` the dispatcher exchanges fixed capacities and no
 counts: such traces show no dispatches.
 
@@ -161,7 +163,7 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
                                            "num_experts": gather["shape"][0], "keys": {}, "pre_keys": {},
                                            "ep_group": {}, "splits": {}, "layer": layers.layer_of(gather)})
                 d["keys"][rank] = _values(gather, read_tensor)
-                d["pre_keys"][rank] = _values(pre_row, read_tensor) if pre_row is not None else None
+                d["pre_keys"][rank] = _values(pre_row, read_tensor) if pre_row is not None else moe_aux.pre_drop_of(row)
                 d["ep_group"][rank] = list(groups[row["group"]])
                 d["splits"][rank] = [s[0] if s else 0 for s in _extra(row).get("shapes", [])]
     dispatches, incomplete = [], 0
@@ -191,7 +193,8 @@ def find_dispatches(rows: list[dict], groups: dict[int, tuple[int, ...]],
     out = {"dispatches": dispatches, "notes": notes, "dropped_source": None, "aux_losses": moe_aux.collect(rows)}
     if dispatches:
         if all(d["pre_drop"] is not None for d in dispatches):
-            out["dropped_source"] = "the router's pre-drop token counts (aux-loss all-reduce) minus routed tokens"
+            out["dropped_source"] = ("the routers' pre-drop token counts (their aux-loss all-reduce, or sent with the "
+                                     "dispatch) minus routed tokens")
         else:
             args = list(script_args or [])
             if get_flag(args, "--moe-expert-capacity-factor") in (None, True):

@@ -1,5 +1,6 @@
 """What a capture needs of megatron-core beyond its ops (rank side; the registry's ``probe``
-role, installed in capturing ranks on every device): its MoE routers' auxiliary losses, which no
+role, installed in capturing ranks on every device): its MoE routers' auxiliary losses and
+tokens per expert before capacity dropping (``apply_router_token_dropping``'s input), which no
 op carries, and its MoE token dispatchers' host copies kept off waits on the GPU.
 
 Host copies: the alltoall dispatcher moves its split sizes and token counts to the host with
@@ -41,6 +42,16 @@ def _patch_router(router) -> None:
         if layer_number is not None:
             moe_aux.attach(layer_number, name, loss)
         return original(name, loss, layer_number, *args, **kwargs)
+
+
+def _patch_token_dropping(router) -> None:
+    if "apply_router_token_dropping" not in vars(router):
+        return
+
+    @replaces(router, "apply_router_token_dropping")
+    def apply_router_token_dropping(original, routing_probs, routing_map, *args, **kwargs):
+        moe_aux.attach_pre_drop(routing_map)
+        return original(routing_probs, routing_map, *args, **kwargs)
 
 
 def _patch_logging(moe_logging) -> None:
@@ -86,5 +97,6 @@ def install() -> None:
             return
         _INSTALLED = True
         after_import("megatron.core.transformer.moe.router", _patch_router)
+        after_import("megatron.core.transformer.moe.router", _patch_token_dropping)
         after_import("megatron.core.transformer.moe.moe_logging", _patch_logging)
         after_import("megatron.core.transformer.moe.moe_utils", _pinned_move)

@@ -12,7 +12,9 @@ points, value's IEEE-754 bits as a signed int64]``.
 recorded router call (captured ranks, micro-batches, the recomputed forward of activation
 checkpointing included, which repeats a value), per step and per layer. A router whose
 dispatch makes no all-to-all (expert parallelism 1, megatron-core's ``allgather`` dispatcher)
-leaves nothing.
+leaves nothing. A router that drops tokens over its experts' capacity sends its pre-drop
+tokens per expert the same way (:func:`attach_pre_drop`), so dropped tokens are known without
+an aux-loss all-reduce to read them from.
 """
 
 from __future__ import annotations
@@ -61,6 +63,30 @@ def attach(layer: int, name: str, value) -> None:
         return encode(layer, name, float(value))
 
     routing_counts.attach(values, key=(TAG, name, int(layer)))
+
+
+PRE_DROP_TAG = 0xA0C6
+"""First value of a router's tokens per expert before its capacity dropped any (the top-k)."""
+
+
+def attach_pre_drop(routing_map) -> None:
+    """Send a router's pre-drop tokens per expert (``routing_map``: ``[tokens, experts]``, the
+    top-k before capacity dropping) with the rank's next all-to-all, its token dispatch."""
+    from nccl_ext.core import host_read, routing_counts
+
+    counts = routing_map.detach().sum(dim=0).long()
+    routing_counts.attach(lambda: [PRE_DROP_TAG, *host_read.read([counts])[0]], key=(PRE_DROP_TAG,))
+
+
+def pre_drop_of(row: dict) -> list[int] | None:
+    """The pre-drop counts a dispatch all-to-all carries (:func:`attach_pre_drop`), or None."""
+    extra = row.get("extra")
+    if not extra or str(PRE_DROP_TAG) not in extra:
+        return None
+    for values in json.loads(extra).get("ints") or ():
+        if values and int(values[0]) == PRE_DROP_TAG:
+            return [int(v) for v in values[1:]]
+    return None
 
 
 def _mean(values: list[float]) -> float | None:

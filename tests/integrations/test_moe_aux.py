@@ -172,3 +172,28 @@ def test_host_values_are_read_as_they_are():
     from nccl_ext.core import host_read
 
     assert host_read.read([torch.tensor([[1, 2], [3, 4]]), torch.tensor(2.5)]) == [[1, 2, 3, 4], [2.5]]
+
+
+def test_pre_drop_counts_ride_the_dispatch_and_are_found_there():
+    routing_map = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    moe_aux.attach_pre_drop(routing_map)
+    ints = routing_counts.small_ints(Collective.ALL_TO_ALL, [torch.zeros(3, 2)])
+    row = {"kind": "collective", "extra": json.dumps({"kind": "all_to_all", "ints": ints})}
+    assert moe_aux.pre_drop_of(row) == [3, 1, 1, 1]
+    assert moe_aux.pre_drop_of({"kind": "collective", "extra": json.dumps({"kind": "all_to_all"})}) is None
+
+
+def test_megatron_cores_token_dropping_hands_its_pre_drop_map_over():
+    router = types.ModuleType("megatron.core.transformer.moe.router")
+
+    def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
+                                    pad_to_capacity=False):
+        return routing_probs, routing_map & torch.tensor([True, True, False, True])
+
+    router.apply_router_token_dropping = apply_router_token_dropping
+    megatron_probe._patch_token_dropping(router)
+    routing_map = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 0]], dtype=torch.bool)
+    _probs, kept = router.apply_router_token_dropping(torch.zeros(2, 4), routing_map, router_topk=2, capacity_factor=1.0)
+    assert kept.sum().item() == 2
+    [values] = routing_counts.take_attached()
+    assert values == [moe_aux.PRE_DROP_TAG, 1, 1, 2, 0]

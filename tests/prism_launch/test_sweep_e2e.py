@@ -84,3 +84,33 @@ def test_in_process_sweeps_leave_no_state(tmp_path, monkeypatch):
         assert threads() == before
         assert not GlobalHydra.instance().is_initialized()
         assert logging.getLogger().handlers == log_handlers
+
+
+def test_a_router_sweep_ranks_points_with_their_aux_loss_dropped_tokens_and_imbalance(cwd):
+    """The bundled recipe as an EP2 MoE job (4 experts, top-2, aux-loss coefficient 0.01) swept
+    over dropless against capacity factor 1.0 through the recipe's own flag (``false`` removes
+    it): every point's row carries its routers' load-balancing loss, dropped tokens and
+    imbalance, and the ranked table shows them beside the iteration time."""
+    sweep_dir = cwd / "router"
+    r = run_prism(["--multirun", "--nproc-per-node", "4", "-r", "3", "device=cpu", "comm.timeout_s=120",
+                   f"hydra.sweep.dir={sweep_dir}", "script.args.moe_expert_capacity_factor=false,1.0",
+                   RECIPE, "--train-iters", "3", "--num-layers", "2", "--num-experts", "4",
+                   "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"], cwd=cwd, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))
+    assert [row["overrides"] for row in rows] == ["script.args.moe_expert_capacity_factor=False",
+                                                  "script.args.moe_expert_capacity_factor=1.0"]
+    assert all(row["status"] == "ok" for row in rows), rows
+    dropless, capped = rows
+    assert "--moe-expert-capacity-factor" not in dropless["script_args"]
+    assert "--moe-expert-capacity-factor 1.0" in capped["script_args"]
+    # the capacity drops what the routers sent over it (their pre-drop counts ride the dispatch: TP1 makes
+    # no aux-loss all-reduce to read them from), and evens the experts out
+    assert int(dropless["moe_dropped_tokens"]) == 0 < int(capped["moe_dropped_tokens"])
+    assert float(capped["moe_expert_imbalance"]) < float(dropless["moe_expert_imbalance"])
+    for row in rows:
+        assert 0.5 < float(row["moe_aux_loss"]) < 2.0  # E * sum(f_e * P_e) / top-k: about 1
+        assert float(row["moe_expert_imbalance"]) >= 1.0 and float(row["iteration_time_s"]) > 0
+        report = json.loads((sweep_dir / str(rows.index(row)) / "report" / "report.json").read_text())
+        assert float(row["moe_aux_loss"]) == report["moe"]["overall"]["aux_loss"]
+    assert "MoE aux loss" in r.stderr and "MoE dropped" in r.stderr
