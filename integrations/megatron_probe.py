@@ -24,13 +24,10 @@ number. The report's ``moe`` section sums them up (:mod:`integrations.megatron_m
 from __future__ import annotations
 
 import sys
-import threading
 
 from integrations import moe_aux
 from integrations.import_hooks import after_import, replaces
 
-_LOCK = threading.Lock()
-_INSTALLED = False
 
 
 def _patch_router(router) -> None:
@@ -90,13 +87,9 @@ def _pinned_move(moe_utils) -> None:
 
 
 def install() -> None:
-    """Wrap the trackers now (modules already imported) or as they are imported."""
-    global _INSTALLED
-    with _LOCK:
-        if _INSTALLED:
-            return
-        _INSTALLED = True
-        after_import("megatron.core.transformer.moe.router", _patch_router)
-        after_import("megatron.core.transformer.moe.router", _patch_token_dropping)
-        after_import("megatron.core.transformer.moe.moe_logging", _patch_logging)
-        after_import("megatron.core.transformer.moe.moe_utils", _pinned_move)
+    """Wrap the trackers and copies now (modules already imported) or as they are imported; a
+    patch registered again does nothing (:func:`integrations.import_hooks.after_import`)."""
+    after_import("megatron.core.transformer.moe.router", _patch_router)
+    after_import("megatron.core.transformer.moe.router", _patch_token_dropping)
+    after_import("megatron.core.transformer.moe.moe_logging", _patch_logging)
+    after_import("megatron.core.transformer.moe.moe_utils", _pinned_move)
