@@ -16,7 +16,8 @@ An :class:`Integration` says which of its modules fill which role:
   capture could not count FLOPs: a torch.compile'd program);
 - ``probe``: installed in every capturing rank on any device (the module's ``install()``):
   records what the program computes that no op carries (megatron-core's routers' auxiliary
-  losses), read back by the ``moe`` module;
+  losses and pre-drop token counts, read back by the ``moe`` module) and keeps the program's
+  host copies off waits on the GPU;
 - ``recipe_flags``: script flags by which a recipe of this kind is recognised (DeepSpeed's
   ``--deepspeed_config``), so its compat layer joins by default and ``warm_imports`` are
   imported before ranks are forked.
