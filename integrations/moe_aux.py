@@ -52,17 +52,11 @@ def attach(layer: int, name: str, value) -> None:
     """Send ``value`` (a scalar tensor or number) with the rank's next all-to-all (module doc)."""
     from nccl_ext.core import routing_counts
 
+    key = (TAG, name, int(layer))
     if hasattr(value, "detach"):
-        value = value.detach()
-
-    def values() -> list[int]:
-        if hasattr(value, "reshape"):
-            from nccl_ext.core import host_read
-
-            return encode(layer, name, float(host_read.read([value])[0][0]))
-        return encode(layer, name, float(value))
-
-    routing_counts.attach(values, key=(TAG, name, int(layer)))
+        routing_counts.attach(lambda got: encode(layer, name, float(got[0][0])), key=key, tensors=[value.detach()])
+    else:
+        routing_counts.attach(encode(layer, name, float(value)), key=key)
 
 
 PRE_DROP_TAG = 0xA0C6
@@ -72,10 +66,10 @@ PRE_DROP_TAG = 0xA0C6
 def attach_pre_drop(routing_map) -> None:
     """Send a router's pre-drop tokens per expert (``routing_map``: ``[tokens, experts]``, the
     top-k before capacity dropping) with the rank's next all-to-all, its token dispatch."""
-    from nccl_ext.core import host_read, routing_counts
+    from nccl_ext.core import routing_counts
 
     counts = routing_map.detach().sum(dim=0).long()
-    routing_counts.attach(lambda: [PRE_DROP_TAG, *host_read.read([counts])[0]], key=(PRE_DROP_TAG,))
+    routing_counts.attach(lambda got: [PRE_DROP_TAG, *got[0]], key=(PRE_DROP_TAG,), tensors=[counts])
 
 
 def pre_drop_of(row: dict) -> list[int] | None:

@@ -52,29 +52,39 @@ def is_ep_proper(desc: str) -> bool:
 
 
 _attached: dict = {}
-"""What integrations attached to the rank's next all-to-all (:func:`attach`), by key, in order;
-a value is a list of small integers or a callable returning one (read when the all-to-all is
-issued, when the dispatcher has synchronised on its split sizes anyway)."""
+"""What integrations attached to the rank's next all-to-all (:func:`attach`), by key, in order:
+``(values, tensors)``, ``values`` a list of small integers, or with ``tensors`` a function of
+their values (read when the all-to-all is issued, all at once, when the dispatcher has
+synchronised on its split sizes anyway)."""
 
 
-def attach(values, key=None) -> None:
-    """Send ``values`` (small integers, or a callable returning them) as one of the ``ints`` of
-    this rank's next all-to-all whose own contribution is no integer counts (module doc); it
-    replaces an earlier attachment of the same ``key`` (default: the first value, a tag) not yet
-    sent. Only a capturing transport consumes them."""
-    if not callable(values):
+def attach(values, key=None, tensors=None) -> None:
+    """Send ``values`` (small integers) as one of the ``ints`` of this rank's next all-to-all
+    whose own contribution is no integer counts (module doc); with ``tensors``, ``values`` is a
+    function of their values (one flat list per tensor) returning the integers, called when
+    that all-to-all is issued. It replaces an earlier attachment of the same ``key`` (default:
+    the first value, a tag) not yet sent. Only a capturing transport consumes them."""
+    if tensors is None:
         values = [int(v) for v in values]
         if key is None and values:
             key = values[0]
-    _attached[key] = values
+    _attached[key] = (values, list(tensors) if tensors is not None else None)
 
 
 def take_attached() -> list[list[int]] | None:
-    """The attached lists, once (None when there are none)."""
+    """The attached lists, once (None when there are none); the device values of all of them
+    are read together (one wait, :func:`nccl_ext.core.host_read.read`)."""
     if not _attached:
         return None
-    out = [[int(v) for v in (v() if callable(v) else v)] for v in _attached.values()]
+    items = list(_attached.values())
     _attached.clear()
+    flat = [t for _v, ts in items if ts is not None for t in ts]
+    read = iter(host_read.read(flat)) if flat else iter(())
+    out = []
+    for values, ts in items:
+        if ts is not None:
+            values = values([next(read) for _ in ts])
+        out.append([int(v) for v in values])
     return out
 
 
