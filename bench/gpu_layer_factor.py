@@ -81,7 +81,7 @@ def local_layer(hidden: int, heads: int, ffn: int, tp: int):
                             hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
                             bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                             gradient_accumulation_fusion=False, persist_layer_norm=False)
-    block = TransformerBlock(cfg, get_gpt_layer_local_spec()).cuda()
+    block = TransformerBlock(cfg, get_gpt_layer_local_spec()).cuda().to(torch.bfloat16)  # as Float16Module does
     return lambda x: block(x, attention_mask=None)
 
 

@@ -65,6 +65,20 @@ def reduce_kind(op) -> ReduceKind:
     )
 
 
+def _pickled_factor(op):
+    """The factor in a ReduceOp's pickled state ``(PREMUL_SUM, factor)``: torch before 2.12 has no
+    ``factor`` attribute, and a ReduceOp read back from collective options is a fresh wrapper;
+    the factor is a float, a tensor, or a one-tensor list by version."""
+    try:
+        state = op.__getstate__()
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+    if isinstance(factor, (list, tuple)):
+        factor = factor[0] if len(factor) == 1 else None
+    return factor
+
+
 def premul_factor(op):
     """The factor of a ``ReduceOp.PREMUL_SUM(factor)`` (a float or a one-element tensor); None
     for any other op."""
@@ -73,6 +87,8 @@ def premul_factor(op):
     if getattr(op, "op", op) != dist.ReduceOp.RedOpType.PREMUL_SUM:
         return None
     factor = getattr(op, "factor", None)
+    if factor is None:
+        factor = _pickled_factor(op)
     if factor is None:
         raise NotImplementedError(f"reduce op {op!r}: a PREMUL_SUM without its factor (build it with "
                                   "ReduceOp.PREMUL_SUM(factor)) is not supported by the prism process group")

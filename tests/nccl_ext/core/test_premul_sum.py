@@ -63,3 +63,27 @@ def test_reduce_scatter_and_all_reduce_submit_premultiplied_sums():
     PrismProcessGroup._all_reduce(g, "allreduce", [t], _Opts(dist.ReduceOp.PREMUL_SUM(0.5)))
     assert g.calls[-1].reduce is ReduceKind.SUM and g.calls[-1].tensors[0].tolist() == [4.0]
     assert t.tolist() == [4.0]  # the result was copied into the caller's tensor
+
+
+class _StateOnly:
+    """A ReduceOp as torch before 2.12 hands it back from collective options: no ``factor``
+    attribute, only its pickled state."""
+
+    def __init__(self, state):
+        self.op = dist.ReduceOp.RedOpType.PREMUL_SUM
+        self._state = state
+
+    def __getstate__(self):
+        return self._state
+
+
+@pytest.mark.parametrize("factor", [0.125, torch.tensor([0.5]), [torch.tensor([0.5])]])
+def test_premul_factor_read_from_the_pickled_state(factor):
+    got = premul_factor(_StateOnly((dist.ReduceOp.RedOpType.PREMUL_SUM, factor)))
+    want = factor[0] if isinstance(factor, list) else factor
+    assert got is want
+
+
+def test_premul_sum_without_a_factor_in_its_state_is_refused():
+    with pytest.raises(NotImplementedError, match="PREMUL_SUM without its factor"):
+        premul_factor(_StateOnly((dist.ReduceOp.RedOpType.PREMUL_SUM, None)))
