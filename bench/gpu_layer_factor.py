@@ -5,9 +5,12 @@ attention, elementwise ops fused by ``torch.compile``), forward and backward, bf
     source .mlm/activate.sh && python bench/gpu_layer_factor.py [--shapes 1.7b,7.1b] [--out f.json]
 
 Shapes are Megatron-LM README rows (GPT: LayerNorm, MHA, FFN 4h with GeLU, seq 4096, micro-batch 1),
-each layer at its tensor-parallel width on one GPU (7.1B: TP2, so half the heads and half the FFN).
-Prints each shape's local and native time per layer and their ratio, and the one factor (the
-geometric mean of the shapes' ratios) that ``bench/gpu_megatron_rows.py`` applies to every row
+each layer at its tensor-parallel width on one GPU (7.1B: TP2, so half the heads and half the FFN),
+and ``8b-tp8``: one TP8 rank of ``bench/gpu_predict8b.py``'s Llama-3-8B shape (4 query heads, 1
+key-value group, SwiGLU 1,792, RMSNorm; no RoPE). Prints each shape's local and native time per
+layer, their ratio, and the GPU's kernel-busy time beside the wall time (a ratio well under 1 is a
+host-bound layer: launches, not FLOPs), and the one factor (the geometric mean of the README
+shapes' ratios) that ``bench/gpu_megatron_rows.py`` applies to every row
 through ``replay.compute_speedup``. Exits non-zero when a figure is missing.
 """
 
@@ -24,11 +27,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from figures import Figure, report  # noqa: E402
 
-SHAPES = {  # hidden, heads, ffn, tensor-parallel size
-    "1.7b": (2048, 16, 8192, 1),
-    "7.1b": (4096, 32, 16384, 2),
+SHAPES = {  # hidden, heads, query groups, ffn, tensor-parallel size, SwiGLU + RMSNorm (else GeLU + LayerNorm)
+    "1.7b": (2048, 16, 16, 8192, 1, False),
+    "7.1b": (4096, 32, 32, 16384, 2, False),
+    "8b-tp8": (4096, 32, 8, 14336, 8, True),  # one TP8 rank of gpu_predict8b.py's job (no RoPE here)
 }
+README_SHAPES = ("1.7b", "7.1b")
+"""The shapes whose geometric mean is the factor applied to gpu_megatron_rows.py's rows."""
 SEQ = 4096
+
+
+def _busy(fn, x) -> float:
+    """Seconds the GPU spent in kernels during one forward + backward (torch.profiler): against
+    the wall time it tells a host-bound layer (launch overhead) from a device-bound one."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x.grad = None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x).float().sum().backward()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 
 def _time(fn, x, iters: int) -> float:
@@ -53,17 +72,20 @@ def _time(fn, x, iters: int) -> float:
 def measure(name: str, iters: int) -> dict:
     import torch
 
-    hidden, heads, ffn, tp = SHAPES[name]
+    hidden, heads, groups, ffn, tp, glu = SHAPES[name]
     h_heads, h_ffn = heads // tp, ffn // tp  # the layer one GPU of the TP group runs (its attention/FFN share)
     x = torch.randn(SEQ, 1, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = {"shape": name, "hidden": hidden, "heads_per_gpu": h_heads, "ffn_per_gpu": h_ffn, "tp": tp}
-    out["local_s"] = _time(local_layer(hidden, heads, ffn, tp), x, iters)
-    out["native_s"] = _time(native_layer(hidden, heads, ffn, tp), x, iters)
+    out = {"shape": name, "hidden": hidden, "heads_per_gpu": h_heads, "groups_per_gpu": max(1, groups // tp),
+           "ffn_per_gpu": h_ffn, "tp": tp, "swiglu": glu}
+    for impl, build in (("local", local_layer), ("native", native_layer)):
+        fn = build(hidden, heads, groups, ffn, tp, glu)
+        out[f"{impl}_s"] = _time(fn, x, iters)
+        out[f"{impl}_busy_s"] = _busy(fn, x)
     out["factor"] = out["local_s"] / out["native_s"]
     return out
 
 
-def local_layer(hidden: int, heads: int, ffn: int, tp: int):
+def local_layer(hidden: int, heads: int, groups: int, ffn: int, tp: int, glu: bool):
     """megatron-core's local-spec GPT layer (LayerNorm, unfused core attention, GeLU MLP) at one TP
     rank's share: heads / tp of width hidden / heads, FFN / tp, without the TP all-reduces."""
     import torch
@@ -75,7 +97,12 @@ def local_layer(hidden: int, heads: int, ffn: int, tp: int):
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(1)
+    import torch.nn.functional as F
+
+    glu_args = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+                    add_bias_linear=False) if glu else {}
     cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads // tp,
+                            num_query_groups=max(1, groups // tp), **glu_args,
                             kv_channels=hidden // heads, ffn_hidden_size=ffn // tp,
                             bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
                             hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
@@ -85,27 +112,30 @@ def local_layer(hidden: int, heads: int, ffn: int, tp: int):
     return lambda x: block(x, attention_mask=None)
 
 
-def native_layer(hidden: int, heads: int, ffn: int, tp: int):
+def native_layer(hidden: int, heads: int, groups: int, ffn: int, tp: int, glu: bool):
     """The same share in plain torch: SDPA (flash) attention, elementwise ops compiled."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    hh, d, f = heads // tp, hidden // heads, ffn // tp
+    hh, d, f, g = heads // tp, hidden // heads, ffn // tp, max(1, groups // tp)
+    norm = nn.RMSNorm if glu else nn.LayerNorm
 
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-            self.qkv, self.proj = nn.Linear(hidden, 3 * hh * d), nn.Linear(hh * d, hidden)
-            self.fc1, self.fc2 = nn.Linear(hidden, f), nn.Linear(f, hidden)
+            self.ln1, self.ln2 = norm(hidden), norm(hidden)
+            self.qkv, self.proj = nn.Linear(hidden, (hh + 2 * g) * d, bias=not glu), nn.Linear(hh * d, hidden, bias=not glu)
+            self.fc1, self.fc2 = nn.Linear(hidden, f * (2 if glu else 1), bias=not glu), nn.Linear(f, hidden, bias=not glu)
 
         def forward(self, x):  # x: [s, b, h] as Megatron's
             s, b, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, hh, d).permute(2, 1, 3, 0, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, hh * d)
-            x = x + self.proj(a)
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+            q, k, v = self.qkv(self.ln1(x)).view(s, b, hh + 2 * g, d).permute(1, 2, 0, 3).split([hh, g, g], dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g != hh)
+            x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, hh * d))
+            h = self.fc1(self.ln2(x))
+            h = F.silu(h[..., :f]) * h[..., f:] if glu else F.gelu(h, approximate="tanh")
+            return x + self.fc2(h)
 
     return torch.compile(Layer().cuda().to(torch.bfloat16))
 
@@ -120,13 +150,14 @@ def factor(shapes: list[str], iters: int) -> tuple[float | None, list[dict]]:
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     rows = [measure(s, iters) for s in shapes]
-    fs = [r["factor"] for r in rows if r.get("factor")]
-    return (math.exp(sum(map(math.log, fs)) / len(fs)) if fs and len(fs) == len(rows) else None), rows
+    readme = [r for r in rows if r["shape"] in README_SHAPES]
+    fs = [r["factor"] for r in readme if r.get("factor")]
+    return (math.exp(sum(map(math.log, fs)) / len(fs)) if fs and len(fs) == len(readme) else None), rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="1.7b,7.1b")
+    ap.add_argument("--shapes", default="1.7b,7.1b,8b-tp8")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
@@ -134,8 +165,10 @@ def main() -> int:
     figs = []
     for r in rows:
         print(f"{r['shape']}: layer at TP{r['tp']} (hidden {r['hidden']}, {r['heads_per_gpu']} heads, FFN "
-              f"{r['ffn_per_gpu']} per GPU), seq {SEQ}: local {r['local_s'] * 1e3:.2f} ms, native "
-              f"{r['native_s'] * 1e3:.2f} ms forward + backward")
+              f"{r['ffn_per_gpu']} per GPU), seq {SEQ}: local {r['local_s'] * 1e3:.2f} ms "
+              f"(GPU busy {r['local_busy_s'] * 1e3:.2f} ms), native {r['native_s'] * 1e3:.2f} ms "
+              f"(busy {r['native_busy_s'] * 1e3:.2f} ms) forward + backward")
+        figs.append(Figure(f"{r['shape']} local GPU busy / wall", r["local_busy_s"] / r["local_s"], None, ".3f"))
         figs.append(Figure(f"{r['shape']} local / native", r.get("factor"), None, ".3f"))
     figs.append(Figure("implementation factor (geometric mean)", f, None, ".3f"))
     if a.out:
