@@ -73,10 +73,12 @@ def prism(args: list, cwd: Path, timeout: float, *, stacks: Path | None = None) 
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         print(f"  prism-launch timed out after {timeout:.0f}s; its stderr ends:\n{err[-5000:]}", flush=True)
-        logs = sorted(Path(cwd).glob("cap-logs/*/*/stdout.log"))
+        given = [str(b) for a, b in zip(args, args[1:]) if str(a) == "--log-dir"]
+        logdir = Path(given[0]) if given else Path(cwd) / "cap-logs"
+        logs = sorted(logdir.glob("*/*/stdout.log"))
         for log in logs[-3:]:
             print(f"  --- {log}:\n{log.read_text()[-1500:]}", flush=True)
-        for log in sorted(Path(cwd).glob("cap-logs/*/*/stderr.log"))[-4:]:
+        for log in sorted(logdir.glob("*/*/stderr.log"))[-4:]:
             text = log.read_text(errors="replace").strip()
             if text:
                 print(f"  --- {log}:\n{text[-1200:]}", flush=True)

@@ -41,8 +41,8 @@ ROWS = {  # layers, hidden, heads, TP, GPUs, global batch, published TFLOP/s per
 }
 SOURCE = "NVIDIA/Megatron-LM README, images/model_table.png (weak scaling, H100)"
 DIFFERS = ("published: Transformer Engine (fused attention and layers), H100 SXM, Megatron-LM of its date; "
-           "here: megatron-core 0.19 local layers (unfused attention softmax, no flash), measured on an H200 and "
-           "scaled to h100_ib's H100 by the kernel mix")
+           "here: megatron-core 0.19 local layers (unfused attention softmax, no flash), measured on the GPU each "
+           "row names and scaled to the cluster's GPU by the kernel mix where they differ")
 
 
 def job(row: str, iters: int) -> list[str]:
@@ -92,6 +92,7 @@ def run_row(row: str, a: argparse.Namespace, factor: float | None) -> list[Figur
     flops = table_flops(row)
     work = Path(tempfile.mkdtemp(prefix=f"prism-row-{row}-"))
     it = it_adj = None
+    keep = None if a.out is None else a.out.with_name(f"{a.out.stem}.{row}")
     try:
         if script is not None:
             base = ["--nnodes", str(gpus // 8), "--nproc-per-node", "8", "device=cuda", f"sandbox.ranks=[{gpus - 1}]",
@@ -100,9 +101,19 @@ def run_row(row: str, a: argparse.Namespace, factor: float | None) -> list[Figur
                     f"report.dir={work / 'report'}", "--log-dir", work / "logs"]
             try:
                 prism([*base, script, *args], work, a.timeout)
-                it = json.loads((work / "report" / "report.json").read_text())["predicted"]["iteration_time_s"]
+                rep = json.loads((work / "report" / "report.json").read_text())
+                it = rep["predicted"]["iteration_time_s"]
+                scaling = rep["predicted"].get("gpu_scaling") or {}
+                print(f"{row}: compute measured on {scaling.get('measuring_device') or 'MISSING'}, cluster GPU "
+                      f"{rep['predicted'].get('cluster_gpu')}, scaled: {bool(scaling.get('scaled'))}", flush=True)
             except SystemExit:
                 print(f"{row}: the run failed", file=sys.stderr)
+            finally:
+                if keep is not None:  # the report and the logs, for a look after the device is gone
+                    for sub in ("report", "logs"):
+                        if (work / sub).exists():
+                            shutil.copytree(work / sub, keep / sub, dirs_exist_ok=True,
+                                            ignore=shutil.ignore_patterns("*.png", "*.pt", "*.bin"))
             if it and factor:
                 it_adj = repredict(work / "trace", ["device=cuda", f"cluster={a.cluster}",
                                                     f"replay.compute_speedup={factor:g}"])

@@ -198,7 +198,7 @@ def test_gpu_lean_reports_an_oom_verdict_only_when_the_report_gives_one():
     assert exit_code(_lean(oom_ranks=None)) != 0 and exit_code(_lean(oom_ranks=[3, 7])) == 0
 
 
-def _report_8b(iteration_s, source="calibrated (6 shard classes)"):
+def _report_8b(iteration_s, source="calibrated (6 shard classes)", fused=(1.7, 0.3)):
     import gpu_predict8b
 
     step = {"compute_s": 0.1, "collective_waits_s": {"TENSOR_MODEL_PARALLEL_GROUP": 0.02, "DATA_PARALLEL_GROUP": 0.01},
@@ -207,17 +207,22 @@ def _report_8b(iteration_s, source="calibrated (6 shard classes)"):
                          "compute_source": source, "throughput": {"tokens_per_s_per_gpu": 1000.0,
                                                                   "model_tflops_per_gpu": 200.0, "mfu": 0.2,
                                                                   "peak_bf16_tflops": 989.0}},
-           "ranks": {"8191": {"sandbox": True, "step": step}}}
+           "ranks": {"8191": {"sandbox": True, "step": step}},
+           "fused": {"factor": fused[0], "iteration_time_s": fused[1]}}
     return gpu_predict8b.summarize(rep, gpu_predict8b.Shape(), 8191)[0]
 
 
-def test_the_8b_prediction_must_fall_in_its_band_be_calibrated_and_be_there():
-    assert exit_code(_report_8b(0.25)) == 0
-    assert exit_code(_report_8b(0.84)) == 1            # outside 170-380 ms
+def test_the_8b_prediction_and_its_fused_layer_what_if_must_fall_in_their_bands():
+    assert exit_code(_report_8b(0.75)) == 0
+    assert exit_code(_report_8b(0.25)) == 1            # local layers: outside 610-920 ms
+    assert exit_code(_report_8b(0.95)) == 1
+    assert exit_code(_report_8b(0.75, fused=(1.7, 0.45))) == 1   # fused what-if outside 170-380 ms
+    assert exit_code(_report_8b(0.75, fused=(None, None))) == 1  # factor not measured
     assert exit_code(_report_8b(None)) == 1            # not predicted
-    assert exit_code(_report_8b(0.25, source="cpu thread")) == 1
-    figs = {f.name: f.value for f in _report_8b(0.25)}
+    assert exit_code(_report_8b(0.75, source="cpu thread")) == 1
+    figs = {f.name: f.value for f in _report_8b(0.75)}
     assert figs["sandbox exposed TP ms"] == pytest.approx(20.0) and figs["sandbox exposed DP ms"] == pytest.approx(10.0)
+    assert figs["predicted iteration ms with fused layers (compute / factor)"] == pytest.approx(300.0)
 
 
 def test_the_8b_first_principles_estimate_is_megatrons_count():
