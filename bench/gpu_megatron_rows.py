@@ -11,8 +11,9 @@ Flags assumed where the table is silent: micro-batch 1, FFN 4h with GeLU, LayerN
 positions, bf16, no recompute, distributed optimizer with ``--overlap-grad-reduce
 --overlap-param-gather``, no sequence parallelism (megatron-core's local layer norm refuses it).
 Each row runs upstream ``pretrain_gpt.py`` unchanged under ``prism-launch`` at the row's world
-size, ``mode=auto`` (capture with ``payload=none``, folded, calibration by shard class,
-emulation of the last rank), then the same calibrated trace is replayed again with
+size, ``mode=auto`` (capture with ``payload=none``, folded at both sizes: 48 ranks is under
+``capture.fold_threshold``; calibration by shard class, emulation of the last rank), then the
+same calibrated trace is replayed again with
 ``replay.compute_speedup`` = the implementation factor of ``bench/gpu_layer_factor.py`` (local
 layers against torch-native SDPA + compiled ones: what Transformer Engine buys the published
 runs). TFLOP/s per GPU: the step's FLOPs as Megatron-LM counted them when the table was made
@@ -96,7 +97,7 @@ def run_row(row: str, a: argparse.Namespace, factor: float | None) -> list[Figur
     try:
         if script is not None:
             base = ["--nnodes", str(gpus // 8), "--nproc-per-node", "8", "device=cuda", f"sandbox.ranks=[{gpus - 1}]",
-                    f"trace.dir={work / 'trace'}", f"cluster={a.cluster}", "capture.payload=none",
+                    f"trace.dir={work / 'trace'}", f"cluster={a.cluster}", "capture.payload=none", "capture.fold=true",
                     "comm.timeout_s=600", "mode=auto", "calibrate.in_auto=true", f"calibrate.repeats={a.repeats}",
                     f"report.dir={work / 'report'}", "--log-dir", work / "logs"]
             try:
