@@ -4,7 +4,8 @@ while the rest are replayed from the bare trace. Each slice rank's compute span 
 each of its events — measured where it ran uncontended — replaces the bare span. Ranks of
 one shard class (:mod:`prism_launch.predict.shard_classes`: TP peers of a stage,
 data-parallel replicas) are interchangeable: by default one class member is measured
-``calibrate.repeats`` times and every member gets the per-event median. Spans are
+``calibrate.repeats`` times and every member gets the per-event median, its steady steps
+scaled to the median run's steady total (a sum of medians undercounts skewed noise). Spans are
 durations between a rank's own events, so slices need no clock alignment: the global
 replay stitches them together through the graph's dependency edges (collectives and
 messages), which is where the calibrated timeline gets its cross-rank alignment.
@@ -61,13 +62,35 @@ def _span_of(s: list, measure: Measure) -> float:
     return float(s[2])
 
 
+def _steady_start(evs: list[dict]) -> int:
+    """Index of a rank's first event after its first step marker: where its steady steps begin
+    (0 when the trace marks no steps)."""
+    for i, e in enumerate(evs):
+        if e["kind"] == "marker" and e["op"] == "step":
+            return i + 1
+    return 0
+
+
+def _steady_scale(median: list[float], runs: list[list[float]], start: int) -> float:
+    """The factor that makes the per-event medians of the steady steps sum to the median run's
+    steady total. Span noise is skewed (a late kernel, a slow launch: never an early one), and
+    runs are slow at different events, so the sum of per-event medians falls under every run's
+    total; a step pays all of its spans. One run: 1."""
+    if len(runs) < 2:
+        return 1.0
+    total = sum(median[start:])
+    want = statistics.median(sum(run[start:]) for run in runs)
+    return want / total if total > 0 else 1.0
+
+
 def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: Measure,
                 classes: Sequence[ShardClass] | None = None) -> Calibrated:
     """Replace compute spans by measured ones. ``measured[rank]``: the slice runs of ``rank``,
     each the sandbox summary's ``spans`` (one ``[code, cpu_s, wall_s, device_s]`` per event;
     ``device_s`` None where the rank had no device timeline). With ``classes``, each class's
     measurements (of any of its members) give every member the per-event median; without,
-    each measured rank gets the median of its own runs."""
+    each measured rank gets the median of its own runs. With two or more runs, the steady steps'
+    medians are scaled to sum to the median run's steady total (:func:`_steady_scale`)."""
     rows = reader.events().to_pylist()
     by_rank: dict[int, list[dict]] = {}
     for row in rows:
@@ -94,6 +117,10 @@ def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: M
         if not runs:
             continue
         median = [statistics.median(col) for col in zip(*runs)]
+        steady = _steady_start(by_rank.get(c.members[0], []) if c.members else [])
+        scale = _steady_scale(median, runs, steady)
+        median = median[:steady] + [m * scale for m in median[steady:]]
+        out.classes[-1]["steady_scale"] = scale
         for r in c.members:
             evs = by_rank.get(r, [])
             if len(evs) != len(median) or r in bad:

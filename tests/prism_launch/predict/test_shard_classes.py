@@ -95,12 +95,31 @@ def test_a_class_gets_the_per_event_median_of_its_measurements_on_every_member()
             4: [[["c", 0, 0.500, None], ["w", 0, 0.100, None]]]}
     out = apply_spans(_Reader(_events(range(6))), runs, Measure.wall, classes)
     by = {(r["rank"], r["idx"]): r["compute_wall_s"] for r in out.rows}
-    for r in range(4):  # measured or not, every member of class 0: median per event (0.02, 0.003)
-        assert (by[(r, 0)], by[(r, 1)]) == (0.020, 0.003)
+    # measured or not, every member of class 0: the median per event (0.02, 0.003), scaled to the
+    # median run's total (runs 0.011, 0.033, 0.029: 0.029)
+    for r in range(4):
+        assert (by[(r, 0)], by[(r, 1)]) == pytest.approx((0.020 * 0.029 / 0.023, 0.003 * 0.029 / 0.023))
     assert (by[(5, 0)], by[(5, 1)]) == (0.5, 0.1)
     assert out.replaced == 12 and out.mismatched == []
     assert [c["measurements"] for c in out.classes] == [3, 1]
     assert all(r["extra"] and "bare_wall_s" in r["extra"] for r in out.rows)
+
+
+def test_skewed_noise_keeps_the_median_runs_steady_total_and_leaves_warm_up_alone():
+    """Each run is late at a different event: per-event medians alone would sum to 3 ms a step where
+    every run took 4. The warm-up step (before the first step marker) keeps its medians."""
+    codes = ("collective", "marker", "collective", "wait", "collective")
+    rows = _events([0], codes)
+    rows[1]["op"] = "step"
+    runs = {0: [[[k, 0, v, None] for k, v in zip("cmcwc", vals)]
+                for vals in ([5.0, 0, 1.0, 1.0, 2.0], [9.0, 0, 1.0, 2.0, 1.0], [7.0, 0, 2.0, 1.0, 1.0])]}
+    out = apply_spans(_Reader(rows), runs, Measure.wall, [ShardClass((0,), 0)])
+    spans = [r["compute_wall_s"] for r in sorted(out.rows, key=lambda r: r["idx"])]
+    assert spans[:2] == [7.0, 0.0]
+    assert spans[2:] == pytest.approx([4 / 3] * 3) and sum(spans[2:]) == pytest.approx(4.0)
+    assert out.classes[0]["steady_scale"] == pytest.approx(4 / 3)
+    one = apply_spans(_Reader(rows), {0: runs[0][:1]}, Measure.wall, [ShardClass((0,), 0)])
+    assert [r["compute_wall_s"] for r in sorted(one.rows, key=lambda r: r["idx"])] == [5.0, 0, 1.0, 1.0, 2.0]
 
 
 def test_a_member_whose_run_issued_other_events_is_left_out_and_named():
