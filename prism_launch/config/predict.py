@@ -43,7 +43,7 @@ class CalibrateConfig:
     :mod:`prism_launch.predict.shard_classes`, its median applied to the whole class)."""
     repeats: int = 3
     """Measurements per shard class (distinct members where the class has them); the per-event
-    median becomes the class's spans."""
+    median becomes the class's spans, its steady steps scaled to the median run's steady total."""
     measure: Measure = Measure.device
     """Which clock of the slice runs becomes the calibrated compute span."""
     in_auto: bool | None = None
