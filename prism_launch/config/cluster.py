@@ -140,6 +140,17 @@ class ClusterSpec:
     gpu: GpuSpec = field(default_factory=GpuSpec)
     """The cluster's GPU (name, datasheet peaks): compute measured on another GPU is scaled to it,
     and a prediction's MFU is reported against its ``peak_bf16_tflops``."""
+    comm_overlaps_compute: bool | None = None
+    """Whether a rank computes while its asynchronous collectives move data. Default: true on
+    ``cuda`` (copy engines and NCCL's own SMs move the bytes), false on ``cpu`` (gloo moves them
+    with the cores that compute: an overlapped collective's time is paid on the issuing rank's
+    timeline all the same)."""
+
+    @property
+    def comm_on_cores(self) -> bool:
+        """Collectives take their time from the issuing rank's compute (see ``comm_overlaps_compute``)."""
+        overlaps = self.comm_overlaps_compute
+        return not (self.device == "cuda" if overlaps is None else overlaps)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -169,6 +180,9 @@ class ClusterSpec:
         nb = self.nvls_bandwidth_gbps
         if not (isinstance(nb, (int, float)) and nb >= 0 and math.isfinite(nb)) or (self.nvls and nb <= 0):
             raise ValueError(f"cluster.nvls_bandwidth_gbps must be > 0 when nvls is true, >= 0 otherwise (got {nb!r})")
+        if self.comm_overlaps_compute not in (None, True, False):
+            raise ValueError(f"cluster.comm_overlaps_compute must be true, false or null "
+                             f"(got {self.comm_overlaps_compute!r})")
         if not isinstance(self.gpu, GpuSpec):
             raise ValueError(f"cluster.gpu must be a GpuSpec (got {type(self.gpu).__name__})")
         self.gpu.validate()

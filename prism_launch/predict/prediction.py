@@ -92,7 +92,8 @@ def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[in
     rows, _scaling, _count = scaled_rows(cfg, bare, reader, compute)
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
-    return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True).issue_times
+    return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True,
+                  comm_on_cores=cfg.cluster.comm_on_cores).issue_times
 
 
 def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: list[int],
@@ -110,7 +111,8 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
     model = make_cost_model(cfg.replay.cost_model, cfg.cluster)
     pipeline = _pipeline_of(rows, sandbox[0])
     tl_ranks = _timeline_ranks(cfg, world, sandbox, pipeline)
-    rep = replay(graph, model, timeline_ranks=tl_ranks, record_issue=True)  # issue times: the pipeline picture's
+    rep = replay(graph, model, timeline_ranks=tl_ranks, record_issue=True,  # issue times: the pipeline picture's
+                 comm_on_cores=cfg.cluster.comm_on_cores)
 
     limit = int(cfg.cluster.gpu_memory_gib * 2**30)
     ranks = {}

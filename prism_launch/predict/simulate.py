@@ -217,8 +217,14 @@ def _intern(graph: Graph) -> tuple[list[list[tuple]], int, dict[int, int]]:
     return out, len(ids), group_of
 
 
-def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = (), record_issue: bool = False) -> Replay:
-    """Walk ``graph``; raise ``RuntimeError`` naming the blocked ranks if it deadlocks."""
+def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = (), record_issue: bool = False,
+           comm_on_cores: bool = False) -> Replay:
+    """Walk ``graph``; raise ``RuntimeError`` naming the blocked ranks if it deadlocks. With
+    ``comm_on_cores`` (a CPU cluster: ``ClusterSpec.comm_on_cores``) a rank pays an asynchronous
+    collective's uncontended time (one with other events before its wait) on its own timeline
+    right after issuing it: the cores that compute are the ones that move the bytes, so it overlaps
+    none of the work before its wait. One waited on at once is priced as always: the span before
+    its wait is the op's own handling, which its transfer overlaps."""
     import gc
 
     # millions of small tuples, none cyclic: the cyclic collector would rescan them all
@@ -226,13 +232,14 @@ def replay(graph: Graph, model: CostModel, *, timeline_ranks: Sequence[int] = ()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _replay(graph, model, timeline_ranks, record_issue)
+        return _replay(graph, model, timeline_ranks, record_issue, comm_on_cores)
     finally:
         if enabled:
             gc.enable()
 
 
-def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], record_issue: bool = False) -> Replay:
+def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], record_issue: bool = False,
+            comm_on_cores: bool = False) -> Replay:
     order = sorted(graph.ranks)
     ops, n_slots, group_of = _intern(graph)
     n = len(order)
@@ -356,6 +363,9 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
                             complete(sl, end, by)
                         else:
                             net.add(st[1], fl, (sl, -1, by))
+                if comm_on_cores and not (p + 1 < ne and evs[p + 1][0] == WAIT and evs[p + 1][2] == sl):
+                    # asynchronous (other events before its wait): the transfer takes the rank's cores
+                    t = _pay_on_cores(model, cost_cache, info, t, res, group_of[sl], tl)
             elif code == SEND:
                 nbytes, src, dst, rsl = info
                 pk = (nbytes, src, dst)
@@ -412,6 +422,21 @@ def _replay(graph: Graph, model: CostModel, timeline_ranks: Sequence[int], recor
         flows=net.flows if net is not None else 0,
         slowed_flows=net.contended if net is not None else 0,
     )
+
+
+def _pay_on_cores(model: CostModel, cache: dict, info: tuple, t: float, res: RankResult, group: int,
+                  tl: list | None) -> float:
+    """A collective's uncontended time taken from the issuing rank at ``t``, counted as exposed
+    communication of its group; returns the rank's clock after it."""
+    cost = cache.get(("cores", info))
+    if cost is None:
+        cost = cache[("cores", info)] = model.collective_time(*info[:3])
+    if cost > 0:
+        res.blocked_s += cost
+        res.blocked_by_group[group] = res.blocked_by_group.get(group, 0.0) + cost
+        if tl is not None:
+            tl.append(("wait", t, t + cost))
+    return t + cost
 
 
 def _critical_path(ops, results, binding) -> list[dict]:

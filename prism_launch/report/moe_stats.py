@@ -213,7 +213,8 @@ def effect(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout | None, tok
     groups = {int(g["id"]): tuple(g["ranks"]) for g in rd.manifest.groups}
     graph = graph_from_events(rows, groups, rd.manifest.world_size, compute=compute)
     ranks = sorted(r for r in tokens if r in graph.ranks)
-    rep = replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), timeline_ranks=ranks)
+    rep = replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), timeline_ranks=ranks,
+                 comm_on_cores=cfg.cluster.comm_on_cores)
     keys = {("c", row["group"], row["seq"]) for row in rows
             if row["kind"] == "collective" and row.get("extra") and '"all_to_all"' in row["extra"]}
     per_rank = {}

@@ -112,3 +112,31 @@ def test_steady_step_splits_waits_by_group_and_skips_the_first_step():
     assert steady["bubble_s"] == pytest.approx(0.25)
     assert steady["blocked_s"] == pytest.approx(1.5)
     assert rep.ranks[1].steady_step()["blocked_by_group"] == {3: pytest.approx(0.5)}
+
+
+def _two_in_flight():
+    info = ("all_reduce", 1 << 20, (0, 1))
+    return [(COLL, 1.0, ("c", 0, 0), info), (COLL, 0.0, ("c", 0, 1), info), (WAIT, 2.0, ("c", 0, 0), None),
+            (WAIT, 0.0, ("c", 0, 1), None), (MARK, 0.0, 0, None)]
+
+
+def test_collectives_on_the_cores_overlap_no_work_before_their_wait():
+    # two all-reduces in flight, 2 s of work before the waits, each 1.5 s: overlapped they finish at
+    # 2.5 under the work (step 3 s); on a CPU cluster each takes the rank's cores after its issue
+    # (1..2.5, 2.5..4), then the 2 s of work: step 6 s, 3 s of it communication
+    graph = Graph({0: _two_in_flight(), 1: _two_in_flight()}, 2)
+    assert replay(graph, Flat(coll=1.5)).iteration_times == [pytest.approx(3.0)]
+    rep = replay(graph, Flat(coll=1.5), comm_on_cores=True, timeline_ranks=[0])
+    assert rep.iteration_times == [pytest.approx(6.0)]
+    assert rep.ranks[0].blocked_s == pytest.approx(3.0) and rep.ranks[0].blocked_by_group == {0: pytest.approx(3.0)}
+    assert [k for k, *_ in rep.timelines[0]].count("wait") == 2
+
+
+@pytest.mark.parametrize(("cost", "iteration"), [(1.5, 3.0), (3.0, 4.0)])
+def test_a_collective_waited_at_once_is_priced_alike_on_the_cores(cost, iteration):
+    def rank():  # the span before its wait is the op's own handling: the transfer overlaps it
+        return [(COLL, 1.0, ("c", 0, 0), ("all_reduce", 1 << 20, (0, 1))), (WAIT, 2.0, ("c", 0, 0), None),
+                (MARK, 0.0, 0, None)]
+
+    rep = replay(Graph({0: rank(), 1: rank()}, 2), Flat(coll=cost), comm_on_cores=True)
+    assert rep.iteration_times == [pytest.approx(iteration)]
