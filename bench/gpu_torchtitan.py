@@ -3,6 +3,10 @@
     python bench/gpu_torchtitan.py [--rows fsdp,compile] [--steps 8] [--cluster h100_96gb_gt]
                                    [--derated-tflops 835] [--out results.json]
 
+On the device machine: ``.whl`` prepared by ``../shared/tools/gpu-stack.sh`` and then
+``bench/titan_wheels.sh`` (torchtitan's dependencies the image lacks), the command begun with
+``source .mlm/activate.sh &&``; an H200 (the FSDP row's 82 GiB does not fit an 80 GB H100).
+
 The published figures (pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``,
 Table 1: Llama 3.1 8B, 8 GPUs, FSDP, local batch size 2, global batch size 16, seq 8192,
 selective activation checkpointing; throughput read at iteration 90, memory the maximum over
