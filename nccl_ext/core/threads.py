@@ -40,9 +40,10 @@ class _Helper:
 
 class HelperThreads:
     """Daemon threads started for ops (one per op where a wait cannot be shared), joined by
-    :meth:`stop`. The registry keeps every started thread until it is seen ended, so a
-    thread's last references (its target, its timer's arguments) are dropped by whoever
-    prunes it, never by the thread during finalization."""
+    :meth:`stop`. The registry keeps every started thread until it is seen ended; a thread
+    drops its own references (its target, its timer's arguments) when its work ends, as a
+    real backend frees an op's buffers when the op completes, and :meth:`stop` joins it
+    before finalization, so none is dropped by a thread while Python finalizes."""
 
     def __init__(self, owner: str):
         self.owner = owner
@@ -62,7 +63,12 @@ class HelperThreads:
     def after(self, delay_s: float, fn: Callable, *args, what: str = "", pending: Pending | None = None) -> None:
         """Call ``fn(*args)`` on a daemon timer thread in ``delay_s`` seconds (cancelled by
         :meth:`stop` if not yet due)."""
-        timer = threading.Timer(delay_s, fn, args=args)
+        box = [args]
+
+        def fire() -> None:  # a Timer keeps its args after it fires: drop them, so the op's results
+            fn(*box.pop())   # are freed when the program drops them, not when the timer is pruned
+
+        timer = threading.Timer(delay_s, fire)
         timer.daemon = True
         timer.name = f"prism-timer-{self.owner}"
         self._add(timer, what or timer.name, pending, timer=True)
