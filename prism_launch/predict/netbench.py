@@ -8,10 +8,10 @@ machine and write them as a ``cluster`` config.
 ``nproc`` worker processes are started here (backend ``nccl`` when CUDA is available,
 ``gloo`` over loopback otherwise), meeting at a rendezvous store the launcher hosts on
 a port of 127.0.0.1 the OS picks. At every size the workers run warm-up and then timed
-iterations of all_reduce, all_gather, broadcast and a send/recv ping-pong (p2p: half
-the round trip), back to back with a barrier between measurements; an op's time is
-the mean over iterations of the slowest rank, as nccl-tests reports it (its time is a
-whole run of iterations over their count), because a job's step pays the mean: on a
+iterations of all_reduce, all_gather, reduce_scatter, broadcast and a send/recv ping-pong
+(p2p: half the round trip), back to back with a barrier between measurements; an op's
+time is the slowest rank's mean over iterations, as nccl-tests reports it (each rank's
+whole run of iterations over their count, then the largest), because a job's step pays the mean: on a
 shared CPU host gloo's times are heavy-tailed (2 processes on the 2-core VM: 64 KiB
 all-reduces median 0.65 ms, mean 1.9 ms, p90 4.1 ms), and a median prices a job's many
 small collectives at a fraction of what they cost it. The iterations are split into
@@ -68,7 +68,7 @@ from prism_launch.predict.cost_model import (
 from prism_launch.predict.link_fit import fit_alpha_beta, fit_link
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M"
-KINDS = ("all_reduce", "all_gather", "broadcast", "p2p")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 ELEMENT_BYTES = 4  # float32 payloads
 _UNITS = {"": 1, "B": 1}
 _UNITS.update({f"{u}{suffix}": 1 << (10 * (i + 1)) for i, u in enumerate("KMG") for suffix in ("", "B", "IB")})
@@ -229,6 +229,7 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
 
     world = plan.world
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     # p2p: ping-pong between rank pairs (0↔1, 2↔3, ...); a rank left without a partner
     # idles. Half the round trip is one transfer. (A simultaneous two-way exchange over
@@ -240,6 +241,7 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
         buf = torch.zeros(numel, dtype=torch.float32, device=device)  # sums stay 0 however often reduced
         gathered = torch.empty(numel * world, dtype=torch.float32, device=device)
         recv = torch.empty(numel, dtype=torch.float32, device=device)
+        shard = torch.empty(max(1, numel // world), dtype=torch.float32, device=device)
 
         def p2p(buf=buf, recv=recv) -> None:
             if partner >= world:
@@ -254,6 +256,8 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
         ops = {
             "all_reduce": lambda buf=buf: dist.all_reduce(buf),
             "all_gather": lambda buf=buf, out=gathered: all_gather(out, buf),
+            # a member's input is the size (the cost model's nbytes), its output one p-th of it
+            "reduce_scatter": lambda out=shard, whole=buf[: shard.numel() * world]: reduce_scatter(out, whole),
             "broadcast": lambda buf=buf: dist.broadcast(buf, 0),
             "p2p": p2p,
         }
@@ -266,7 +270,9 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
     # nccl-tests style: back-to-back iterations of one (op, size) after a barrier, each
     # iteration timed. The sweep over all points is repeated `rounds` times so that a
     # passing slow phase of the machine touches every point alike instead of one whole
-    # series; an op's time is the mean over all iterations of the slowest rank's time.
+    # series; an op's time is the slowest rank's mean over all iterations (nccl-tests: each
+    # rank's average, then the largest; a maximum taken per iteration would pick the worse
+    # of the ranks' independent stalls every time and price each op above what either pays).
     per_round = -(-plan.iters // plan.rounds)
     durations = torch.zeros(plan.rounds * per_round, len(points), dtype=torch.float64)
     for rnd in range(plan.rounds):
@@ -279,9 +285,9 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
                 stamps.append(time.perf_counter())
             for i in range(per_round):
                 durations[rnd * per_round + i, j] = stamps[i + 1] - stamps[i]
-    durations = durations.to(device)
-    dist.all_reduce(durations, op=dist.ReduceOp.MAX)
-    means = durations.mean(dim=0).cpu()
+    means = durations.mean(dim=0).to(device)
+    dist.all_reduce(means, op=dist.ReduceOp.MAX)
+    means = means.cpu()
     results = {
         (kind, nbytes): float(means[j]) * (0.5 if kind == "p2p" else 1.0)  # p2p: half the round trip
         for j, (kind, nbytes, _) in enumerate(points)
@@ -535,11 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         f"on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs, torch {torch.__version__}), "
         f"{_dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}:",
         f"{p} processes, backend {backend}{' over loopback' if backend == 'gloo' else ''}; "
-        "all_reduce, all_gather, broadcast and send/recv ping-pong (p2p: half the round trip)",
+        "all_reduce, all_gather, reduce_scatter, broadcast and send/recv ping-pong (p2p: half the round trip)",
         f"at {','.join(map(_fmt_size, args.sizes))} bytes;",
         f"time of an op: mean over {_total_iters(args)} back-to-back timed iterations"
         f" (in {min(args.rounds, args.iters)} rounds) "
-        f"of the slowest rank, after {args.warmup} warm-up.",
+        f"of the slowest rank (each rank's mean, then the largest), after {args.warmup} warm-up.",
         "intra_node: least-squares fit of latency per hop and bus bandwidth to "
         + ("the times of every op jointly," if args.fit == "all" else f"the {args.fit} times,"),
         "launch overhead folded into the per-hop latency (so protocol_latency_us is 0).",
