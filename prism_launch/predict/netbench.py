@@ -10,11 +10,10 @@ machine and write them as a ``cluster`` config.
 a port of 127.0.0.1 the OS picks. At every size the workers run warm-up and then timed
 iterations of all_reduce, all_gather, reduce_scatter, broadcast and a send/recv ping-pong
 (p2p: half the round trip), back to back with a barrier between measurements; an op's
-time is the slowest rank's mean over iterations, as nccl-tests reports it (each rank's
-whole run of iterations over their count, then the largest), because a job's step pays
-the mean: on a shared CPU host gloo's times are heavy-tailed (2 processes on the 2-core
-VM: 64 KiB all-reduces median 0.65 ms, mean 1.9 ms, p90 4.1 ms), and a median prices a
-job's many small collectives at a fraction of what they cost it. The iterations are split into
+time is the slowest rank's mean over iterations, as nccl-tests reports it, because a
+job's step pays the mean: on a shared CPU host gloo's times are heavy-tailed (2 processes
+on the 2-core VM: 64 KiB all-reduces median 0.65 ms, mean 1.9 ms, p90 4.1 ms), and a
+median prices a job's many small collectives at a fraction of what they cost it. The iterations are split into
 ``--rounds`` passes over every (op, size), so a passing slow phase of the machine does
 not bias one series. Buffers for every size stay allocated: about (nproc + 4) × the sum
 of the sizes per process.
@@ -242,7 +241,7 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
         gathered = torch.empty(numel * world, dtype=torch.float32, device=device)
         recv = torch.empty(numel, dtype=torch.float32, device=device)
         shard = torch.empty(max(1, numel // world), dtype=torch.float32, device=device)
-        scattered = torch.zeros(shard.numel() * world, dtype=torch.float32, device=device)
+        scattered = torch.zeros(shard.numel() * world, dtype=torch.float32, device=device)  # the size, as p chunks
 
         def p2p(buf=buf, recv=recv) -> None:
             if partner >= world:
@@ -257,7 +256,6 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
         ops = {
             "all_reduce": lambda buf=buf: dist.all_reduce(buf),
             "all_gather": lambda buf=buf, out=gathered: all_gather(out, buf),
-            # a member's input is the size (the cost model's nbytes; rounded to p chunks), its output a chunk
             "reduce_scatter": lambda out=shard, whole=scattered: reduce_scatter(out, whole),
             "broadcast": lambda buf=buf: dist.broadcast(buf, 0),
             "p2p": p2p,
@@ -271,9 +269,8 @@ def _run_ops(rank: int, plan: _Plan, device) -> dict[tuple[str, int], float]:
     # nccl-tests style: back-to-back iterations of one (op, size) after a barrier, each
     # iteration timed. The sweep over all points is repeated `rounds` times so that a
     # passing slow phase of the machine touches every point alike instead of one whole
-    # series; an op's time is the slowest rank's mean over all iterations (nccl-tests: each
-    # rank's average, then the largest; a maximum taken per iteration would pick the worse
-    # of the ranks' independent stalls every time and price each op above what either pays).
+    # series; an op's time is the slowest rank's mean (nccl-tests' way: a maximum per iteration
+    # would charge every op the worse of the ranks' independent stalls).
     per_round = -(-plan.iters // plan.rounds)
     durations = torch.zeros(plan.rounds * per_round, len(points), dtype=torch.float64)
     for rnd in range(plan.rounds):
