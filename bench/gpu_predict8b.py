@@ -2,7 +2,8 @@
 (unchanged), Llama-3-8B shape (32 layers, hidden 4096, 32 heads / 8 query groups, SwiGLU FFN
 14336, vocab 128,256, seq 4096, bf16, distributed optimizer, ``--mock-data``, local layers),
 TP8·PP4, micro-batch 1, global batch 2,048 (8 micro-batches per pipeline), ``capture.payload=none``,
-captured, calibrated by shard class (one member of each class run for real: a class is a pipeline
+captured (8 of 8,192 ranks: TP positions 0 and 7 of each stage, ``capture.tp_sample``; the other
+TP ranks mirror position 7), calibrated by shard class (one member of each class run for real: a class is a pipeline
 stage's ranks of one event sequence),
 then predicted on ``--cluster`` (h100_ib) in this process.
 

@@ -26,6 +26,15 @@ the same positions in every group so that pipeline stages line up — and closes
 other model-parallel groups. The EP ranks left out mirror a captured EP rank of their group
 (every EP rank holds a same-shaped expert shard); what they route is synthesized from the
 captured routers (:mod:`prism_launch.capture.ep_fold`).
+
+Tensor parallelism (``tp_sample``, ``capture.payload=none`` only): tensor-parallel peers run
+same-shaped shards of one stage, and without payloads their collectives' results are synthesized
+anyway. The captured set then takes, in every tensor-parallel group (:data:`TP_GROUPS`), TP
+position 0 (megatron-core loads each micro-batch there and broadcasts it to its peers), the seeds'
+positions and positions spread evenly, ``tp_sample`` in all, in every group the closure reaches
+(a pipeline, embedding or model-parallel group adds only members at those positions). A rank at
+another position mirrors its own TP group's member at the nearest captured position other than 0
+(its stand-in's stand-in where that member is an uncaptured replica).
 """
 
 from __future__ import annotations
@@ -36,8 +45,16 @@ from collections.abc import Iterable, Sequence
 from nccl_ext.core.routing_counts import EP_GROUPS, is_ep_proper, is_expert_parallel
 from prism_launch.trace.fold import FoldError, FoldPlan
 
-__all__ = ["EP_GROUPS", "FoldError", "FoldPlan", "ep_positions", "is_expert_parallel", "is_replicated", "plan"]
+__all__ = ["EP_GROUPS", "FoldError", "FoldPlan", "TP_GROUPS", "ep_positions", "is_expert_parallel", "is_replicated",
+           "is_tensor_parallel", "plan"]
 
+TP_GROUPS = ("TENSOR_MODEL_PARALLEL_GROUP", "mesh_tp")
+"""Descriptions of tensor-parallel groups proper: megatron-core's, and a ``DeviceMesh``'s ``tp``
+dimension (torchtitan); a group whose description ends with one of them."""
+
+
+def is_tensor_parallel(desc: str) -> bool:
+    return (desc or "").endswith(TP_GROUPS)
 
 
 def ep_positions(size: int, seeds: Iterable[int], sample: int) -> list[int]:
@@ -61,10 +78,18 @@ def is_replicated(desc: str, ranks: Sequence[int], world_size: int, patterns: It
     return any(p and p in (desc or "") for p in patterns)
 
 
+def tp_mirror_position(q: int, positions: Sequence[int]) -> int:
+    """The captured TP position that stands in for position ``q``: the nearest other than 0 (ties to
+    the lower), 0 when only 0 is captured."""
+    others = [p for p in positions if p != 0] or [0]
+    return min(others, key=lambda p: (abs(p - q), p))
+
+
 def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], world_size: int,
-         patterns: Sequence[str], ep_sample: int | None = None) -> FoldPlan:
+         patterns: Sequence[str], ep_sample: int | None = None, tp_sample: int | None = None) -> FoldPlan:
     """Close ``seeds`` under the model-parallel groups of ``groups`` and mirror the rest; with
-    ``ep_sample``, expert-parallel groups contribute only ``ep_sample`` EP positions (module doc)."""
+    ``ep_sample``, expert-parallel groups contribute only ``ep_sample`` EP positions; with
+    ``tp_sample``, only ``tp_sample`` TP positions are captured anywhere (module doc)."""
     seeds = sorted(set(int(r) for r in seeds))
     bad = [r for r in seeds if not 0 <= r < world_size]
     if bad:
@@ -74,6 +99,7 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
     replicated: list[Sequence[int]] = []
     ep_pos: dict[int, int] = {}   # rank -> its position in its EP group
     ep_size = 0
+    tp_of: dict[int, Sequence[int]] = {}  # rank -> its TP group's members
     expert_groups: set[int] = set()
     for ranks, desc in groups:
         if len(ranks) <= 1:
@@ -85,6 +111,9 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             model_groups.append(ranks)
             for r in ranks:
                 model_groups_of[r].append(gi)
+            if tp_sample and is_tensor_parallel(desc):
+                for r in ranks:
+                    tp_of.setdefault(int(r), tuple(int(m) for m in ranks))
             if ep_sample and is_expert_parallel(desc):
                 expert_groups.add(gi)
                 if is_ep_proper(desc):
@@ -94,6 +123,11 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
     positions: set[int] | None = None
     if ep_sample and ep_size > ep_sample and ep_pos:
         positions = set(ep_positions(ep_size, [ep_pos[r] for r in seeds if r in ep_pos], ep_sample))
+    tp_size = max((len(g) for g in tp_of.values()), default=0)
+    tp_positions: list[int] = []
+    if tp_sample and tp_size > tp_sample:
+        tp_positions = ep_positions(tp_size, [0, *(tp_of[r].index(r) for r in seeds if r in tp_of)], tp_sample)
+    tp_kept = set(tp_positions)
     captured: set[int] = set(seeds)
     todo = list(seeds)
     used: set[int] = set()
@@ -106,6 +140,8 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             sampled = positions is not None and gi in expert_groups
             for m in model_groups[gi]:
                 if sampled and ep_pos.get(m, -1) not in positions:
+                    continue
+                if tp_kept and m in tp_of and tp_of[m].index(m) not in tp_kept:
                     continue
                 if m not in captured:
                     captured.add(m)
@@ -126,10 +162,17 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             for c in present:
                 s[c] += 1
     rep = list(range(world_size))
+    unsampled = []
     for u in range(world_size):
         if u in captured:
             continue
+        if tp_kept and u in tp_of and tp_of[u].index(u) not in tp_kept:
+            unsampled.append(u)
+            continue
         s = score.get(u)
         rep[u] = min(s, key=lambda c: (-s[c], c)) if s else order[u % len(order)]
+    for u in unsampled:  # its TP group's member at the mirroring position, or that member's stand-in
+        peers = tp_of[u]
+        rep[u] = rep[peers[tp_mirror_position(peers.index(u), tp_positions)]]
     return FoldPlan(world_size=world_size, captured=order, rep=rep, replicated=list(patterns),
-                    ep_positions=sorted(positions) if positions is not None else [])
+                    ep_positions=sorted(positions) if positions is not None else [], tp_positions=tp_positions)

@@ -164,7 +164,21 @@ class CaptureConfig:
     ranks are exact). Expert-parallel groups are those whose description names them
     (``prism_launch.capture.fold.EP_GROUPS``). null or 0: capture whole EP groups."""
 
+    tp_sample: int | None = 2
+    """Folded captures with ``payload=none``: how many ranks of each tensor-parallel group to capture:
+    TP position 0 (where megatron-core loads the batch and broadcasts it), the sandbox ranks' own
+    positions, then positions spread evenly (TP8·PP4 at 8,192 ranks: 8 captured ranks, not 32). A rank
+    at another position mirrors the captured one nearest to it other than position 0: the same stage,
+    the same shapes (megatron-core pads the vocabulary so that every TP shard is alike). Without
+    payloads every collective's result is synthesized, so nothing a captured rank computes depends on
+    which peers ran; with payloads the TP groups are captured whole whatever this says.
+    Tensor-parallel groups are those whose description ends with a name in
+    ``prism_launch.capture.fold.TP_GROUPS``. null or 0: capture whole TP groups."""
+
     def validate(self) -> None:
+        if self.tp_sample is not None and self.tp_sample < 0:
+            raise ConfigError(f"capture.tp_sample must be >= 0 (got {self.tp_sample}; 0 or null captures whole "
+                              "tensor-parallel groups)")
         if self.ep_sample is not None and self.ep_sample < 0:
             raise ConfigError(f"capture.ep_sample must be >= 0 (got {self.ep_sample}; 0 or null captures whole "
                               "expert-parallel groups)")

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from nccl_ext.exchange.arena import claim_directory, release_directory
-from prism_launch.config import Mode, Park
+from prism_launch.config import Mode, Park, Payload
 from prism_launch.config.plan import CapturePlan
 from prism_launch.errors import GpuWaitsStalledError, RunFailedError
 from prism_launch.launch.logs import parse_rank_log
@@ -53,9 +53,12 @@ def fold_plan(ctx: RunContext) -> FoldPlan:
         return FoldPlan.identity(ws)
     t0 = time.monotonic()
     groups = discover_groups(ctx)
-    p = plan(groups, ctx.cfg.sandbox.ranks, ws, ctx.cfg.capture.replicated_groups, ep_sample=ctx.cfg.capture.ep_sample)
+    cap = ctx.cfg.capture
+    tp_sample = cap.tp_sample if cap.payload is Payload.none else None
+    p = plan(groups, ctx.cfg.sandbox.ranks, ws, cap.replicated_groups, ep_sample=cap.ep_sample, tp_sample=tp_sample)
+    tp = f"; TP positions {p.tp_positions} of each tensor-parallel group (capture.tp_sample)" if p.tp_positions else ""
     print(f"prism-launch: folded capture: {len(p.captured)} of {ws} logical ranks closed under the "
-          f"model-parallel groups of sandbox ranks {list(ctx.cfg.sandbox.ranks)} "
+          f"model-parallel groups of sandbox ranks {list(ctx.cfg.sandbox.ranks)}{tp} "
           f"({len(groups)} new_group calls, {time.monotonic() - t0:.1f}s)", file=sys.stderr)
     return p
 
@@ -154,7 +157,6 @@ def capture(ctx: RunContext) -> Path:
     ``capture.payload=auto`` a capture that passes its budget records again with the next
     policy of :func:`auto_policies`, and says so."""
     from prism_launch.capture.coordinator import PayloadBudgetError
-    from prism_launch.config import Payload
 
     policy = ctx.cfg.capture.payload
     fold = fold_plan(ctx)

@@ -22,6 +22,9 @@ class FoldPlan:
     ep_positions: list[int] = field(default_factory=list)
     """EP positions captured in every expert-parallel group (``capture.ep_sample``); empty: whole
     EP groups are captured."""
+    tp_positions: list[int] = field(default_factory=list)
+    """TP positions captured in every tensor-parallel group (``capture.tp_sample``); empty: whole
+    TP groups are captured."""
     _captured_set: frozenset = frozenset()
     _cache: dict = field(default_factory=dict)
 
@@ -57,13 +60,15 @@ class FoldPlan:
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "captured": self.captured, "rep": self.rep,
-                "replicated": self.replicated, "ep_positions": self.ep_positions}
+                "replicated": self.replicated, "ep_positions": self.ep_positions,
+                "tp_positions": self.tp_positions}
 
     @classmethod
     def from_dict(cls, d: dict) -> FoldPlan:
         return cls(world_size=int(d["world_size"]), captured=[int(r) for r in d["captured"]],
                    rep=[int(r) for r in d["rep"]], replicated=list(d.get("replicated", [])),
-                   ep_positions=[int(p) for p in d.get("ep_positions", [])])
+                   ep_positions=[int(p) for p in d.get("ep_positions", [])],
+                   tp_positions=[int(p) for p in d.get("tp_positions", [])])
 
     @classmethod
     def identity(cls, world_size: int) -> FoldPlan:

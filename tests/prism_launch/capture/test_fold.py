@@ -102,6 +102,43 @@ def test_two_sandboxes_in_different_replicas():
     assert set(src) <= {0, 4} and src[0] == 0 and src[2] == 4
 
 
+def test_tensor_parallel_positions_are_sampled():
+    """TP8·PP2 (megatron-core's layout), sandbox at TP position 7 of the last stage: positions 0 and
+    7 of each stage are captured, not all 16 ranks; every other TP rank mirrors position 7 of its own
+    stage, and the replicas' ranks mirror the same stage's captured rank at their mirroring position."""
+    world = 32
+    groups = megatron_groups(world, 31, tp=8, pp=2)
+    whole = plan(groups, [31], world, PATTERNS)
+    assert len(whole.captured) == 16
+    p = plan(groups, [31], world, PATTERNS, tp_sample=2)
+    assert p.tp_positions == [0, 7]
+    tp = {r: sorted(by_desc(groups, "TENSOR_MODEL_PARALLEL_GROUP", r)) for r in range(world)}
+    pp = {r: by_desc(groups, "PIPELINE_MODEL_PARALLEL_GROUP", r) for r in range(world)}
+    assert p.captured == sorted({tp[r][0] for r in pp[31]} | pp[31]) and len(p.captured) == 4
+    for u in range(world):
+        c = p.rep[u]
+        assert c in p.captured
+        stage = lambda r: next(i for i, m in enumerate(sorted(pp[r])) if m == r)  # noqa: E731
+        assert stage(c) == stage(u)  # the same stage: the same shapes
+        assert (tp[c].index(c) == 0) == (tp[u].index(u) == 0)  # position 0 only mirrors position 0
+    assert FoldPlan.from_dict(p.to_dict()).tp_positions == [0, 7]
+    # a member of a tensor-parallel group whose captured members are 0 and 7 stands in at the op
+    src = p.sources(tp[31])
+    assert src == tuple(r if tp[31].index(r) in (0, 7) else 31 for r in tp[31])
+    # the sandbox at position 0, four samples: 0, 2, 4, 6
+    q = plan(groups, [24], world, PATTERNS, tp_sample=4)
+    assert q.tp_positions == [0, 2, 4, 6] and len(q.captured) == 8
+    assert plan(groups, [31], world, PATTERNS, tp_sample=8).tp_positions == []  # the whole group: nothing sampled
+
+
+def test_mirror_position():
+    from prism_launch.capture.fold import tp_mirror_position
+
+    assert [tp_mirror_position(q, [0, 7]) for q in range(8)] == [7] * 8
+    assert [tp_mirror_position(q, [0, 3, 6]) for q in range(8)] == [3, 3, 3, 3, 3, 6, 6, 6]
+    assert tp_mirror_position(5, [0]) == 0
+
+
 def test_synthetic_layouts():
     world = 8
     groups = [(tuple(range(8)), "default_pg"), ((0, 1), "TP"), ((2, 3), "TP"), ((4, 5), "TP"), ((6, 7), "TP"),
