@@ -65,6 +65,7 @@ def test_the_prediction_covers_the_whole_world(runs):
     d, err, _ = runs
     report = json.loads((d / "sampled" / "report" / "report.json").read_text())
     assert report["predicted"]["iteration_time_s"] > 0 and report["fold"]["captured_ranks"] == 4
+    assert report["fold"]["tensor_parallel"]["captured_tp_positions"] == [0, 3]
     tp_groups = [g for g in report["fold"]["approximated_model_parallel_groups"]
                  if g["desc"] == "TENSOR_MODEL_PARALLEL_GROUP"]
     assert sorted(g["ranks"] for g in tp_groups) == [[4, 5, 6, 7], [12, 13, 14, 15]]

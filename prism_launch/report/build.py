@@ -86,6 +86,12 @@ def build_report(cfg: PrismConfig, reader: TraceReader, trace: TraceLayout, out:
                             "(their stand-ins')",
             "approximated_model_parallel_groups": fold.get("approximated_groups", []),
         }
+        if fold.get("tp_positions"):  # capture.tp_sample (payload none): prism_launch.capture.fold
+            report["fold"]["tensor_parallel"] = {
+                "captured_tp_positions": fold["tp_positions"],
+                "mirrored": "ranks at other TP positions: each does what its TP group's captured member nearest to it "
+                            "(other than position 0) does, op for op, with that member's timeline and memory; their "
+                            "contributions to TP collectives are that member's (payload none: every result synthesized)"}
         if fold.get("ep_positions"):  # capture.ep_sample: prism_launch.capture.ep_fold
             report["fold"]["expert_parallel"] = {
                 "captured_ep_positions": fold["ep_positions"], "ops": fold.get("ep_fold"),
