@@ -211,6 +211,7 @@ def resolve(cfg: PrismConfig) -> PrismConfig:
         emulate=r(cfg.emulate, data_path=data_path),
         memory=r(cfg.memory, enforce_limit=cuda if cfg.memory.enforce_limit is None else cfg.memory.enforce_limit),
         calibrate=r(cfg.calibrate, in_auto=cuda if cfg.calibrate.in_auto is None else cfg.calibrate.in_auto,
+                    kernel_mix=cuda if cfg.calibrate.kernel_mix is None else cfg.calibrate.kernel_mix,
                     slice_size=devices_present(cuda) if cfg.calibrate.slice_size is None
                     else cfg.calibrate.slice_size),
         replay=r(cfg.replay, compute=compute),

@@ -18,7 +18,8 @@ from prism_launch.launch.progress import phase
 from prism_launch.modes.context import RunContext
 from prism_launch.modes.emulate import emulate
 from prism_launch.predict.calibrate import apply_spans, slices, write_calibrated
-from prism_launch.predict.shard_classes import classes_of_trace, measurement_slices
+from prism_launch.predict.gpu_scaling import mix_from_kernels
+from prism_launch.predict.shard_classes import ShardClass, classes_of_trace, measurement_slices
 from prism_launch.trace import TraceLayout, TraceReader
 
 
@@ -32,7 +33,34 @@ def slice_context(ctx: RunContext, ranks: list[int], index: int) -> RunContext:
         emulate=replace(cfg.emulate, timing=Timing.none, check_divergence=False),
         report=replace(cfg.report, dir=str(report.root)),
     )
-    return ctx.with_config(sliced, report=report)
+    return ctx.with_config(sliced, report=report, profile_kernels=bool(cfg.calibrate.kernel_mix))
+
+
+def class_mixes(classes: list[ShardClass], kernels: dict[int, list]) -> dict:
+    """Each shard class's kernel mix from its measured members' profiled first steps (their kernel
+    times summed over runs; :mod:`prism_launch.rank.kernels`), for the manifest: ``kernel_mixes``
+    (one entry per class: its members, the FLOP-bound, memory-bound and communication shares of its
+    kernel time, the longest kernels) and ``kernel_mix_errors`` (runs that listed none, and why)."""
+    mixes, errors = [], []
+    for c in classes:
+        times: dict[str, float] = {}
+        activity = None
+        for r in c.members:
+            for run in kernels.get(r, []):
+                if not run or "error" in run:
+                    errors.append({"rank": r, "error": (run or {}).get("error", "no kernels in the rank's summary")})
+                    continue
+                activity = run.get("activity")
+                for name, seconds in run["kernels"]:
+                    times[name] = times.get(name, 0.0) + seconds
+                times[""] = times.get("", 0.0) + run.get("others_s", 0.0)  # beyond the longest: no class
+        if not any(times.values()):
+            continue
+        mix = mix_from_kernels(times.items())
+        top = sorted(((k, v) for k, v in times.items() if k), key=lambda kv: -kv[1])[:8]
+        mixes.append({"members": list(c.members), "compute": mix.compute, "memory": mix.memory, "comm": mix.comm,
+                      "kernel_s": sum(times.values()), "activity": activity, "longest": [[k, v] for k, v in top]})
+    return {"kernel_mixes": mixes, "kernel_mix_errors": errors}
 
 
 def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
@@ -64,6 +92,7 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
         if refused:
             raise PrismError(refused)
     measured: dict[int, list] = {}
+    kernels: dict[int, list] = {}
     t0 = time.monotonic()
     with phase("calibrating", total=len(todo), setting=ctx.cfg.launch.progress) as bar:
         for i, ranks in enumerate(todo):
@@ -72,7 +101,10 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
             sliced = slice_context(ctx, ranks, i)
             emulate(sliced, reader, quiet=True)
             for r in ranks:
-                measured.setdefault(r, []).append(json.loads(sliced.report.summary(r).read_text())["spans"])
+                summary = json.loads(sliced.report.summary(r).read_text())
+                measured.setdefault(r, []).append(summary["spans"])
+                if sliced.profile_kernels:
+                    kernels.setdefault(r, []).append((summary.get("memory") or {}).get("kernels"))
     result = apply_spans(reader, measured, cal.measure, classes)
     if result.mismatched:
         print(f"prism-launch: warning: ranks {result.mismatched} issued a different event sequence than captured; "
@@ -81,7 +113,8 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
         "slices": todo, "slice_size": cal.slice_size, "ranks_per_slice": per_slice, "devices": devices,
         "device": str(ctx.cfg.device), "method": f"one rank per {kind}", "measure": str(cal.measure),
         "by_class": classes is not None, "shard_classes": result.classes, "repeats": repeats,
-        "calibration_wall_s": time.monotonic() - t0})
+        "calibration_wall_s": time.monotonic() - t0,
+        **(class_mixes(classes or [ShardClass((r,), None) for r in sorted(measured)], kernels) if kernels else {})})
     print(f"prism-launch: calibrated {result.replaced} spans of "
           f"{len(reader.manifest.ranks_captured) - len(result.mismatched)} ranks"
           + (f" ({len(classes)} shard classes, {repeats} measurement(s) each, median)" if classes is not None else "")

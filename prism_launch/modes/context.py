@@ -68,6 +68,8 @@ class RunContext:
     """``--log-dir``: every phase's logs in a new ``<log_root>/<run_id>-<mode>-<random>``."""
     agent: RankAgent
     local_rank_arg: bool = False
+    profile_kernels: bool = False
+    """A calibration slice whose ranks list their first step's kernels (``calibrate.kernel_mix``)."""
 
     @classmethod
     def build(cls, cfg: PrismConfig, args: LaunchArgs) -> RunContext:
@@ -94,10 +96,11 @@ class RunContext:
                    report=report, log_root=Path(tr.log_dir).resolve() if tr.log_dir else None, agent=agent,
                    local_rank_arg=args.local_rank_arg)
 
-    def with_config(self, cfg: PrismConfig, *, report: ReportLayout | None = None) -> RunContext:
+    def with_config(self, cfg: PrismConfig, *, report: ReportLayout | None = None,
+                    profile_kernels: bool = False) -> RunContext:
         """The same run under another config value (a calibration slice); the fingerprint and
         trace stay this run's."""
-        return replace(self, cfg=cfg, report=report or self.report)
+        return replace(self, cfg=cfg, report=report or self.report, profile_kernels=profile_kernels)
 
     def log_dir(self, mode: Mode) -> Path:
         """A new directory (mode 0700) for one phase's logs, like torchrun's

@@ -132,7 +132,7 @@ def emulate_plan(ctx: RunContext, local: list[int], store: str | None, schedule:
         carry_bytes=payload[1],
         assistant_summary=str(ctx.report.assistant_summary(node)) if assistant else None,
         divergence_rtol=em.divergence_rtol, host_scalar_sites=tuple(em.host_scalar_sites),
-        host_scalar_max_elements=em.host_scalar_max_elements,
+        host_scalar_max_elements=em.host_scalar_max_elements, kernel_profile=ctx.profile_kernels,
     )
     limit = int(cfg.cluster.gpu_memory_gib * 2**30) if cfg.memory.enforce_limit else 0
     return replace(ctx.base_plan(Mode.emulate, local), memory_limit_bytes=limit, emulate=section)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from prism_launch.predict.gpu_scaling import KernelMix
 from prism_launch.trace import TraceLayout
 
 if TYPE_CHECKING:
@@ -68,10 +69,21 @@ def scaled_rows(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, comput
     rows = reader.events().to_pylist()
     count = counted(bare)
     device = reader.manifest.extra.get("measuring_device") or bare.manifest.extra.get("measuring_device")
-    scaling = scale_rows(rows, device, cfg.cluster.gpu, count, compute)
+    scaling = scale_rows(rows, device, cfg.cluster.gpu, count, compute, kernel_mixes(reader))
     if cfg.replay.compute_speedup != 1.0:
         scaling = {**scaling, "compute_speedup": speed_up(rows, cfg.replay.compute_speedup)}
     return rows, scaling, count
+
+
+def kernel_mixes(reader: TraceReader) -> dict[int, KernelMix]:
+    """Each calibrated rank's kernel mix, its shard class's (``calibrate.kernel_mix``: the calibrated
+    manifest's ``kernel_mixes``); empty for a trace calibrated without, or not calibrated."""
+    out: dict[int, KernelMix] = {}
+    for m in reader.manifest.extra.get("kernel_mixes") or []:
+        mix = KernelMix(compute=m["compute"], memory=m["memory"], comm=m["comm"],
+                        source=f"profiler ({m.get('activity') or 'kernels'} of each shard class's first calibrated step)")
+        out.update((int(r), mix) for r in m["members"])
+    return out
 
 
 def speed_up(rows: list[dict], speedup: float) -> float:

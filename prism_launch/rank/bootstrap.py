@@ -23,6 +23,7 @@ from prism_launch.trace.layout import RankLogs
 
 _TRACKER: list = []
 _FLOPS: list = []  # a capture rank's StepFlops (prism_launch.rank.flops)
+_KERNELS: list = []  # a calibration slice rank's StepKernels (prism_launch.rank.kernels)
 
 
 def logical_rank() -> tuple[int, int]:
@@ -59,6 +60,8 @@ def _finish_memory() -> None:
 
         flops, device = _FLOPS.pop()
         summary = {**(summary or {}), "model_flops": flops.summary(), "device": device_info(device)}
+    if _KERNELS and world is not None:
+        summary = {**(summary or {}), "kernels": _KERNELS.pop().summary()}
     if summary is not None:
         world.transport.report_memory(summary)
 
@@ -130,6 +133,13 @@ def activate(plan: RankPlan) -> None:
             make = transports.discover(plan)
         else:
             make = transports.capture(plan) if plan.mode == "capture" else transports.replay(plan)
+        kernels = None
+        if plan.emulate is not None and plan.emulate.kernel_profile:
+            from prism_launch.rank.kernels import StepKernels
+
+            kernels = StepKernels(plan.device)
+            _KERNELS.append(kernels)
+            make = _profiled(make, kernels)
         install.install(rank=rank, world_size=world_size, make_transport=make, timeout_s=plan.timeout_s,
                         subgroups=plan.subgroups,
                         restrict_objects=plan.emulate is not None and not plan.emulate.trusted_objects)
@@ -146,11 +156,25 @@ def activate(plan: RankPlan) -> None:
         def on_step() -> None:
             if flops is not None:
                 flops.on_step()
+            if kernels is not None:
+                kernels.on_step()
             world = install.current_world()
             if world is not None and world.step_boundary() and tracker is not None:
                 tracker.mark_unit(len(tracker.samples))
 
         install.install_step_marker(on_step)
+
+
+def _profiled(make, kernels):
+    """``make`` (the transport factory), starting ``kernels``' profiler once the process group
+    exists: by then the program has picked its device."""
+
+    def make_and_profile(*args, **kwargs):
+        transport = make(*args, **kwargs)
+        kernels.start()
+        return transport
+
+    return make_and_profile
 
 
 def run(script: str, args: list[str], *, module: bool = False) -> int:

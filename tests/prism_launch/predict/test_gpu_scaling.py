@@ -87,3 +87,22 @@ def test_cpu_or_unrecorded_devices_are_not_scaled_and_say_why():
     assert "CPU" in scale_rows(rows, {"kind": "cpu", "name": "Xeon"}, H100, c, "cpu")["why"]
     assert "does not record" in scale_rows(rows, None, H100, c, "cpu")["why"]
     assert rows[0]["compute_cpu_s"] == 0.2
+
+
+def test_a_calibrated_shard_class_kernel_mix_scales_its_members_over_the_counted_flops():
+    """The calibrated manifest's ``kernel_mixes`` (``calibrate.kernel_mix``) reach every member of
+    the class and win over the counted-FLOPs default."""
+    from types import SimpleNamespace
+
+    from prism_launch.predict.prediction import kernel_mixes
+
+    reader = SimpleNamespace(manifest=SimpleNamespace(extra={"kernel_mixes": [
+        {"members": [0, 3], "compute": 0.25, "memory": 0.75, "comm": 0.0, "activity": "cuda kernels"}]}))
+    mixes = kernel_mixes(reader)
+    assert sorted(mixes) == [0, 3] and mixes[3].memory == 0.75 and "profiler (cuda kernels" in mixes[0].source
+    assert kernel_mixes(SimpleNamespace(manifest=SimpleNamespace(extra={}))) == {}
+    rows = _rows()
+    c = Counted(per_rank={0: int(0.05 * 989e12)}, embedded_tokens=None, step=2, incomplete=[])
+    s = scale_rows(rows, {"kind": "cuda", "name": "NVIDIA H200"}, H100, c, "wall", mixes)
+    assert s["mix_source"].startswith("profiler") and s["memory_fraction"] == pytest.approx(0.75)
+    assert rows[0]["compute_wall_s"] == pytest.approx(0.1 * (0.25 + 0.75 * 4.8 / 3.35))
