@@ -70,3 +70,25 @@ def test_the_prediction_covers_the_whole_world(runs):
                  if g["desc"] == "TENSOR_MODEL_PARALLEL_GROUP"]
     assert sorted(g["ranks"] for g in tp_groups) == [[4, 5, 6, 7], [12, 13, 14, 15]]
     assert "divergences 0" in err
+
+
+def test_with_the_same_spans_both_captures_predict_the_same_step(runs):
+    """Given every event the same compute span in both traces (a function of what the event is,
+    not of the capture's noise), the replay of the sampled trace and of the whole-TP trace predict
+    the same iteration times on the same cluster: the uncaptured TP ranks add nothing a mirror
+    does not."""
+    from prism_launch.config.cluster import load_cluster
+    from prism_launch.predict.cost_model import make_cost_model
+    from prism_launch.predict.simulate import graph_from_events, replay
+
+    d, _err, _ = runs
+    times = []
+    for name in ("sampled", "whole"):
+        reader = TraceReader(d / name)
+        rows = reader.events().to_pylist()
+        for row in rows:
+            row["compute_wall_s"] = 1e-4 * (1 + row["nbytes"] % 7) + (2e-3 if row["kind"] == "marker" else 0.0)
+        groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+        graph = graph_from_events(rows, groups, reader.manifest.world_size, compute="wall")
+        times.append(replay(graph, make_cost_model("nccl", load_cluster("h100_ib"))).iteration_times)
+    assert len(times[0]) == 3 and min(times[0]) > 0.01 and times[0] == pytest.approx(times[1], rel=1e-9)
