@@ -180,3 +180,34 @@ def test_torch_compile_fsdp_2_ranks_capture_and_emulate(assets, tmp_path, monkey
     t = report["predicted"]["throughput"]
     assert "torch.compile" in t["flops_source"] and "torchtitan's own count" in t["flops_source"], t["flops_source"]
     assert t["model_flops_per_step"] == 35_016_192 * 128  # debugmodel at seq 64: its trainer's FLOPs/token x 2 x 64
+
+
+def test_tp4_positions_sampled_without_payloads(assets, tmp_path, monkeypatch):
+    """TP4 x FSDP4 over 16 ranks, ``payload=none``, folded: torchtitan's ``tp`` mesh dimension is
+    sampled (``capture.tp_sample``: TP positions 0 and the sandbox's 3), 2 ranks captured, not 4; each
+    TP rank left out does, op for op, what its stand-in does in a capture of the whole TP group.
+    (A run of both in the default mode=auto: docs/benchmarks.md, the same counted FLOPs per step.)"""
+    from prism_launch.trace import TraceReader
+
+    _offline(tmp_path, monkeypatch)
+    par = ["--parallelism.tensor_parallel_degree", "4", "--parallelism.disable_loss_parallel"]
+    base = ["--nnodes", "2", "--nproc-per-node", "8", "device=cpu", "comm.timeout_s=300", "capture.fold=true",
+            "capture.payload=none", "sandbox.ranks=[15]", "mode=capture"]
+    traces = {}
+    for name, sample in (("sampled", 2), ("whole", 0)):
+        traces[name] = tmp_path / name
+        r = run_prism([*base, f"capture.tp_sample={sample}", f"trace.dir={traces[name]}",
+                       *_script(assets, tmp_path / f"o-{name}"), *par], cwd=tmp_path, timeout=400)
+        assert r.returncode == 0, r.stderr[-4000:]
+    fold = json.loads((traces["sampled"] / "fold.json").read_text())
+    assert fold["captured"] == [12, 15] and fold["tp_positions"] == [0, 3]
+    assert json.loads((traces["whole"] / "fold.json").read_text())["captured"] == [12, 13, 14, 15]
+
+    def ops(reader, rank):
+        groups = {int(g["id"]): g for g in reader.manifest.groups}
+        return [(e["kind"], e["op"], e["nbytes"], groups[int(e["group"])].get("desc") if int(e["group"]) in groups
+                 else None) for e in reader.events_for_rank(rank)]
+
+    sampled, whole = TraceReader(traces["sampled"]), TraceReader(traces["whole"])
+    for rank in (12, 13, 14, 15):
+        assert ops(whole, rank) == ops(sampled, fold["rep"][rank]), rank
