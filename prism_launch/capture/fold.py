@@ -99,7 +99,8 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
     replicated: list[Sequence[int]] = []
     ep_pos: dict[int, int] = {}   # rank -> its position in its EP group
     ep_size = 0
-    tp_of: dict[int, Sequence[int]] = {}  # rank -> its TP group's members
+    tp_of: dict[int, tuple[int, ...]] = {}  # rank -> its TP group's members
+    tp_pos: dict[int, int] = {}  # rank -> its position in its TP group
     expert_groups: set[int] = set()
     for ranks, desc in groups:
         if len(ranks) <= 1:
@@ -112,8 +113,10 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             for r in ranks:
                 model_groups_of[r].append(gi)
             if tp_sample and is_tensor_parallel(desc):
-                for r in ranks:
-                    tp_of.setdefault(int(r), tuple(int(m) for m in ranks))
+                members = tuple(int(m) for m in ranks)
+                for i, r in enumerate(members):
+                    tp_of.setdefault(r, members)
+                    tp_pos.setdefault(r, i)
             if ep_sample and is_expert_parallel(desc):
                 expert_groups.add(gi)
                 if is_ep_proper(desc):
@@ -126,8 +129,12 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
     tp_size = max((len(g) for g in tp_of.values()), default=0)
     tp_positions: list[int] = []
     if tp_sample and tp_size > tp_sample:
-        tp_positions = ep_positions(tp_size, [0, *(tp_of[r].index(r) for r in seeds if r in tp_of)], tp_sample)
+        tp_positions = ep_positions(tp_size, [0, *(tp_pos[r] for r in seeds if r in tp_pos)], tp_sample)
     tp_kept = set(tp_positions)
+
+    def unsampled(r: int) -> bool:
+        return bool(tp_kept) and r in tp_pos and tp_pos[r] not in tp_kept
+
     captured: set[int] = set(seeds)
     todo = list(seeds)
     used: set[int] = set()
@@ -141,7 +148,7 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             for m in model_groups[gi]:
                 if sampled and ep_pos.get(m, -1) not in positions:
                     continue
-                if tp_kept and m in tp_of and tp_of[m].index(m) not in tp_kept:
+                if unsampled(m):
                     continue
                 if m not in captured:
                     captured.add(m)
@@ -162,17 +169,16 @@ def plan(groups: Sequence[tuple[Sequence[int], str]], seeds: Iterable[int], worl
             for c in present:
                 s[c] += 1
     rep = list(range(world_size))
-    unsampled = []
+    mirrored_in_tp = []
     for u in range(world_size):
         if u in captured:
             continue
-        if tp_kept and u in tp_of and tp_of[u].index(u) not in tp_kept:
-            unsampled.append(u)
+        if unsampled(u):
+            mirrored_in_tp.append(u)
             continue
         s = score.get(u)
         rep[u] = min(s, key=lambda c: (-s[c], c)) if s else order[u % len(order)]
-    for u in unsampled:  # its TP group's member at the mirroring position, or that member's stand-in
-        peers = tp_of[u]
-        rep[u] = rep[peers[tp_mirror_position(peers.index(u), tp_positions)]]
+    for u in mirrored_in_tp:  # its TP group's member at the mirroring position, or that member's stand-in
+        rep[u] = rep[tp_of[u][tp_mirror_position(tp_pos[u], tp_positions)]]
     return FoldPlan(world_size=world_size, captured=order, rep=rep, replicated=list(patterns),
                     ep_positions=sorted(positions) if positions is not None else [], tp_positions=tp_positions)
