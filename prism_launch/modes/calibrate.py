@@ -105,6 +105,12 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
                 measured.setdefault(r, []).append(summary["spans"])
                 if sliced.profile_kernels:
                     kernels.setdefault(r, []).append((summary.get("memory") or {}).get("kernels"))
+    mixes = class_mixes(classes or [ShardClass((r,), None) for r in sorted(measured)], kernels) if kernels else {}
+    if mixes.get("kernel_mix_errors"):
+        first = mixes["kernel_mix_errors"][0]
+        print(f"prism-launch: warning: calibrate.kernel_mix: {len(mixes['kernel_mix_errors'])} slice run(s) listed no "
+              f"kernels (rank {first['rank']}: {first['error']}); their classes scale by counted FLOPs or the default "
+              "mix instead", file=sys.stderr)
     result = apply_spans(reader, measured, cal.measure, classes)
     if result.mismatched:
         print(f"prism-launch: warning: ranks {result.mismatched} issued a different event sequence than captured; "
@@ -114,7 +120,7 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
         "device": str(ctx.cfg.device), "method": f"one rank per {kind}", "measure": str(cal.measure),
         "by_class": classes is not None, "shard_classes": result.classes, "repeats": repeats,
         "calibration_wall_s": time.monotonic() - t0,
-        **(class_mixes(classes or [ShardClass((r,), None) for r in sorted(measured)], kernels) if kernels else {})})
+        **mixes})
     print(f"prism-launch: calibrated {result.replaced} spans of "
           f"{len(reader.manifest.ranks_captured) - len(result.mismatched)} ranks"
           + (f" ({len(classes)} shard classes, {repeats} measurement(s) each, median)" if classes is not None else "")
