@@ -44,6 +44,8 @@ def test_explicit_values_win():
     ("physical.nodes=2", "physical.nodes"),
     ("capture.switch_interval_us=-1", "capture.switch_interval_us"),
     ("capture.gpu_exchange_mib=-1", "capture.gpu_exchange_mib"),
+    ("capture.tp_sample=-1", "capture.tp_sample"),
+    ("capture.ep_sample=-1", "capture.ep_sample"),
 ])
 def test_each_section_refuses_a_bad_value_by_name(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
