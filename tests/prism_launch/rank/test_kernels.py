@@ -44,3 +44,18 @@ def test_a_profiler_that_cannot_start_leaves_an_error_not_a_failure(monkeypatch)
     k.start()
     k.on_step()
     assert k.summary() == {"error": "RuntimeError: CUPTI unavailable"}
+
+
+def test_a_class_mix_sums_its_members_runs_and_names_the_runs_without_kernels():
+    from prism_launch.modes.calibrate import class_mixes
+    from prism_launch.predict.shard_classes import ShardClass
+
+    run = {"activity": "cuda kernels", "kernels": [["sm90_xmma_gemm_bf16", 3.0], ["vectorized_elementwise_kernel", 1.0]],
+           "others_s": 1.0}
+    out = class_mixes([ShardClass((0, 1), 0), ShardClass((2,), 1)],
+                      {0: [run], 1: [run, {"error": "RuntimeError: CUPTI unavailable"}], 2: [None]})
+    [mix] = out["kernel_mixes"]  # the second class listed nothing
+    assert mix["members"] == [0, 1] and mix["kernel_s"] == 10.0
+    assert (mix["compute"], mix["memory"], mix["comm"]) == (0.6, 0.2, 0.0)  # others: no class
+    assert out["kernel_mix_errors"] == [{"rank": 1, "error": "RuntimeError: CUPTI unavailable"},
+                                        {"rank": 2, "error": "no kernels in the rank's summary"}]
