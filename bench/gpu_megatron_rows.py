@@ -115,6 +115,10 @@ def run_row(row: str, a: argparse.Namespace, factor: float | None) -> list[Figur
                         if (work / sub).exists():
                             shutil.copytree(work / sub, keep / sub, dirs_exist_ok=True,
                                             ignore=shutil.ignore_patterns("*.png", "*.pt", "*.bin"))
+            if keep is not None:
+                from gpu_lean import keep_trace
+
+                keep_trace(work / "trace", keep.with_name(f"{keep.name}.trace.tar.gz"))
             if it and factor:
                 it_adj = repredict(work / "trace", ["device=cuda", f"cluster={a.cluster}",
                                                     f"replay.compute_speedup={factor:g}"])

@@ -259,6 +259,10 @@ def run(a: argparse.Namespace, sh: Shape) -> tuple[dict | None, dict]:
             v["sandbox"] = int(r) == sandbox
         return rep, info
     finally:
+        if a.out is not None:
+            from gpu_lean import keep_trace
+
+            keep_trace(work / "trace", a.out.with_name(f"{a.out.stem}.trace.tar.gz"))
         shutil.rmtree(work, ignore_errors=True)
 
 

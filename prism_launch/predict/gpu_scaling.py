@@ -57,9 +57,12 @@ class KernelMix:
 # name a reduction), FLOP-bound before memory-bound (a fused GEMM epilogue names an elementwise op)
 _RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("comm", re.compile(r"nccl", re.I)),
-    ("compute", re.compile(r"gemm|cutlass|cublas|flash|sdpa|attention|fmha|matmul|\bmm\b|conv", re.I)),
+    # cuBLASLt's Hopper GEMMs are ``nvjet_*``; ``xmma``/``wgmma`` name tensor-core kernels; Inductor's
+    # matmul templates are ``triton_tem_*``, its pointwise and reduction kernels ``triton_poi/red/per_*``
+    ("compute", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|wgmma|triton_tem_|flash|sdpa|attention|fmha|"
+                           r"matmul|(?:^|[^a-z])b?mm(?:[^a-z]|$)|conv", re.I)),
     ("memory", re.compile(r"elementwise|vectorized|reduce|norm|softmax|copy|memcpy|memset|cat|index|"
-                          r"fill|embedding|gather|scatter|adam|dropout", re.I)),
+                          r"fill|embedding|gather|scatter|adam|dropout|triton_(?:poi|red|per)_", re.I)),
 )
 
 

@@ -48,6 +48,14 @@ def test_kernel_names_classify_by_the_rule_table():
     assert classify_kernel("void at::native::vectorized_elementwise_kernel<4, ...>") == "memory"
     assert classify_kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "comm"
     assert classify_kernel("some_custom_kernel") is None
+    # names a Hopper GPU lists under torch 2.11: cuBLASLt's nvjet GEMMs, Inductor's kernels
+    assert classify_kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN") == "compute"
+    assert classify_kernel("nvjet_hsh_192x128_64x5_1x2_h_bz_coopA_NTN") == "compute"
+    assert classify_kernel("triton_tem_fused_addmm_0") == "compute"
+    assert classify_kernel("triton_poi_fused_add_mul_3") == "memory"
+    assert classify_kernel("triton_red_fused_native_layer_norm_1") == "memory"
+    assert classify_kernel("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float>") == "memory"
+    assert classify_kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "comm"
     mix = mix_from_kernels([("ampere_bf16_gemm", 3.0), ("layer_norm_kernel", 1.0), ("ncclKernel", 1.0)])
     assert (mix.compute, mix.memory, mix.comm, mix.source) == (0.6, 0.2, 0.2, "profiler")
 
