@@ -4,8 +4,9 @@ while the rest are replayed from the bare trace. Each slice rank's compute span 
 each of its events — measured where it ran uncontended — replaces the bare span. Ranks of
 one shard class (:mod:`prism_launch.predict.shard_classes`: TP peers of a stage,
 data-parallel replicas) are interchangeable: by default one class member is measured
-``calibrate.repeats`` times and every member gets the per-event median, its steady steps
-scaled to the median run's steady total (a sum of medians undercounts skewed noise). Spans are
+``calibrate.repeats`` times and every member gets the per-event median over its runs and,
+where the steady steps repeat the same events, over those steps too, scaled to the median
+(run, step) total (a sum of medians undercounts skewed noise). Spans are
 durations between a rank's own events, so slices need no clock alignment: the global
 replay stitches them together through the graph's dependency edges (collectives and
 messages), which is where the calibrated timeline gets its cross-rank alignment.
@@ -83,14 +84,44 @@ def _steady_scale(median: list[float], runs: list[list[float]], start: int) -> f
     return want / total if total > 0 else 1.0
 
 
+def _steady_steps(evs: list[dict]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each full steady step of a rank's events (from just after one step
+    marker through the next, the marker included), when every such step issues the same event
+    sequence (kind, op, bytes); otherwise none."""
+    marks = [i for i, e in enumerate(evs) if e["kind"] == "marker" and e["op"] == "step"]
+    steps = [(a + 1, b + 1) for a, b in zip(marks, marks[1:])]
+    if len(steps) < 2:
+        return []
+    shape = [[(evs[i]["kind"], evs[i]["op"], evs[i].get("nbytes")) for i in range(a, b)] for a, b in steps]
+    return steps if all(x == shape[0] for x in shape[1:]) else []
+
+
+def _pool_steps(median: list[float], runs: list[list[float]], steps: list[tuple[int, int]]) -> tuple[list[float], float]:
+    """Steady steps that issue the same events are the same work: each event's span becomes the
+    median over every run and every steady step, scaled so a step sums to the median of all the
+    (run, step) totals. A slow step (a host hiccup, a late kernel) is then one sample among
+    many, not the whole of the prediction, even from one run. Returns the spans and the scale."""
+    samples = [run[a:b] for run in runs for a, b in steps]
+    pooled = [statistics.median(col) for col in zip(*samples)]
+    total = sum(pooled)
+    want = statistics.median(sum(x) for x in samples)
+    scale = want / total if total > 0 else 1.0
+    out = list(median)
+    for a, b in steps:
+        out[a:b] = [v * scale for v in pooled]
+    return out, scale
+
+
 def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: Measure,
                 classes: Sequence[ShardClass] | None = None) -> Calibrated:
     """Replace compute spans by measured ones. ``measured[rank]``: the slice runs of ``rank``,
     each the sandbox summary's ``spans`` (one ``[code, cpu_s, wall_s, device_s]`` per event;
     ``device_s`` None where the rank had no device timeline). With ``classes``, each class's
     measurements (of any of its members) give every member the per-event median; without,
-    each measured rank gets the median of its own runs. With two or more runs, the steady steps'
-    medians are scaled to sum to the median run's steady total (:func:`_steady_scale`)."""
+    each measured rank gets the median of its own runs. Where two or more full steady steps
+    issue the same events, every run's steady steps are pooled (:func:`_pool_steps`); otherwise,
+    with two or more runs, the steady steps' medians are scaled to sum to the median run's
+    steady total (:func:`_steady_scale`)."""
     rows = reader.events().to_pylist()
     by_rank: dict[int, list[dict]] = {}
     for row in rows:
@@ -117,9 +148,15 @@ def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: M
         if not runs:
             continue
         median = [statistics.median(col) for col in zip(*runs)]
-        steady = _steady_start(by_rank.get(c.members[0], []) if c.members else [])
-        scale = _steady_scale(median, runs, steady)
-        median = median[:steady] + [m * scale for m in median[steady:]]
+        rep = by_rank.get(c.members[0], []) if c.members else []
+        steps = _steady_steps(rep) if len(rep) == len(median) else []
+        if steps:
+            median, scale = _pool_steps(median, runs, steps)
+            out.classes[-1]["steady_steps_pooled"] = len(steps) * len(runs)
+        else:
+            steady = _steady_start(rep)
+            scale = _steady_scale(median, runs, steady)
+            median = median[:steady] + [m * scale for m in median[steady:]]
         out.classes[-1]["steady_scale"] = scale
         for r in c.members:
             evs = by_rank.get(r, [])

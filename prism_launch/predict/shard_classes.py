@@ -51,10 +51,21 @@ def pipeline_stages(groups: Sequence[tuple[Sequence[int], str]]) -> dict[int, in
 
 
 def event_signatures(rows: Sequence[Mapping], group_sizes: Mapping[int, int]) -> dict[int, str]:
-    """A digest per rank of its event sequence (kind, op, bytes, group size per event, in order)."""
+    """A digest per rank of its event sequence (kind, op, bytes, group size per event, in order).
+    A collective's bytes are the op's (the most any member recorded for it): a broadcast's
+    receivers record none of their own, and the TP rank that loads and broadcasts the batch
+    is the same shard as its peers."""
+    op_bytes: dict[tuple[int, int], int] = {}
+    for row in rows:
+        if row["kind"] == "collective" and row.get("seq") is not None:
+            key = (int(row["group"]), int(row["seq"]))
+            op_bytes[key] = max(op_bytes.get(key, 0), int(row["nbytes"]))
     seqs: dict[int, list[tuple[int, str]]] = {}
     for row in rows:
-        sig = f"{row['kind']}:{row['op']}:{row['nbytes']}:{group_sizes.get(int(row['group']), 0)}"
+        nbytes = row["nbytes"]
+        if row["kind"] == "collective" and row.get("seq") is not None:
+            nbytes = op_bytes[(int(row["group"]), int(row["seq"]))]
+        sig = f"{row['kind']}:{row['op']}:{nbytes}:{group_sizes.get(int(row['group']), 0)}"
         seqs.setdefault(int(row["rank"]), []).append((int(row["idx"]), sig))
     out = {}
     for r, evs in seqs.items():
@@ -79,7 +90,7 @@ def classes_of_trace(reader) -> list[ShardClass]:
     m = reader.manifest
     groups = [(tuple(g["ranks"]), g.get("desc") or "") for g in m.groups]
     sizes = {int(g["id"]): len(g["ranks"]) for g in m.groups}
-    cols = ["rank", "idx", "kind", "op", "nbytes", "group"]
+    cols = ["rank", "idx", "kind", "op", "nbytes", "group", "seq"]
     table = reader.events()
     rows = table.select(cols).to_pylist() if hasattr(table, "select") else table.to_pylist()
     return shard_classes(groups, m.ranks_captured, event_signatures(rows, sizes))

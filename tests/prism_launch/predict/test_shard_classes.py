@@ -134,3 +134,61 @@ def test_a_member_whose_run_issued_other_events_is_left_out_and_named():
 def test_pipeline_stages_ignore_groups_that_only_mention_pipelines():
     groups = [((0, 1), "PIPELINE_MODEL_PARALLEL_GROUP"), ((0, 2), "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP")]
     assert pipeline_stages(groups) == {0: 0, 1: 1}
+
+
+def test_a_broadcasts_receivers_are_the_same_shard_as_its_root():
+    """Megatron's TP rank 0 loads the batch and broadcasts it; its peers record no bytes of their
+    own for the broadcast. They are one class all the same (the op's bytes are the root's), and a
+    different sequence elsewhere still splits them."""
+    sizes = {1: 2}
+    rows = [{"rank": 0, "idx": 0, "kind": "collective", "op": "broadcast", "nbytes": 4096, "group": 1, "seq": 0},
+            {"rank": 1, "idx": 0, "kind": "collective", "op": "broadcast", "nbytes": 0, "group": 1, "seq": 0},
+            {"rank": 0, "idx": 1, "kind": "collective", "op": "allreduce", "nbytes": 64, "group": 1, "seq": 1},
+            {"rank": 1, "idx": 1, "kind": "collective", "op": "allreduce", "nbytes": 64, "group": 1, "seq": 1}]
+    classes = shard_classes([((0, 1), "TENSOR_MODEL_PARALLEL_GROUP")], [0, 1], event_signatures(rows, sizes))
+    assert [c.members for c in classes] == [(0, 1)]
+    rows[3]["nbytes"] = rows[2]["nbytes"] = 128  # the op's bytes are still one figure for both
+    rows.append({"rank": 1, "idx": 2, "kind": "p2p", "op": "send", "nbytes": 8, "group": 1, "seq": 0})
+    classes = shard_classes([((0, 1), "TENSOR_MODEL_PARALLEL_GROUP")], [0, 1], event_signatures(rows, sizes))
+    assert [c.members for c in classes] == [(0,), (1,)]
+
+
+def _stepped(n_steps: int) -> list[dict]:
+    """One rank: a warm-up step, then ``n_steps - 1`` steady steps of (collective, wait, marker)."""
+    codes = ["collective", "wait", "marker"] * n_steps
+    rows = _events([0], codes)
+    for r in rows:
+        if r["kind"] == "marker":
+            r["op"] = "step"
+    return rows
+
+
+def test_steady_steps_are_pooled_so_one_slow_step_of_one_run_is_outvoted():
+    """One run, four steps: the warm-up keeps its own spans; the three steady steps are the same
+    work, so each event takes the median over them and a step sums to the median step total: the
+    step that took 9 ms (a host hiccup) does not move the prediction, as it would through a
+    per-event median of one run."""
+    rows = _stepped(4)
+    step = lambda c, w, m: [["c", 0, c, None], ["w", 0, w, None], ["m", 0, m, None]]  # noqa: E731
+    run = step(50.0, 5.0, 5.0) + step(1.0, 0.5, 0.5) + step(1.2, 0.4, 0.4) + step(8.0, 0.5, 0.5)
+    out = apply_spans(_Reader(rows), {0: [run]}, Measure.wall, [ShardClass((0,), 0)])
+    spans = [r["compute_wall_s"] for r in sorted(out.rows, key=lambda r: r["idx"])]
+    assert spans[:3] == [50.0, 5.0, 5.0]
+    pooled = [1.2, 0.5, 0.5]  # per-event medians over the steady steps; step totals 2.0, 2.0, 9.0
+    for k in (3, 6, 9):
+        assert spans[k:k + 3] == pytest.approx([v * 2.0 / 2.2 for v in pooled])
+    assert sum(spans[9:12]) == pytest.approx(2.0)
+    assert out.classes[0]["steady_steps_pooled"] == 3
+    assert out.classes[0]["steady_scale"] == pytest.approx(2.0 / 2.2)
+
+
+def test_steady_steps_that_issue_different_events_are_not_pooled():
+    rows = _stepped(3)
+    rows[4]["nbytes"] = 1  # the second step's wait differs from the third's
+    rows[7]["nbytes"] = 2
+    run = [["c", 0, v, None] if i % 3 == 0 else ["w" if i % 3 == 1 else "m", 0, v, None]
+           for i, v in enumerate([5.0, 1.0, 1.0, 1.0, 0.5, 0.5, 3.0, 0.5, 0.5])]
+    out = apply_spans(_Reader(rows), {0: [run]}, Measure.wall, [ShardClass((0,), 0)])
+    spans = [r["compute_wall_s"] for r in sorted(out.rows, key=lambda r: r["idx"])]
+    assert spans == [5.0, 1.0, 1.0, 1.0, 0.5, 0.5, 3.0, 0.5, 0.5]
+    assert "steady_steps_pooled" not in out.classes[0]
