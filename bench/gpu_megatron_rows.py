@@ -145,7 +145,7 @@ def run_row(row: str, a: argparse.Namespace, factor: float | None) -> list[Figur
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1.7b,7.1b")
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5, help="training iterations (4 steady steps, pooled by calibration)")
     ap.add_argument("--repeats", type=int, default=1, help="calibrate.repeats per shard class")
     ap.add_argument("--cluster", default="h100_ib")
     ap.add_argument("--factor", type=float, help="the implementation factor (default: measured here first)")

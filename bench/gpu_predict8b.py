@@ -7,7 +7,7 @@ TP ranks mirror position 7), calibrated by shard class (one member of each class
 stage's ranks of one event sequence),
 then predicted on ``--cluster`` (h100_ib) in this process.
 
-    source .mlm/activate.sh && python bench/gpu_predict8b.py [--iters 3] [--out results.json]
+    source .mlm/activate.sh && python bench/gpu_predict8b.py [--iters 5] [--out results.json]
     python bench/gpu_predict8b.py --from-report REPORT.json   # the summary of an existing report
 
 Prints the predicted iteration time, tokens/s/GPU, model TFLOP/s per GPU and MFU (the report's
@@ -268,7 +268,7 @@ def run(a: argparse.Namespace, sh: Shape) -> tuple[dict | None, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5, help="training iterations (4 steady steps, pooled by calibration)")
     ap.add_argument("--slots", type=int, default=6, help="captured ranks computing at once (admitted by memory)")
     ap.add_argument("--repeats", type=int, default=1, help="calibrate.repeats per shard class")
     ap.add_argument("--cluster", default="h100_ib")

@@ -43,7 +43,8 @@ class CalibrateConfig:
     :mod:`prism_launch.predict.shard_classes`, its median applied to the whole class)."""
     repeats: int = 3
     """Measurements per shard class (distinct members where the class has them); the per-event
-    median becomes the class's spans, its steady steps scaled to the median run's steady total."""
+    median over them, and over the steady steps where those repeat the same events, becomes the
+    class's spans, scaled so a steady step sums to the median (run, step) total."""
     measure: Measure = Measure.device
     """Which clock of the slice runs becomes the calibrated compute span."""
     kernel_mix: bool | None = None
