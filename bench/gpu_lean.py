@@ -57,15 +57,15 @@ def llama8b(seq: int, tp: int, pp: int, world: int, iters: int, micro_batches: i
 
 
 def keep_trace(trace: Path, dest: Path) -> Path | None:
-    """``trace`` (bare and calibrated: manifests, events, fold plan, kernel lists; its stored
-    tensors left out) as ``dest`` (a .tar.gz), for a look after the device is gone."""
+    """``trace`` (bare and calibrated: manifests, events, fold plan, kernel lists and the
+    stored tensors, a few MiB under ``payload=none``) as ``dest`` (a .tar.gz), for a look (a
+    replay under other settings) after the device is gone."""
     import tarfile
 
     if not trace.is_dir():
         return None
     with tarfile.open(dest, "w:gz") as tar:
-        tar.add(trace, arcname="trace", filter=lambda ti: None if "/tensors" in ti.name or ti.name.endswith(
-            "/tensors") else ti)
+        tar.add(trace, arcname="trace")
     return dest
 
 
