@@ -24,6 +24,9 @@ def test_calibration_records_each_shard_class_kernel_mix(tmp_path):
     assert 0 < mix["compute"] < 1 and 0 < mix["memory"] < 1 and mix["compute"] + mix["memory"] + mix["comm"] <= 1
     assert "aten::mm" in {name for name, _ in mix["longest"]} or mix["compute"] > 0.01
     assert mix["kernel_s"] > 0
+    # the two steady steps issue the same events: every span is the median over both
+    [cls] = extra["shard_classes"]
+    assert cls["steady_steps_pooled"] == 2 and cls["measurements"] == 1
     # without the option nothing is profiled
     r = run_prism([*common, "mode=calibrate", "calibrate.repeats=1", *ARGS], cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
