@@ -3,9 +3,10 @@
 14336, vocab 128,256, seq 4096, bf16, distributed optimizer, ``--mock-data``, local layers),
 TP8·PP4, micro-batch 1, global batch 2,048 (8 micro-batches per pipeline), ``capture.payload=none``,
 captured (8 of 8,192 ranks: TP positions 0 and 7 of each stage, ``capture.tp_sample``; the other
-TP ranks mirror position 7), calibrated by shard class (one member of each class run for real: a class is a pipeline
-stage's ranks of one event sequence),
-then predicted on ``--cluster`` (h100_ib) in this process.
+TP ranks mirror position 7), calibrated by shard class (a class is a pipeline stage's ranks of one
+event sequence: 4 classes, one member of each run for real; each event's span the median over the
+steady steps), then predicted on ``--cluster`` (h100_ib) in this process. With ``--out``, the
+trace is kept beside it (``<out>.trace.tar.gz``) for replays under other settings.
 
     source .mlm/activate.sh && python bench/gpu_predict8b.py [--iters 5] [--out results.json]
     python bench/gpu_predict8b.py --from-report REPORT.json   # the summary of an existing report
