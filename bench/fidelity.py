@@ -26,7 +26,8 @@ over 2 or 4 ranks. Each case runs ``--pairs`` pairs (2 ranks) or ``--pairs-large
   is faster but its sandbox allocates synthesized results, so its peaks are not the job's);
   ``--network now`` (default) gives the replay
   cpu_local with gloo's per-op overhead, per-hop latency and bandwidth measured just before
-  the pair (``bench/gloo_overhead.py``), ``--network preset`` the preset's,
+  the pair (``bench/gloo_overhead.py``), and each measured kind's own overhead and bandwidth
+  (``cluster.kinds``: gloo's all_reduce costs several times its broadcast), ``--network preset`` the preset's,
 
 alternating which of the two goes first. It prints the machine, the load, the cluster and
 the compute method, then per case the mean and spread of both times, the real runs' own
@@ -116,14 +117,19 @@ def network_now() -> tuple[list[str], str]:
     latency, bandwidth of all_reduce, all_gather and broadcast between 2 processes, fitted jointly)
     as config overrides, and in words. The machine's load moves them; measured just before
     each prediction, the network model sees the load the real run beside it sees."""
-    from gloo_overhead import fit
+    from gloo_overhead import fit, fit_kinds, kinds_override
     from prism_launch.predict.netbench import run_workers
 
-    o, lat, bw = fit(run_workers(2, NETWORK_SIZES, 20, 3, "gloo", 300.0), 2)
+    measured = run_workers(2, NETWORK_SIZES, 20, 3, "gloo", 300.0)
+    o, lat, bw = fit(measured, 2)
+    kinds = fit_kinds(measured, 2)
     over = [f"cluster.protocol_latency_us={o:.1f}"]
     for link in ("intra_node", "inter_node"):
         over += [f"cluster.{link}.latency_us={lat:.1f}", f"cluster.{link}.bandwidth_gbps={bw:.4f}"]
-    return over, f"gloo now: {o:.0f} us/op + {lat:.0f} us/hop, {bw:.2f} GB/s"
+    if kinds:
+        over.append(kinds_override(kinds))
+    return over, (f"gloo now: {o:.0f} us/op + {lat:.0f} us/hop, {bw:.2f} GB/s; per kind " +
+                  ", ".join(f"{k} {ov:.0f} us + {b:.2f} GB/s" for k, (ov, b) in sorted(kinds.items())))
 
 
 def predicted(flags: list, job: list, work: Path, cluster: str, compute: str, repeats: int,

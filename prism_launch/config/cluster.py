@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ClusterSpec", "FabricSpec", "GpuSpec", "LinkSpec", "cluster_from_config", "load_cluster", "preset_dir"]
+__all__ = ["COLLECTIVE_KINDS", "ClusterSpec", "FabricSpec", "GpuSpec", "KindCost", "LinkSpec", "cluster_from_config", "load_cluster", "preset_dir"]
 
 
 # --------------------------------------------------------------------------- specs
@@ -76,6 +76,44 @@ class FabricSpec:
             raise ValueError(f"{where}.oversubscription must be a finite number >= 1.0 (got {o!r})")
 
 
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "barrier",
+)
+"""Collective kinds a cost model prices (``nccl_ext.core.ops.Collective`` values)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class KindCost:
+    """One collective kind's own per-op cost, measured (``cluster.kinds``): where kinds differ by more
+    than their hop counts and bytes (gloo on one host: a 512 KiB all_reduce costs several times a
+    broadcast of the same size), this replaces, for that kind, the cluster's ``protocol_latency_us``
+    and its links' ``latency_us`` and ``bandwidth_gbps`` in the same ring formulas."""
+
+    overhead_us: float = 0.0
+    """Fixed cost of one op of this kind in µs."""
+    latency_us: float = 0.0
+    """Per-hop latency in µs."""
+    bandwidth_gbps: float
+    """Bus bandwidth in GB/s."""
+
+    def validate(self, where: str) -> None:
+        for f in ("overhead_us", "latency_us"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{where}.{f} must be a finite number >= 0 (got {v!r})")
+        b = self.bandwidth_gbps
+        if not (isinstance(b, (int, float)) and b > 0 and math.isfinite(b)):
+            raise ValueError(f"{where}.bandwidth_gbps must be a finite number > 0 (got {b!r})")
+
+
 @dataclass(kw_only=True, slots=True)
 class GpuSpec:
     """One GPU of the target cluster as its datasheet states it (dense figures, no sparsity):
@@ -140,6 +178,9 @@ class ClusterSpec:
     gpu: GpuSpec = field(default_factory=GpuSpec)
     """The cluster's GPU (name, datasheet peaks): compute measured on another GPU is scaled to it,
     and a prediction's MFU is reported against its ``peak_bf16_tflops``."""
+    kinds: dict[str, KindCost] = field(default_factory=dict)
+    """Per collective kind (``all_reduce``, ``reduce_scatter``, ...), its own measured cost
+    (:class:`KindCost`, e.g. ``bench/fidelity.py``'s gloo figures); kinds not named use the links'."""
     comm_overlaps_compute: bool | None = None
     """Whether a rank computes while its asynchronous collectives move data. Default: true on
     ``cuda`` (copy engines and NCCL's own SMs move the bytes), false on ``cpu`` (gloo moves them
@@ -183,6 +224,12 @@ class ClusterSpec:
         if self.comm_overlaps_compute not in (None, True, False):
             raise ValueError(f"cluster.comm_overlaps_compute must be true, false or null "
                              f"(got {self.comm_overlaps_compute!r})")
+        for kind, cost in self.kinds.items():
+            if kind not in COLLECTIVE_KINDS:
+                raise ValueError(f"cluster.kinds: unknown collective kind {kind!r} (valid: {', '.join(COLLECTIVE_KINDS)})")
+            if not isinstance(cost, KindCost):
+                raise ValueError(f"cluster.kinds.{kind} must be a KindCost (got {type(cost).__name__})")
+            cost.validate(f"cluster.kinds.{kind}")
         if not isinstance(self.gpu, GpuSpec):
             raise ValueError(f"cluster.gpu must be a GpuSpec (got {type(self.gpu).__name__})")
         self.gpu.validate()

@@ -36,6 +36,7 @@ barrier            ignored (costed as a 4-byte all_reduce, as torch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Sequence
@@ -67,19 +68,6 @@ GB = 1e9
 US = 1e-6
 """Seconds per microsecond."""
 
-COLLECTIVE_KINDS: tuple[str, ...] = (
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "gather",
-    "scatter",
-    "barrier",
-)
-"""Collective kinds :meth:`CostModel.collective_time` accepts (``nccl_ext.core.ops.Collective`` values)."""
-
 P2P = "p2p"
 """Pseudo-kind for a point-to-point transfer, accepted by :func:`fit_alpha_beta`."""
 
@@ -97,7 +85,9 @@ MIB = 1 << 20
 
 from prism_launch.config.cluster import (  # noqa: F401 - re-exported
     ClusterSpec,
+    COLLECTIVE_KINDS,
     FabricSpec,
+    KindCost,
     LinkSpec,
     cluster_from_config,
     load_cluster,
@@ -265,6 +255,9 @@ class NcclCostModel:
     def __init__(self, cluster: ClusterSpec | Any):
         self.cluster = cluster_from_config(cluster)
         self._geometry_cache: dict[tuple[int, ...], _Geometry] = {}
+        # kinds with their own measured cost (cluster.kinds): the same formulas over their figures
+        self._by_kind = {kind: NcclCostModel(_kind_cluster(self.cluster, cost))
+                         for kind, cost in self.cluster.kinds.items()}
 
     def __repr__(self) -> str:
         return f"NcclCostModel(cluster={self.cluster.name!r})"
@@ -279,6 +272,8 @@ class NcclCostModel:
 
     def flow(self, kind: str, nbytes: int, ranks: Sequence[int]) -> Flow:
         """The collective as a flow for the replay: latency, unshared transfer time and links."""
+        if kind in self._by_kind:
+            return self._by_kind[kind].flow(kind, nbytes, ranks)
         est = self._estimate(kind, nbytes, ranks)
         if est.transfer_s <= 0:
             return Flow(latency_s=est.latency_s, work_s=0.0, links=())
@@ -322,6 +317,8 @@ class NcclCostModel:
 
     def _estimate(self, kind: str, nbytes: int, ranks: Sequence[int], algorithm: str | None = None) -> Estimate:
         kind = _check_kind(kind)
+        if kind in self._by_kind:
+            return self._by_kind[kind]._estimate(kind, nbytes, ranks, algorithm)
         nbytes = _check_nbytes(nbytes)
         g = self._geometry(ranks)
         if g.p == 1:
@@ -477,6 +474,16 @@ class NcclCostModel:
         hop_us = (k_lat - 1) * c.intra_node.latency_us + (p - k_lat) * c.inter_node.latency_us
         bw = intra_bw if g.n_nodes == 1 else min(intra_bw, net_bw) if g.k_max > 1 else net_bw
         return self._make("direct", hop_us, transfer, bw)
+
+
+def _kind_cluster(cluster: ClusterSpec, cost: KindCost) -> ClusterSpec:
+    """``cluster`` with one kind's measured cost (:class:`KindCost`) in place of its per-op
+    latency and its links' latency and bandwidth (the size curves and the fabric kept)."""
+    def link(spec: LinkSpec) -> LinkSpec:
+        return dataclasses.replace(spec, latency_us=cost.latency_us, bandwidth_gbps=cost.bandwidth_gbps)
+
+    return dataclasses.replace(cluster, protocol_latency_us=cost.overhead_us, intra_node=link(cluster.intra_node),
+                               inter_node=link(cluster.inter_node), kinds={})
 
 
 def curve_key(algorithm: str, kind: str, nbytes: int, p: int, k: int = 1) -> float:

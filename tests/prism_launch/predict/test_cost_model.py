@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -352,3 +353,41 @@ def test_load_cluster_errors(tmp_path: Path):
     bad.write_text("name: x\ngpus_per_node: eight\n")
     with pytest.raises(ValueError, match="gpus_per_node"):
         load_cluster(bad)
+
+
+def test_a_kind_with_its_own_measured_cost_uses_it_and_the_others_keep_the_links():
+    """``cluster.kinds``: gloo's all_reduce costs several times its broadcast of the same size; a
+    kind named there is priced from its own overhead and bandwidth in the same ring formula."""
+    from prism_launch.config.cluster import KindCost
+
+    base = NcclCostModel(spec())
+    own = NcclCostModel(dataclasses.replace(spec(), kinds={"all_reduce": KindCost(overhead_us=900.0,
+                                                                                  bandwidth_gbps=2.0)}))
+    n, group = 512 * 1024, [0, 1]
+    # ring all_reduce of 2: 2(p-1)/p = 1 buffer over 2 GB/s, plus 900 us, no hop latency
+    assert own.collective_time("all_reduce", n, group) == pytest.approx(900 * US + n / (2.0 * GB))
+    assert own.flow("all_reduce", n, group).work_s == pytest.approx(n / (2.0 * GB))
+    for kind in ("all_gather", "broadcast", "reduce_scatter"):
+        assert own.collective_time(kind, n, group) == base.collective_time(kind, n, group)
+
+
+@pytest.mark.parametrize("kinds,match", [
+    ({"allreduce": {"bandwidth_gbps": 1.0}}, "unknown collective kind 'allreduce'"),
+    ({"all_reduce": {"bandwidth_gbps": 0.0}}, r"kinds.all_reduce.bandwidth_gbps must be a finite number > 0"),
+    ({"all_reduce": {"bandwidth_gbps": 1.0, "overhead_us": -1.0}}, r"kinds.all_reduce.overhead_us must be"),
+])
+def test_bad_kind_costs_are_named(kinds, match):
+    from prism_launch.config.cluster import cluster_from_config
+
+    cfg = OmegaConf.merge(OmegaConf.load(preset_dir() / "cpu_local.yaml"), {"kinds": kinds})
+    with pytest.raises(ValueError, match=match):
+        cluster_from_config(cfg)
+
+
+def test_kind_costs_compose_as_an_override():
+    from prism_launch.config import compose, resolve
+
+    cfg = resolve(compose(["cluster=cpu_local", "+cluster.kinds={reduce_scatter:{overhead_us:50.0,bandwidth_gbps:1.5}}"]))
+    assert cfg.cluster.kinds["reduce_scatter"].overhead_us == 50.0
+    m = NcclCostModel(cfg.cluster)
+    assert m.collective_time("reduce_scatter", 1 << 20, [0, 1]) == pytest.approx(50 * US + 0.5 * (1 << 20) / (1.5 * GB))
