@@ -57,8 +57,10 @@ from pathlib import Path
 
 from prism_launch.errors import NetbenchError
 from prism_launch.predict.cost_model import (
+    COLLECTIVE_KINDS,
     ClusterSpec,
     FabricSpec,
+    KindCost,
     LinkSpec,
     NcclCostModel,
     bus_bandwidth_gbps,
@@ -154,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fabric.oversubscription to write: leaf down/up bandwidth ratio, >= 1 (default 1.0)")
     add("--fit", choices=(*KINDS, "all"), default="all_reduce",
         help="measurements the written link is fitted to: one op, or all of them jointly (default all_reduce)")
+    add("--kinds", choices=("auto", "on", "off"), default="auto",
+        help="also write each collective kind's own fit as cluster.kinds (on: always; auto, the default: with "
+             "gloo, whose kinds differ by more than their hops and bytes; off: never)")
     add("--comment", action="append", default=[], help="extra line for the YAML's header comment (repeatable)")
     add("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl with CUDA, else gloo")
     add("--timeout", type=_positive_float, default=300.0,
@@ -402,6 +407,12 @@ def fit_measurements(measured: dict[tuple[str, int], float], p: int) -> dict[str
     return fits
 
 
+def kind_costs(fits: dict[str, LinkSpec]) -> dict[str, KindCost]:
+    """The per-kind fits of :func:`fit_measurements` (collective kinds only) as ``cluster.kinds``."""
+    return {kind: KindCost(latency_us=_round_sig(f.latency_us), bandwidth_gbps=_round_sig(f.bandwidth_gbps))
+            for kind, f in fits.items() if kind in COLLECTIVE_KINDS}
+
+
 def _fmt_size(n: int) -> str:
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale and n % scale == 0:
@@ -434,8 +445,9 @@ def format_table(measured: dict[tuple[str, int], float], link: LinkSpec, fits: d
 
 
 def _cluster(name: str, gpus: int, mem: float, intra: LinkSpec, inter: LinkSpec, nics: int,
-             fabric: FabricSpec | None = None) -> ClusterSpec:
+             fabric: FabricSpec | None = None, kinds: dict[str, KindCost] | None = None) -> ClusterSpec:
     return ClusterSpec(
+        kinds=dict(kinds or {}),
         fabric=fabric or FabricSpec(),
         name=name,
         gpus_per_node=gpus,
@@ -531,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     mem = args.memory_gib if args.memory_gib is not None else default_memory_gib(backend, p)
     fabric = FabricSpec(nodes_per_leaf=args.nodes_per_leaf, oversubscription=args.oversubscription)
-    spec = _cluster(args.name, args.gpus_per_node or p, mem, link, inter, args.nics_per_node, fabric)
+    kinds = kind_costs(fits) if args.kinds == "on" or (args.kinds == "auto" and backend == "gloo") else {}
+    spec = _cluster(args.name, args.gpus_per_node or p, mem, link, inter, args.nics_per_node, fabric, kinds)
     if str(args.out) == "-":
         return 0
     header = [
@@ -547,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         "intra_node: least-squares fit of latency per hop and bus bandwidth to "
         + ("the times of every op jointly," if args.fit == "all" else f"the {args.fit} times,"),
         "launch overhead folded into the per-hop latency (so protocol_latency_us is 0).",
+        *(["kinds: each collective kind's own fit of the same form (gloo's kinds differ by more than their"
+           " hops and bytes); its per-op launch overhead folded into its per-hop latency as above."] if kinds else []),
         "inter_node: " + _inter_origin(args),
         "size curve (half_size_mib 0, curve_exponent 1): none, the alpha-beta fit above stands for it;"
         " nvls and sharp: false (not measured here);",

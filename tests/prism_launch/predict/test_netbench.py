@@ -3,6 +3,7 @@ an end-to-end run with two gloo processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import subprocess
@@ -114,3 +115,20 @@ def test_end_to_end_two_processes(tmp_path: Path):
     assert spec.protocol_latency_us == 0.0
     assert load_cluster(out) == spec
     assert [p.name for p in out.parent.iterdir()] == ["bench.yaml"]
+    # gloo: every collective kind's own fit is written too, and prices that kind
+    assert set(spec.kinds) <= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} and spec.kinds
+    model = NcclCostModel(spec)
+    for kind, cost in spec.kinds.items():
+        assert cost.bandwidth_gbps > 0 and cost.overhead_us == 0.0
+        alone = NcclCostModel(dataclasses.replace(spec, kinds={}, intra_node=LinkSpec(
+            bandwidth_gbps=cost.bandwidth_gbps, latency_us=cost.latency_us)))
+        assert model.collective_time(kind, 1 << 20, [0, 1]) == pytest.approx(alone.collective_time(kind, 1 << 20, [0, 1]))
+    assert "kinds: each collective kind's own fit" in text
+
+
+def test_kind_costs_are_the_collective_kinds_fits():
+    fits = {"all_reduce": LinkSpec(bandwidth_gbps=2.345678, latency_us=300.04), "p2p": LinkSpec(bandwidth_gbps=5.0,
+            latency_us=50.0), "all": LinkSpec(bandwidth_gbps=3.0, latency_us=100.0)}
+    kinds = netbench.kind_costs(fits)
+    assert list(kinds) == ["all_reduce"]
+    assert (kinds["all_reduce"].bandwidth_gbps, kinds["all_reduce"].latency_us) == (2.346, 300.0)
