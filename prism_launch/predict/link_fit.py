@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from prism_launch.predict.cost_model import GB, US, LinkSpec, _check_kind, _link_coefficients
+from prism_launch.predict.cost_model import COLLECTIVE_KINDS, GB, US, KindCost, LinkSpec, _check_kind, _link_coefficients
 
 __all__ = ["fit_alpha_beta", "fit_link"]
 
@@ -74,3 +74,16 @@ def fit_alpha_beta(
     (``latency_us`` is then the per-hop share of it).
     """
     return fit_link(((kind, p, n, t) for n, t in samples), protocol_latency_us=protocol_latency_us)
+
+
+def round_sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (non-finite and zero values as they are)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def kind_costs(fits: dict[str, LinkSpec]) -> dict[str, KindCost]:
+    """Per-kind link fits (collective kinds only) as ``cluster.kinds``, each to 4 significant digits."""
+    return {kind: KindCost(latency_us=round_sig(f.latency_us), bandwidth_gbps=round_sig(f.bandwidth_gbps))
+            for kind, f in fits.items() if kind in COLLECTIVE_KINDS}

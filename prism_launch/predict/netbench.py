@@ -57,7 +57,6 @@ from pathlib import Path
 
 from prism_launch.errors import NetbenchError
 from prism_launch.predict.cost_model import (
-    COLLECTIVE_KINDS,
     ClusterSpec,
     FabricSpec,
     KindCost,
@@ -66,7 +65,7 @@ from prism_launch.predict.cost_model import (
     bus_bandwidth_gbps,
     preset_dir,
 )
-from prism_launch.predict.link_fit import fit_alpha_beta, fit_link
+from prism_launch.predict.link_fit import fit_alpha_beta, fit_link, kind_costs, round_sig as _round_sig
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M"
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
@@ -156,9 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="fabric.oversubscription to write: leaf down/up bandwidth ratio, >= 1 (default 1.0)")
     add("--fit", choices=(*KINDS, "all"), default="all_reduce",
         help="measurements the written link is fitted to: one op, or all of them jointly (default all_reduce)")
-    add("--kinds", choices=("auto", "on", "off"), default="auto",
-        help="also write each collective kind's own fit as cluster.kinds (on: always; auto, the default: with "
-             "gloo, whose kinds differ by more than their hops and bytes; off: never)")
+    add("--kinds", choices=("auto", "on", "off"), default="auto", help="also write each collective kind's own fit "
+        "as cluster.kinds (auto, the default: with gloo, whose kinds differ by more than hops and bytes)")
     add("--comment", action="append", default=[], help="extra line for the YAML's header comment (repeatable)")
     add("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl with CUDA, else gloo")
     add("--timeout", type=_positive_float, default=300.0,
@@ -407,12 +405,6 @@ def fit_measurements(measured: dict[tuple[str, int], float], p: int) -> dict[str
     return fits
 
 
-def kind_costs(fits: dict[str, LinkSpec]) -> dict[str, KindCost]:
-    """The per-kind fits of :func:`fit_measurements` (collective kinds only) as ``cluster.kinds``."""
-    return {kind: KindCost(latency_us=_round_sig(f.latency_us), bandwidth_gbps=_round_sig(f.bandwidth_gbps))
-            for kind, f in fits.items() if kind in COLLECTIVE_KINDS}
-
-
 def _fmt_size(n: int) -> str:
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale and n % scale == 0:
@@ -542,8 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         latency_us=args.inter_latency_us if args.inter_latency_us is not None else link.latency_us,
     )
     mem = args.memory_gib if args.memory_gib is not None else default_memory_gib(backend, p)
-    fabric = FabricSpec(nodes_per_leaf=args.nodes_per_leaf, oversubscription=args.oversubscription)
     kinds = kind_costs(fits) if args.kinds == "on" or (args.kinds == "auto" and backend == "gloo") else {}
+    fabric = FabricSpec(nodes_per_leaf=args.nodes_per_leaf, oversubscription=args.oversubscription)
     spec = _cluster(args.name, args.gpus_per_node or p, mem, link, inter, args.nics_per_node, fabric, kinds)
     if str(args.out) == "-":
         return 0
@@ -560,8 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "intra_node: least-squares fit of latency per hop and bus bandwidth to "
         + ("the times of every op jointly," if args.fit == "all" else f"the {args.fit} times,"),
         "launch overhead folded into the per-hop latency (so protocol_latency_us is 0).",
-        *(["kinds: each collective kind's own fit of the same form (gloo's kinds differ by more than their"
-           " hops and bytes); its per-op launch overhead folded into its per-hop latency as above."] if kinds else []),
+        *(["kinds: each collective kind's own fit of the same form (gloo's differ by more than hops and bytes)."] * bool(kinds)),
         "inter_node: " + _inter_origin(args),
         "size curve (half_size_mib 0, curve_exponent 1): none, the alpha-beta fit above stands for it;"
         " nvls and sharp: false (not measured here);",
@@ -603,12 +594,6 @@ def _inter_origin(args: argparse.Namespace) -> str:
         return "a copy of intra_node (nothing here was measured across machines)."
     rest = "" if len(given) == 2 else f"; {'latency' if given == ['bandwidth'] else 'bandwidth'} copied from intra_node"
     return f"{' and '.join(given)} given on the command line{rest}."
-
-
-def _round_sig(x: float, digits: int = 4) -> float:
-    if x == 0 or not math.isfinite(x):
-        return x
-    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
 
 
 if __name__ == "__main__":
