@@ -244,6 +244,9 @@ class NcclCostModel:
       curve where a ring's small per-step chunks do not.
     * Traffic that leaves a leaf switch crosses its uplinks (:mod:`prism_launch.predict.fabric`):
       with ``fabric.oversubscription`` > 1 a group whose off-leaf streams exceed them is slowed.
+    * A kind named in ``cluster.kinds`` (measured on its own: gloo's kinds differ by more than
+      their hops and bytes) is priced by the same formulas over its own overhead, hop latency
+      and bandwidth; a barrier follows all_reduce's.
     * Every op pays ``protocol_latency_us`` once; groups of one member and empty
       payloads cost nothing (NCCL returns at once).
 
@@ -272,8 +275,9 @@ class NcclCostModel:
 
     def flow(self, kind: str, nbytes: int, ranks: Sequence[int]) -> Flow:
         """The collective as a flow for the replay: latency, unshared transfer time and links."""
-        if kind in self._by_kind:
-            return self._by_kind[kind].flow(kind, nbytes, ranks)
+        own = self._by_kind.get("all_reduce" if kind == "barrier" else kind)
+        if own is not None:
+            return own.flow(kind, nbytes, ranks)
         est = self._estimate(kind, nbytes, ranks)
         if est.transfer_s <= 0:
             return Flow(latency_s=est.latency_s, work_s=0.0, links=())
@@ -317,8 +321,9 @@ class NcclCostModel:
 
     def _estimate(self, kind: str, nbytes: int, ranks: Sequence[int], algorithm: str | None = None) -> Estimate:
         kind = _check_kind(kind)
-        if kind in self._by_kind:
-            return self._by_kind[kind]._estimate(kind, nbytes, ranks, algorithm)
+        own = self._by_kind.get("all_reduce" if kind == "barrier" else kind)  # a barrier is a tiny all_reduce
+        if own is not None:
+            return own._estimate(kind, nbytes, ranks, algorithm)
         nbytes = _check_nbytes(nbytes)
         g = self._geometry(ranks)
         if g.p == 1:

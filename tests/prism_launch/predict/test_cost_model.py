@@ -369,6 +369,7 @@ def test_a_kind_with_its_own_measured_cost_uses_it_and_the_others_keep_the_links
     assert own.flow("all_reduce", n, group).work_s == pytest.approx(n / (2.0 * GB))
     for kind in ("all_gather", "broadcast", "reduce_scatter"):
         assert own.collective_time(kind, n, group) == base.collective_time(kind, n, group)
+    assert own.collective_time("barrier", 0, group) == pytest.approx(900 * US + 4 / (2.0 * GB))  # a tiny all_reduce
 
 
 @pytest.mark.parametrize("kinds,match", [
