@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 from figures import Figure, report  # noqa: E402
 
 SHAPES = {  # hidden, heads, query groups, ffn, tensor-parallel size, SwiGLU + RMSNorm (else GeLU + LayerNorm)
@@ -37,17 +38,27 @@ README_SHAPES = ("1.7b", "7.1b")
 SEQ = 4096
 
 
-def _busy(fn, x) -> float:
+def _busy(fn, x) -> tuple[float, dict[str, float], list]:
     """Seconds the GPU spent in kernels during one forward + backward (torch.profiler): against
-    the wall time it tells a host-bound layer (launch overhead) from a device-bound one."""
+    the wall time it tells a host-bound layer (launch overhead) from a device-bound one. Also the
+    busy seconds of each kernel class (FLOP-bound, memory-bound, none known: the predictor's own
+    :func:`~prism_launch.predict.gpu_scaling.classify_kernel`) and the longest kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from prism_launch.predict.gpu_scaling import classify_kernel
 
     x.grad = None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(x).float().sum().backward()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    kernels = sorted(((e.key, e.self_device_time_total / 1e6) for e in prof.key_averages()
+                      if e.self_device_time_total > 0), key=lambda kv: -kv[1])
+    by: dict[str, float] = {}
+    for name, seconds in kernels:
+        cls = classify_kernel(name) or "other"
+        by[cls] = by.get(cls, 0.0) + seconds
+    return sum(s for _, s in kernels), by, [[k, s] for k, s in kernels[:12]]
 
 
 def _time(fn, x, iters: int) -> float:
@@ -80,7 +91,7 @@ def measure(name: str, iters: int) -> dict:
     for impl, build in (("local", local_layer), ("native", native_layer)):
         fn = build(hidden, heads, groups, ffn, tp, glu)
         out[f"{impl}_s"] = _time(fn, x, iters)
-        out[f"{impl}_busy_s"] = _busy(fn, x)
+        out[f"{impl}_busy_s"], out[f"{impl}_class_s"], out[f"{impl}_kernels"] = _busy(fn, x)
     out["factor"] = out["local_s"] / out["native_s"]
     return out
 
@@ -168,6 +179,9 @@ def main() -> int:
               f"{r['ffn_per_gpu']} per GPU), seq {SEQ}: local {r['local_s'] * 1e3:.2f} ms "
               f"(GPU busy {r['local_busy_s'] * 1e3:.2f} ms), native {r['native_s'] * 1e3:.2f} ms "
               f"(busy {r['native_busy_s'] * 1e3:.2f} ms) forward + backward")
+        for impl in ("local", "native"):
+            print(f"  {impl} busy by kernel class: " + ", ".join(
+                f"{c} {t * 1e3:.2f} ms" for c, t in sorted(r[f"{impl}_class_s"].items())))
         figs.append(Figure(f"{r['shape']} local GPU busy / wall", r["local_busy_s"] / r["local_s"], None, ".3f"))
         figs.append(Figure(f"{r['shape']} local / native", r.get("factor"), None, ".3f"))
     figs.append(Figure("implementation factor (geometric mean)", f, None, ".3f"))
