@@ -197,7 +197,12 @@ def summarize(rep: dict, sh: Shape, sandbox: int) -> tuple[list[Figure], list[st
             Figure("sandbox exposed PP collectives ms", None if not sand else sand["PP"] * 1e3, None, ".1f"),
             Figure("sandbox p2p waits (bubble + PP transfers) ms",
                    None if not sand else sand["p2p waits (bubble + transfers)"] * 1e3, None, ".1f"),
-            Figure("compute calibrated", str(pred.get("compute_source", "")).startswith("calibrated"), IS_TRUE)]
+            Figure("compute calibrated", str(pred.get("compute_source", "")).startswith("calibrated"), IS_TRUE),
+            # the share of the calibrated compute the GPU spent in kernels (calibrate.kernel_mix's
+            # profiled steady step); the rest is the GPU waiting on its host: a host-bound implementation
+            Figure("calibrated compute in classified GPU kernels %",
+                   None if (pred.get("gpu_scaling") or {}).get("other_fraction") is None
+                   else 100 * (1 - pred["gpu_scaling"]["other_fraction"]), None, ".1f")]
     return figs, lines
 
 

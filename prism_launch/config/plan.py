@@ -122,7 +122,7 @@ class EmulatePlan:
     summary_files: dict[int, str] = field(default_factory=dict)
     """Where each sandbox rank of this node writes its summary."""
     kernel_profile: bool = False
-    """A calibration slice's ranks list the kernels of their first step in their summaries
+    """A calibration slice's ranks list the kernels of their first steady step in their summaries
     (``calibrate.kernel_mix``; :mod:`prism_launch.rank.kernels`)."""
     divergence_rtol: float | None = None
     """``emulate.divergence_rtol`` (None: by dtype)."""

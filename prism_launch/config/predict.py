@@ -48,11 +48,13 @@ class CalibrateConfig:
     measure: Measure = Measure.device
     """Which clock of the slice runs becomes the calibrated compute span."""
     kernel_mix: bool | None = None
-    """Each slice's ranks list the kernels of their first step (warm-up, never a steady span) with
-    ``torch.profiler``; each shard class's kernel time split into FLOP-bound, memory-bound and
-    communication kernels becomes its kernel mix, which scales its spans to the cluster's GPU where
-    that differs from the measuring one (``prism_launch.predict.gpu_scaling``; the report's
-    ``compute_scaling``). Default: on CUDA only (on CPU the ops are listed but nothing is scaled)."""
+    """Each slice's ranks list the kernels of their first steady step (step 2; left out of the pooled
+    steps where two others remain) with ``torch.profiler``; each shard class's kernel time split into
+    FLOP-bound, memory-bound and communication kernels becomes its kernel mix, and that time over
+    the class's calibrated steady step its GPU-busy share (the rest, the GPU waiting on its host, is
+    not scaled). The mix scales its spans to the cluster's GPU where that differs from the measuring
+    one (``prism_launch.predict.gpu_scaling``; the report's ``compute_scaling``). Default: on CUDA
+    only (on CPU the ops are listed but nothing is scaled)."""
     in_auto: bool | None = None
     """Whether ``mode=auto`` calibrates after capturing. Default: on CUDA only (see replay.compute)."""
 

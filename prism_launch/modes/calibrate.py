@@ -17,7 +17,7 @@ from prism_launch.config.root import devices_present
 from prism_launch.launch.progress import phase
 from prism_launch.modes.context import RunContext
 from prism_launch.modes.emulate import emulate
-from prism_launch.predict.calibrate import apply_spans, slices, write_calibrated
+from prism_launch.predict.calibrate import apply_spans, slices, steady_step_span, write_calibrated
 from prism_launch.predict.gpu_scaling import mix_from_kernels
 from prism_launch.predict.shard_classes import ShardClass, classes_of_trace, measurement_slices
 from prism_launch.trace import TraceLayout, TraceReader
@@ -37,20 +37,21 @@ def slice_context(ctx: RunContext, ranks: list[int], index: int) -> RunContext:
 
 
 def class_mixes(classes: list[ShardClass], kernels: dict[int, list]) -> dict:
-    """Each shard class's kernel mix from its measured members' profiled first steps (their kernel
+    """Each shard class's kernel mix from its measured members' profiled first steady steps (their kernel
     times summed over runs; :mod:`prism_launch.rank.kernels`), for the manifest: ``kernel_mixes``
     (one entry per class: its members, the FLOP-bound, memory-bound and communication shares of its
-    kernel time, the longest kernels) and ``kernel_mix_errors`` (runs that listed none, and why)."""
+    kernel time, the kernel time of one profiled step (``step_kernel_s``: the runs' mean), the
+    longest kernels) and ``kernel_mix_errors`` (runs that listed none, and why)."""
     mixes, errors = [], []
     for c in classes:
         times: dict[str, float] = {}
-        activity = None
+        activity, listed = None, 0
         for r in c.members:
             for run in kernels.get(r, []):
                 if not run or "error" in run:
                     errors.append({"rank": r, "error": (run or {}).get("error", "no kernels in the rank's summary")})
                     continue
-                activity = run.get("activity")
+                activity, listed = run.get("activity"), listed + 1
                 for name, seconds in run["kernels"]:
                     times[name] = times.get(name, 0.0) + seconds
                 times[""] = times.get("", 0.0) + run.get("others_s", 0.0)  # beyond the longest: no class
@@ -59,8 +60,21 @@ def class_mixes(classes: list[ShardClass], kernels: dict[int, list]) -> dict:
         mix = mix_from_kernels(times.items())
         top = sorted(((k, v) for k, v in times.items() if k), key=lambda kv: -kv[1])[:8]
         mixes.append({"members": list(c.members), "compute": mix.compute, "memory": mix.memory, "comm": mix.comm,
-                      "kernel_s": sum(times.values()), "activity": activity, "longest": [[k, v] for k, v in top]})
+                      "kernel_s": sum(times.values()), "step_kernel_s": sum(times.values()) / listed,
+                      "activity": activity, "longest": [[k, v] for k, v in top]})
     return {"kernel_mixes": mixes, "kernel_mix_errors": errors}
+
+
+def busy_shares(mixes: list[dict], rows: list[dict]) -> None:
+    """Give each class's mix (in place) ``steady_step_s``, the calibrated compute of one steady step
+    of its first member, and ``busy_share``, the share of it the GPU spent in the profiled step's
+    kernels (communication kernels aside): the rest is the GPU waiting on its host (launches, the
+    program's Python), time another GPU does not change."""
+    for mix in mixes:
+        span = steady_step_span(rows, mix["members"][0])
+        if span and span > 0 and mix.get("step_kernel_s"):
+            mix["steady_step_s"] = span
+            mix["busy_share"] = min(1.0, mix["step_kernel_s"] * (1.0 - mix["comm"]) / span)
 
 
 def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
@@ -111,7 +125,8 @@ def calibrate(ctx: RunContext, reader: TraceReader) -> TraceLayout:
         print(f"prism-launch: warning: calibrate.kernel_mix: {len(mixes['kernel_mix_errors'])} slice run(s) listed no "
               f"kernels (rank {first['rank']}: {first['error']}); their classes scale by counted FLOPs or the default "
               "mix instead", file=sys.stderr)
-    result = apply_spans(reader, measured, cal.measure, classes)
+    result = apply_spans(reader, measured, cal.measure, classes, profiled_steps=1 if kernels else 0)
+    busy_shares(mixes.get("kernel_mixes") or [], result.rows)
     if result.mismatched:
         print(f"prism-launch: warning: ranks {result.mismatched} issued a different event sequence than captured; "
               "their bare spans are kept", file=sys.stderr)

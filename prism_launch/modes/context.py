@@ -69,7 +69,7 @@ class RunContext:
     agent: RankAgent
     local_rank_arg: bool = False
     profile_kernels: bool = False
-    """A calibration slice whose ranks list their first step's kernels (``calibrate.kernel_mix``)."""
+    """A calibration slice whose ranks list their first steady step's kernels (``calibrate.kernel_mix``)."""
 
     @classmethod
     def build(cls, cfg: PrismConfig, args: LaunchArgs) -> RunContext:

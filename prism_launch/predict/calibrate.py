@@ -96,12 +96,14 @@ def _steady_steps(evs: list[dict]) -> list[tuple[int, int]]:
     return steps if all(x == shape[0] for x in shape[1:]) else []
 
 
-def _pool_steps(median: list[float], runs: list[list[float]], steps: list[tuple[int, int]]) -> tuple[list[float], float]:
+def _pool_steps(median: list[float], runs: list[list[float]], steps: list[tuple[int, int]],
+                skip: int = 0) -> tuple[list[float], float]:
     """Steady steps that issue the same events are the same work: each event's span becomes the
     median over every run and every steady step, scaled so a step sums to the median of all the
     (run, step) totals. A slow step (a host hiccup, a late kernel) is then one sample among
-    many, not the whole of the prediction, even from one run. Returns the spans and the scale."""
-    samples = [run[a:b] for run in runs for a, b in steps]
+    many, not the whole of the prediction, even from one run. The first ``skip`` steady steps
+    give no sample (every step still gets the pooled spans). Returns the spans and the scale."""
+    samples = [run[a:b] for run in runs for a, b in steps[skip:]]
     pooled = [statistics.median(col) for col in zip(*samples)]
     total = sum(pooled)
     want = statistics.median(sum(x) for x in samples)
@@ -113,7 +115,7 @@ def _pool_steps(median: list[float], runs: list[list[float]], steps: list[tuple[
 
 
 def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: Measure,
-                classes: Sequence[ShardClass] | None = None) -> Calibrated:
+                classes: Sequence[ShardClass] | None = None, profiled_steps: int = 0) -> Calibrated:
     """Replace compute spans by measured ones. ``measured[rank]``: the slice runs of ``rank``,
     each the sandbox summary's ``spans`` (one ``[code, cpu_s, wall_s, device_s]`` per event;
     ``device_s`` None where the rank had no device timeline). With ``classes``, each class's
@@ -121,7 +123,9 @@ def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: M
     each measured rank gets the median of its own runs. Where two or more full steady steps
     issue the same events, every run's steady steps are pooled (:func:`_pool_steps`); otherwise,
     with two or more runs, the steady steps' medians are scaled to sum to the median run's
-    steady total (:func:`_steady_scale`)."""
+    steady total (:func:`_steady_scale`). ``profiled_steps``: the first steady steps of every run
+    were traced by a profiler (``calibrate.kernel_mix``, :mod:`prism_launch.rank.kernels`); they give
+    the pool no sample where two or more other steady steps remain."""
     rows = reader.events().to_pylist()
     by_rank: dict[int, list[dict]] = {}
     for row in rows:
@@ -151,8 +155,11 @@ def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: M
         rep = by_rank.get(c.members[0], []) if c.members else []
         steps = _steady_steps(rep) if len(rep) == len(median) else []
         if steps:
-            median, scale = _pool_steps(median, runs, steps)
-            out.classes[-1]["steady_steps_pooled"] = len(steps) * len(runs)
+            skip = profiled_steps if len(steps) - profiled_steps >= 2 else 0
+            median, scale = _pool_steps(median, runs, steps, skip)
+            out.classes[-1]["steady_steps_pooled"] = (len(steps) - skip) * len(runs)
+            if skip:
+                out.classes[-1]["profiled_steps_left_out"] = skip
         else:
             steady = _steady_start(rep)
             scale = _steady_scale(median, runs, steady)
@@ -171,6 +178,16 @@ def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: M
                 out.replaced += 1
     out.mismatched.sort()
     return out
+
+
+def steady_step_span(rows: list[dict], rank: int) -> float | None:
+    """The median total of ``rank``'s compute spans over its full steady steps (``rows``: a
+    calibrated trace's events); None where the rank has fewer than two identical steady steps."""
+    evs = sorted((r for r in rows if r["rank"] == rank), key=lambda r: r["idx"])
+    steps = _steady_steps(evs)
+    if not steps:
+        return None
+    return statistics.median(sum(e["compute_wall_s"] or 0.0 for e in evs[a:b]) for a, b in steps)
 
 
 def write_calibrated(reader: TraceReader, trace: TraceLayout, calibrated: Calibrated, extra: dict) -> TraceLayout:

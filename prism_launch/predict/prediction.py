@@ -77,11 +77,17 @@ def scaled_rows(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, comput
 
 def kernel_mixes(reader: TraceReader) -> dict[int, KernelMix]:
     """Each calibrated rank's kernel mix, its shard class's (``calibrate.kernel_mix``: the calibrated
-    manifest's ``kernel_mixes``); empty for a trace calibrated without, or not calibrated."""
+    manifest's ``kernel_mixes``); empty for a trace calibrated without, or not calibrated. Where the
+    class's ``busy_share`` is known, the fractions are of the whole span: the kernels' shares times
+    the share the GPU was busy, the rest (the GPU waiting on its host) kept as measured."""
     out: dict[int, KernelMix] = {}
     for m in reader.manifest.extra.get("kernel_mixes") or []:
-        mix = KernelMix(compute=m["compute"], memory=m["memory"], comm=m["comm"],
-                        source=f"profiler ({m.get('activity') or 'kernels'} of each shard class's first calibrated step)")
+        busy = m.get("busy_share")
+        busy = 1.0 if busy is None else min(1.0, max(0.0, float(busy)))
+        source = f"profiler ({m.get('activity') or 'kernels'} of one step of each shard class)"
+        if m.get("busy_share") is not None:
+            source += f", GPU busy {busy:.0%} of its calibrated compute"
+        mix = KernelMix(compute=m["compute"] * busy, memory=m["memory"] * busy, comm=m["comm"] * busy, source=source)
         out.update((int(r), mix) for r in m["members"])
     return out
 

@@ -214,5 +214,6 @@ def scale_rows(rows: list[dict], device: dict | None, target: GpuSpec, c: Counte
         "compute_fraction": statistics.fmean(s.mix.compute for s in fs) if fs else 0.0,
         "memory_fraction": statistics.fmean(s.mix.memory for s in fs) if fs else 0.0,
         "comm_fraction": statistics.fmean(s.mix.comm for s in fs) if fs else 0.0,
+        "other_fraction": statistics.fmean(s.mix.other for s in fs) if fs else 0.0,
         "mix_source": ", ".join(sources) if sources else DEFAULT_MIX.source,
     }

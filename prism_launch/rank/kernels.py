@@ -1,10 +1,14 @@
-"""A calibration slice's kernels: the device time of every kernel the program ran from its
-process group's creation to the end of its first step, by name, taken with ``torch.profiler``
-(CUDA activity only: no CPU op is recorded, so the program's host side is not slowed). The
-first step is warm-up, never a steady step of the calibrated spans, so profiling it moves no
-span the prediction uses. The predictor classifies the names (FLOP-bound, memory-bound,
-communication: :mod:`prism_launch.predict.gpu_scaling`) to scale the slice's spans to another
-GPU. On CPU (tests, laptops) the same pass records torch's CPU ops and their self time instead.
+"""A calibration slice's kernels: the device time of every kernel the program ran in its first
+steady step (step :data:`PROFILED_STEP`: from the end of step 1 to the end of step 2), by name,
+taken with ``torch.profiler`` (CUDA activity only: no CPU op is recorded). The warm-up step is
+not profiled: it also runs the program's one-time set-up (parameter buffers, optimizer state,
+on an 8B shard a 46 ms device-to-device copy of 280 ms), which would tilt the mix. Tracing
+kernels costs the host a little per launch, so calibration leaves the profiled step out of
+the steady steps it pools where others remain (:func:`prism_launch.predict.calibrate.apply_spans`).
+The predictor classifies the names (FLOP-bound, memory-bound, communication:
+:mod:`prism_launch.predict.gpu_scaling`) to scale the slice's spans to another GPU, and sets
+their sum against the step's calibrated spans: the share of the step the GPU was busy. On CPU
+(tests, laptops) the same pass records torch's CPU ops and their self time instead.
 
 Profiling never breaks the program it watches: a failure leaves ``{"error": ...}``.
 """
@@ -15,8 +19,8 @@ from typing import Any
 
 __all__ = ["PROFILED_STEP", "TOP", "StepKernels"]
 
-PROFILED_STEP = 1
-"""The step whose end stops the profiler (1-based): the warm-up step."""
+PROFILED_STEP = 2
+"""The profiled step (1-based): the first steady step; the profiler starts when step 1 ends."""
 TOP = 200
 """Kernels kept by name, the longest first; the rest are summed into ``others_s``."""
 
@@ -28,10 +32,17 @@ class StepKernels:
     def __init__(self, device: str) -> None:
         self.device = device
         self.steps_done = 0
+        self._armed = False
         self._prof: Any = None
         self.result: dict | None = None
 
     def start(self) -> None:
+        """Arm the profiler: it runs from the end of step ``PROFILED_STEP - 1``."""
+        self._armed = True
+        if self.steps_done == PROFILED_STEP - 1:
+            self._begin()
+
+    def _begin(self) -> None:
         if self._prof is not None or self.result is not None:
             return
         try:
@@ -46,7 +57,9 @@ class StepKernels:
 
     def on_step(self) -> None:
         self.steps_done += 1
-        if self.steps_done == PROFILED_STEP and self._prof is not None:
+        if self.steps_done == PROFILED_STEP - 1 and self._armed:
+            self._begin()
+        elif self.steps_done == PROFILED_STEP and self._prof is not None:
             self._stop()
 
     def _stop(self) -> None:
@@ -70,11 +83,13 @@ class StepKernels:
             self.result = {"error": f"{type(e).__name__}: {e}"}
 
     def summary(self) -> dict:
-        if self._prof is not None:  # the program ended inside its first step
+        if self._prof is not None:  # the program ended inside the profiled step
             try:
                 self._prof.stop()
             except Exception:  # noqa: BLE001
                 pass
             self._prof = None
             return {"error": f"the program ended before its step {PROFILED_STEP} did"}
+        if self.result is None and self._armed:
+            return {"error": f"the program ran {self.steps_done} step(s), fewer than the {PROFILED_STEP} whose last is profiled"}
         return self.result or {"error": "not started: the program created no process group"}

@@ -264,7 +264,8 @@ def throughput_lines(pred: dict) -> list[str]:
         lines.append(f"  compute scaled {s['measuring_device']} -> {s['target_gpu']}: FLOP-bound x{s['compute_factor']:.3f}, "
                      f"memory-bound x{s['memory_factor']:.3f}, mean x{s['mean_factor']:.3f} over "
                      f"{s['compute_fraction']:.0%} FLOP-bound / {s['memory_fraction']:.0%} memory-bound / "
-                     f"{s['comm_fraction']:.0%} communication time (kernel mix: {s['mix_source']})")
+                     f"{s['comm_fraction']:.0%} communication / {s.get('other_fraction', 0.0):.0%} kept as measured "
+                     f"(GPU idle, waiting on its host, or kernels of no known class) (kernel mix: {s['mix_source']})")
     elif s.get("why"):
         lines.append(f"  compute not scaled: {s['why']}")
     if s.get("compute_speedup"):

@@ -114,3 +114,22 @@ def test_a_calibrated_shard_class_kernel_mix_scales_its_members_over_the_counted
     s = scale_rows(rows, {"kind": "cuda", "name": "NVIDIA H200"}, H100, c, "wall", mixes)
     assert s["mix_source"].startswith("profiler") and s["memory_fraction"] == pytest.approx(0.75)
     assert rows[0]["compute_wall_s"] == pytest.approx(0.1 * (0.25 + 0.75 * 4.8 / 3.35))
+
+
+def test_a_class_busy_share_leaves_the_gpu_idle_time_unscaled():
+    """A host-bound class (its GPU busy 60% of the calibrated compute): its kernel shares are of
+    that 60%; the 40% the GPU waited on its host is kept as measured on another GPU."""
+    from types import SimpleNamespace
+
+    from prism_launch.predict.prediction import kernel_mixes
+
+    reader = SimpleNamespace(manifest=SimpleNamespace(extra={"kernel_mixes": [
+        {"members": [0], "compute": 0.25, "memory": 0.75, "comm": 0.0, "activity": "cuda kernels", "busy_share": 0.6}]}))
+    mix = kernel_mixes(reader)[0]
+    assert (mix.compute, mix.memory, mix.other) == pytest.approx((0.15, 0.45, 0.4))
+    assert "GPU busy 60%" in mix.source
+    s = scale_rows(_rows(), {"kind": "cuda", "name": "NVIDIA H200"}, H100, Counted(per_rank={}, embedded_tokens=None,
+                                                                                  step=2, incomplete=[]), "wall", {0: mix})
+    assert s["other_fraction"] == pytest.approx(0.4)
+    # H200 -> H100: memory-bound time x(4.8/3.35); FLOP-bound x1; the idle 40% x1
+    assert s["mean_factor"] == pytest.approx(0.15 + 0.45 * H200.hbm_bandwidth_tbps / H100.hbm_bandwidth_tbps + 0.4)

@@ -182,6 +182,34 @@ def test_steady_steps_are_pooled_so_one_slow_step_of_one_run_is_outvoted():
     assert out.classes[0]["steady_scale"] == pytest.approx(2.0 / 2.2)
 
 
+def test_a_profiled_steady_step_gives_the_pool_no_sample_where_two_others_remain():
+    """``calibrate.kernel_mix`` traces every run's first steady step (kernel tracing slows the
+    host): that step's 9 ms is left out of the pool, yet it gets the pooled spans like the others;
+    with only two steady steps, both are kept (one sample would be no median)."""
+    rows = _stepped(4)
+    step = lambda c, w, m: [["c", 0, c, None], ["w", 0, w, None], ["m", 0, m, None]]  # noqa: E731
+    run = step(50.0, 5.0, 5.0) + step(8.0, 0.5, 0.5) + step(1.0, 0.5, 0.5) + step(1.2, 0.4, 0.4)
+    out = apply_spans(_Reader(rows), {0: [run]}, Measure.wall, [ShardClass((0,), 0)], profiled_steps=1)
+    spans = [r["compute_wall_s"] for r in sorted(out.rows, key=lambda r: r["idx"])]
+    pooled = [1.1, 0.45, 0.45]  # medians of the last two steps; their totals 2.0 and 2.0
+    for k in (3, 6, 9):
+        assert spans[k:k + 3] == pytest.approx(pooled)
+    assert out.classes[0]["steady_steps_pooled"] == 2 and out.classes[0]["profiled_steps_left_out"] == 1
+    short = _stepped(3)
+    out = apply_spans(_Reader(short), {0: [run[:9]]}, Measure.wall, [ShardClass((0,), 0)], profiled_steps=1)
+    assert out.classes[0]["steady_steps_pooled"] == 2 and "profiled_steps_left_out" not in out.classes[0]
+
+
+def test_the_steady_step_span_is_the_median_step_total_of_a_rank():
+    from prism_launch.predict.calibrate import steady_step_span
+
+    rows = _stepped(4)
+    for r, v in zip(sorted(rows, key=lambda r: r["idx"]), [50, 5, 5, 1, 1, 1, 2, 1, 1, 9, 1, 1]):
+        r["compute_wall_s"] = float(v)
+    assert steady_step_span(rows, 0) == 4.0  # steps of 3, 4 and 11
+    assert steady_step_span(rows, 1) is None
+
+
 def test_steady_steps_that_issue_different_events_are_not_pooled():
     rows = _stepped(3)
     rows[4]["nbytes"] = 1  # the second step's wait differs from the third's
