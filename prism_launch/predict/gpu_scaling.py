@@ -41,6 +41,9 @@ class KernelMix:
     """Communication kernels (NCCL): priced by the network model, so left out of the span."""
     source: str = "default"
     """Where the mix came from (``profiler``, ``counted FLOPs``, ``default: all FLOP-bound``)."""
+    busy: float | None = None
+    """The share of the span the GPU spent in kernels where it was measured (the fractions above
+    are then of the whole span, the idle rest in :attr:`other`); None where not measured."""
 
     def __post_init__(self) -> None:
         parts = (self.compute, self.memory, self.comm)

@@ -87,7 +87,8 @@ def kernel_mixes(reader: TraceReader) -> dict[int, KernelMix]:
         source = f"profiler ({m.get('activity') or 'kernels'} of one step of each shard class)"
         if m.get("busy_share") is not None:
             source += f", GPU busy {busy:.0%} of its calibrated compute"
-        mix = KernelMix(compute=m["compute"] * busy, memory=m["memory"] * busy, comm=m["comm"] * busy, source=source)
+        mix = KernelMix(compute=m["compute"] * busy, memory=m["memory"] * busy, comm=m["comm"] * busy, source=source,
+                        busy=m.get("busy_share"))
         out.update((int(r), mix) for r in m["members"])
     return out
 

@@ -139,6 +139,10 @@ def percent(v: float) -> str:
     return f"{v:.2%}" if v >= 1e-4 or v == 0 else f"{v * 100:.1e}%"
 
 
+HOST_BOUND_BUSY = 0.7
+"""Below this GPU-busy share of the calibrated compute a low MFU is put down to the host."""
+
+
 def mfu_warning(pred: dict) -> str:
     """Why an MFU outside :data:`MFU_BAND` on a GPU cluster is suspect ("" inside it, on a CPU
     cluster, or with no MFU)."""
@@ -156,6 +160,11 @@ def mfu_warning(pred: dict) -> str:
         causes.append(f"compute was not scaled to the target GPU ({scaling.get('why', 'measuring GPU unknown')})")
     if not str(pred.get("compute_source", "")).startswith("calibrated"):
         causes.append("spans are uncalibrated (ranks shared devices during capture)")
+    busy = scaling.get("busy_share")
+    if mfu < lo and busy is not None and busy < HOST_BOUND_BUSY:
+        causes.append(f"the GPU was busy only {busy:.0%} of the calibrated compute: the program is host-bound "
+                      "(many small kernels, e.g. unfused local layers), so the step follows the host's speed and a "
+                      "fused implementation would run faster")
     if mfu > hi:
         causes.append("FLOPs counted may include recompute, or the cluster's GPU peak is wrong")
     causes.append(f"check the cluster ({pred.get('cluster')}) is the one meant")
@@ -215,5 +224,6 @@ def scale_rows(rows: list[dict], device: dict | None, target: GpuSpec, c: Counte
         "memory_fraction": statistics.fmean(s.mix.memory for s in fs) if fs else 0.0,
         "comm_fraction": statistics.fmean(s.mix.comm for s in fs) if fs else 0.0,
         "other_fraction": statistics.fmean(s.mix.other for s in fs) if fs else 0.0,
+        "busy_share": statistics.fmean(busy) if (busy := [s.mix.busy for s in fs if s.mix.busy is not None]) else None,
         "mix_source": ", ".join(sources) if sources else DEFAULT_MIX.source,
     }

@@ -130,6 +130,6 @@ def test_a_class_busy_share_leaves_the_gpu_idle_time_unscaled():
     assert "GPU busy 60%" in mix.source
     s = scale_rows(_rows(), {"kind": "cuda", "name": "NVIDIA H200"}, H100, Counted(per_rank={}, embedded_tokens=None,
                                                                                   step=2, incomplete=[]), "wall", {0: mix})
-    assert s["other_fraction"] == pytest.approx(0.4)
+    assert s["other_fraction"] == pytest.approx(0.4) and s["busy_share"] == pytest.approx(0.6)
     # H200 -> H100: memory-bound time x(4.8/3.35); FLOP-bound x1; the idle 40% x1
     assert s["mean_factor"] == pytest.approx(0.15 + 0.45 * H200.hbm_bandwidth_tbps / H100.hbm_bandwidth_tbps + 0.4)

@@ -68,3 +68,11 @@ def test_the_report_lines_carry_throughput_factors_and_warning():
     assert "tokens/s/GPU" in text and "TFLOP/s per GPU" in text and "MFU 20.22%" in text
     assert "memory-bound x1.433" in text and "50% FLOP-bound / 50% memory-bound" in text
     assert "warning" in text
+
+
+def test_low_mfu_of_a_host_bound_program_names_the_host():
+    """The 8B job's local layers at TP8: the GPU busy ~60% of the calibrated compute, MFU 7%."""
+    said = mfu_warning(_pred(0.07, gpu_scaling={"scaled": True, "busy_share": 0.6}))
+    assert "busy only 60% of the calibrated compute" in said and "host-bound" in said
+    assert "host-bound" not in mfu_warning(_pred(0.07, gpu_scaling={"scaled": True, "busy_share": 0.95}))
+    assert "host-bound" not in mfu_warning(_pred(0.07))  # no busy share measured: nothing said
