@@ -200,9 +200,9 @@ def summarize(rep: dict, sh: Shape, sandbox: int) -> tuple[list[Figure], list[st
             Figure("compute calibrated", str(pred.get("compute_source", "")).startswith("calibrated"), IS_TRUE),
             # the share of the calibrated compute the GPU spent in kernels (calibrate.kernel_mix's
             # profiled steady step); the rest is the GPU waiting on its host: a host-bound implementation
-            Figure("calibrated compute in classified GPU kernels %",
-                   None if (pred.get("gpu_scaling") or {}).get("other_fraction") is None
-                   else 100 * (1 - pred["gpu_scaling"]["other_fraction"]), None, ".1f")]
+            Figure("GPU busy share of the calibrated compute %",
+                   None if (busy := (pred.get("gpu_scaling") or {}).get("busy_share")) is None else 100 * busy,
+                   None, ".1f")]
     return figs, lines
 
 

@@ -198,13 +198,14 @@ def test_gpu_lean_reports_an_oom_verdict_only_when_the_report_gives_one():
     assert exit_code(_lean(oom_ranks=None)) != 0 and exit_code(_lean(oom_ranks=[3, 7])) == 0
 
 
-def _report_8b(iteration_s, source="calibrated (6 shard classes)", fused=(1.7, 0.3)):
+def _report_8b(iteration_s, source="calibrated (6 shard classes)", fused=(1.7, 0.3), busy=0.62):
     import gpu_predict8b
 
     step = {"compute_s": 0.1, "collective_waits_s": {"TENSOR_MODEL_PARALLEL_GROUP": 0.02, "DATA_PARALLEL_GROUP": 0.01},
             "p2p_waits_s": 0.03, "waits_s": 0.06}
     rep = {"predicted": {"iteration_time_s": iteration_s, "iteration_times_s": [1.0, iteration_s or 0.0],
-                         "compute_source": source, "throughput": {"tokens_per_s_per_gpu": 1000.0,
+                         "compute_source": source, "gpu_scaling": {"scaled": True, "busy_share": busy},
+                         "throughput": {"tokens_per_s_per_gpu": 1000.0,
                                                                   "model_tflops_per_gpu": 200.0, "mfu": 0.2,
                                                                   "peak_bf16_tflops": 989.0}},
            "ranks": {"8191": {"sandbox": True, "step": step}},
@@ -220,7 +221,9 @@ def test_the_8b_prediction_and_its_fused_layer_what_if_must_fall_in_their_bands(
     assert exit_code(_report_8b(0.75, fused=(None, None))) == 1  # factor not measured
     assert exit_code(_report_8b(None)) == 1            # not predicted
     assert exit_code(_report_8b(0.75, source="cpu thread")) == 1
+    assert exit_code(_report_8b(0.75, busy=None)) == 1  # no kernel profile: the busy share is missing
     figs = {f.name: f.value for f in _report_8b(0.75)}
+    assert figs["GPU busy share of the calibrated compute %"] == pytest.approx(62.0)
     assert figs["sandbox exposed TP ms"] == pytest.approx(20.0) and figs["sandbox exposed DP ms"] == pytest.approx(10.0)
     assert figs["predicted iteration ms with fused layers (compute / factor)"] == pytest.approx(300.0)
 
