@@ -110,6 +110,11 @@ NETWORK_SIZES = [1 << 10, 16 << 10, 128 << 10, 512 << 10, 2 << 20]
 (tensor-parallel all-reduces of 512 KiB, ZeRO buckets of 8 KiB to a few MiB), so the fitted
 bandwidth is that of the messages the jobs send (fitted on 1-256 KiB alone it came out
 anywhere from 2 to 54 GB/s, and a 512 KiB all-reduce was priced at half its time)."""
+NETWORK_ITERS = 200
+"""Timed iterations per op and size, in 10 rounds. gloo's times on a shared 2-core machine are
+heavy-tailed (a 1 KiB all-reduce: median 0.2-0.9 ms, one in seven or so stalls ~4 ms), and an op's
+cost is the mean: over 20 iterations a single stall moved a size's mean by 0.2 ms and the fitted
+all_reduce overhead between 0.37 and 1.9 ms from one pair to the next."""
 
 
 def network_now() -> tuple[list[str], str]:
@@ -120,7 +125,7 @@ def network_now() -> tuple[list[str], str]:
     from gloo_overhead import fit, fit_kinds, kinds_override
     from prism_launch.predict.netbench import run_workers
 
-    measured = run_workers(2, NETWORK_SIZES, 20, 3, "gloo", 300.0)
+    measured = run_workers(2, NETWORK_SIZES, NETWORK_ITERS, 3, "gloo", 300.0, rounds=10)
     o, lat, bw = fit(measured, 2)
     kinds = fit_kinds(measured, 2)
     over = [f"cluster.protocol_latency_us={o:.1f}"]
