@@ -82,13 +82,13 @@ def kernel_mixes(reader: TraceReader) -> dict[int, KernelMix]:
     the share the GPU was busy, the rest (the GPU waiting on its host) kept as measured."""
     out: dict[int, KernelMix] = {}
     for m in reader.manifest.extra.get("kernel_mixes") or []:
-        busy = m.get("busy_share")
-        busy = 1.0 if busy is None else min(1.0, max(0.0, float(busy)))
+        busy = m.get("busy_share")  # non-communication kernel time over the span
+        # the share of the span in kernels of any class, communication included
+        k = 1.0 if busy is None or m["comm"] >= 1.0 else min(1.0, max(0.0, float(busy)) / (1.0 - m["comm"]))
         source = f"profiler ({m.get('activity') or 'kernels'} of one step of each shard class)"
-        if m.get("busy_share") is not None:
+        if busy is not None:
             source += f", GPU busy {busy:.0%} of its calibrated compute"
-        mix = KernelMix(compute=m["compute"] * busy, memory=m["memory"] * busy, comm=m["comm"] * busy, source=source,
-                        busy=m.get("busy_share"))
+        mix = KernelMix(compute=m["compute"] * k, memory=m["memory"] * k, comm=m["comm"] * k, source=source, busy=busy)
         out.update((int(r), mix) for r in m["members"])
     return out
 

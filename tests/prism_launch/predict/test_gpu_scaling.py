@@ -133,3 +133,8 @@ def test_a_class_busy_share_leaves_the_gpu_idle_time_unscaled():
     assert s["other_fraction"] == pytest.approx(0.4) and s["busy_share"] == pytest.approx(0.6)
     # H200 -> H100: memory-bound time x(4.8/3.35); FLOP-bound x1; the idle 40% x1
     assert s["mean_factor"] == pytest.approx(0.15 + 0.45 * H200.hbm_bandwidth_tbps / H100.hbm_bandwidth_tbps + 0.4)
+    # with communication kernels (20% of the kernel time) the busy share counts the others only:
+    # kernels of any class are then 0.6 / 0.8 of the span
+    reader.manifest.extra["kernel_mixes"][0].update(compute=0.2, memory=0.6, comm=0.2)
+    mix = kernel_mixes(reader)[0]
+    assert (mix.compute, mix.memory, mix.comm, mix.other) == pytest.approx((0.15, 0.45, 0.15, 0.25))
