@@ -84,16 +84,27 @@ def _steady_scale(median: list[float], runs: list[list[float]], start: int) -> f
     return want / total if total > 0 else 1.0
 
 
-def _steady_steps(evs: list[dict]) -> list[tuple[int, int]]:
-    """``(start, end)`` of each full steady step of a rank's events (from just after one step
-    marker through the next, the marker included), when every such step issues the same event
-    sequence (kind, op, bytes); otherwise none."""
+def _full_steps(evs: list[dict]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each full steady step of a rank's events: from just after one step
+    marker through the next, the marker included."""
     marks = [i for i, e in enumerate(evs) if e["kind"] == "marker" and e["op"] == "step"]
-    steps = [(a + 1, b + 1) for a, b in zip(marks, marks[1:])]
-    if len(steps) < 2:
+    return [(a + 1, b + 1) for a, b in zip(marks, marks[1:])]
+
+
+def _steady_steps(evs: list[dict]) -> list[tuple[int, int]]:
+    """The full steady steps (:func:`_full_steps`) that issue the event sequence (kind, op, bytes)
+    most of them issue, when two or more do; otherwise none. A step that differs (torchtitan's
+    first steady step adds a barrier) keeps its own spans."""
+    steps = _full_steps(evs)
+    shapes = [tuple((evs[i]["kind"], evs[i]["op"], evs[i].get("nbytes")) for i in range(a, b)) for a, b in steps]
+    if not shapes:
         return []
-    shape = [[(evs[i]["kind"], evs[i]["op"], evs[i].get("nbytes")) for i in range(a, b)] for a, b in steps]
-    return steps if all(x == shape[0] for x in shape[1:]) else []
+    counts = {x: shapes.count(x) for x in shapes}
+    best = max(counts.values())
+    if best < 2:
+        return []
+    common = next(x for x in reversed(shapes) if counts[x] == best)  # a tie: the later steps' shape
+    return [st for st, x in zip(steps, shapes) if x == common]
 
 
 def _pool_steps(median: list[float], runs: list[list[float]], steps: list[tuple[int, int]],
@@ -155,7 +166,10 @@ def apply_spans(reader: TraceReader, measured: dict[int, list[list]], measure: M
         rep = by_rank.get(c.members[0], []) if c.members else []
         steps = _steady_steps(rep) if len(rep) == len(median) else []
         if steps:
-            skip = profiled_steps if len(steps) - profiled_steps >= 2 else 0
+            # the profiled steps (the first full ones) give no sample, where they are among those pooled
+            profiled = set(_full_steps(rep)[:profiled_steps])
+            lead = next((k for k, st in enumerate(steps) if st not in profiled), len(steps))
+            skip = lead if len(steps) - lead >= 2 else 0
             median, scale = _pool_steps(median, runs, steps, skip)
             out.classes[-1]["steady_steps_pooled"] = (len(steps) - skip) * len(runs)
             if skip:

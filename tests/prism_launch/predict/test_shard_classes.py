@@ -200,6 +200,21 @@ def test_a_profiled_steady_step_gives_the_pool_no_sample_where_two_others_remain
     assert out.classes[0]["steady_steps_pooled"] == 2 and "profiled_steps_left_out" not in out.classes[0]
 
 
+def test_steady_steps_of_the_common_sequence_are_pooled_and_a_different_first_one_keeps_its_spans():
+    """torchtitan's first steady step adds a barrier: the three later steps, the same work, are
+    pooled; the first (profiled, and different) keeps its own spans, and gives the pool nothing."""
+    rows = _stepped(5)
+    rows[4]["nbytes"] = 1  # the first full steady step's wait differs from the later ones'
+    step = lambda c, w, m: [["c", 0, c, None], ["w", 0, w, None], ["m", 0, m, None]]  # noqa: E731
+    run = step(50.0, 5.0, 5.0) + step(9.0, 9.0, 9.0) + step(1.0, 0.5, 0.5) + step(1.2, 0.4, 0.4) + step(1.1, 0.6, 0.5)
+    out = apply_spans(_Reader(rows), {0: [run]}, Measure.wall, [ShardClass((0,), 0)], profiled_steps=1)
+    spans = [r["compute_wall_s"] for r in sorted(out.rows, key=lambda r: r["idx"])]
+    assert spans[3:6] == [9.0, 9.0, 9.0]
+    for k in (6, 9, 12):
+        assert sum(spans[k:k + 3]) == pytest.approx(2.0)  # the median step total of the three
+    assert out.classes[0]["steady_steps_pooled"] == 3 and "profiled_steps_left_out" not in out.classes[0]
+
+
 def test_the_steady_step_span_is_the_median_step_total_of_a_rank():
     from prism_launch.predict.calibrate import steady_step_span
 
