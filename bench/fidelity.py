@@ -134,7 +134,8 @@ def network_now() -> tuple[list[str], str]:
     if kinds:
         over.append(kinds_override(kinds))
     return over, (f"gloo now: {o:.0f} us/op + {lat:.0f} us/hop, {bw:.2f} GB/s; per kind " +
-                  ", ".join(f"{k} {ov:.0f} us + {b:.2f} GB/s" for k, (ov, b) in sorted(kinds.items())))
+                  ", ".join(f"{k} {c.latency_us:.0f} us/hop + {c.bandwidth_gbps:.2f} GB/s"
+                             for k, c in sorted(kinds.items())))
 
 
 def predicted(flags: list, job: list, work: Path, cluster: str, compute: str, repeats: int,

@@ -69,41 +69,21 @@ def fit(measured: dict[tuple[str, int], float], p: int) -> tuple[float, float, f
     return a / 1e-6, b / 1e-6, (1.0 / c if c > 0 else float("inf"))
 
 
-PER_KIND = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-"""Kinds given their own cost (``cluster.kinds``) by :func:`fit_kinds`."""
-
-
-def fit_kinds(measured: dict[tuple[str, int], float], p: int) -> dict[str, tuple[float, float]]:
-    """Per kind of :data:`PER_KIND` measured at two or more sizes: ``(overhead µs, bandwidth GB/s)``
-    of ``t = overhead + bytes(kind) / bandwidth`` (weighted least squares, both terms >= 0): gloo's
+def fit_kinds(measured: dict[tuple[str, int], float], p: int) -> dict:
+    """Each collective kind measured at two or more sizes fitted alone (netbench's per-kind fit,
+    :func:`~prism_launch.predict.netbench.fit_measurements`) as ``cluster.kinds`` entries: gloo's
     kinds differ by more than their hops and bytes (its all_reduce of 512 KiB between 2 processes
     on the 2-core VM costs ~1.5 ms, its broadcast ~0.3 ms), which one joint fit averages away."""
-    import numpy as np
+    from prism_launch.predict.link_fit import kind_costs
+    from prism_launch.predict.netbench import fit_measurements
 
-    out = {}
-    for kind in PER_KIND:
-        pts = [(n, t) for (k, n), t in measured.items() if k == kind and t > 0]
-        if len(pts) < 2:
-            continue
-        x = np.array([[1.0 / t, _terms(kind, n, p)[1] / t] for n, t in pts])
-        y = np.ones(len(pts))
-        best = None
-        for free in ((0, 1), (0,), (1,)):
-            coef, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
-            full = np.zeros(2)
-            full[list(free)] = coef
-            if (full >= 0).all() and full[1] > 0:
-                err = float(((x @ full - y) ** 2).sum())
-                if best is None or err < best[0]:
-                    best = (err, full)
-        if best is not None:
-            out[kind] = (best[1][0] / 1e-6, 1.0 / best[1][1])
-    return out
+    return kind_costs(fit_measurements(measured, p))
 
 
-def kinds_override(kinds: dict[str, tuple[float, float]]) -> str:
+def kinds_override(kinds: dict) -> str:
     """The ``+cluster.kinds={...}`` override of :func:`fit_kinds`'s figures."""
-    body = ",".join(f"{k}:{{overhead_us:{o:.1f},bandwidth_gbps:{bw:.4f}}}" for k, (o, bw) in sorted(kinds.items()))
+    body = ",".join(f"{k}:{{latency_us:{c.latency_us},bandwidth_gbps:{c.bandwidth_gbps}}}"
+                    for k, c in sorted(kinds.items()))
     return f"+cluster.kinds={{{body}}}"
 
 

@@ -79,19 +79,22 @@ def test_absolute_goals_do_not_let_errors_of_both_signs_cancel_and_the_real_spre
     assert "real spread" in text and "|±5%,10%" in text
 
 
-def test_gloo_kinds_fit_their_own_overhead_and_bandwidth():
-    """bench/gloo_overhead.py's per-kind fit recovers each kind's overhead and bandwidth from times
-    made by the cost model's own byte counts, and writes them as one ``cluster.kinds`` override."""
+def test_gloo_kinds_fit_their_own_latency_and_bandwidth():
+    """bench/gloo_overhead.py's per-kind fit (netbench's) recovers each kind's op time from times
+    made by the cost model's own hop and byte counts, and writes them as one ``cluster.kinds`` override."""
     from gloo_overhead import _terms, fit_kinds, kinds_override
 
-    truth = {"all_reduce": (1500.0, 2.5), "broadcast": (150.0, 3.0), "all_gather": (500.0, 0.7)}
-    measured = {(k, n): o * 1e-6 + _terms(k, n, 2)[1] / bw for k, (o, bw) in truth.items()
-                for n in (1 << 10, 16 << 10, 512 << 10, 2 << 20)}
+    from prism_launch.config.cluster import KindCost
+
+    truth = {"all_reduce": (750.0, 2.5), "broadcast": (150.0, 3.0), "all_gather": (500.0, 0.7)}  # µs/hop, GB/s
+    sizes = (1 << 10, 16 << 10, 512 << 10, 2 << 20)
+    measured = {(k, n): _terms(k, n, 2)[0] * lat * 1e-6 + _terms(k, n, 2)[1] / bw
+                for k, (lat, bw) in truth.items() for n in sizes}
     measured[("p2p", 1024)] = 1e-4  # not a collective kind: left to the links
     got = fit_kinds(measured, 2)
     assert set(got) == set(truth)
-    for k, (o, bw) in truth.items():
-        assert got[k] == pytest.approx((o, bw), rel=1e-6)
+    for k, (lat, bw) in truth.items():
+        assert (got[k].latency_us, got[k].bandwidth_gbps) == pytest.approx((lat, bw), rel=1e-3)
     assert fit_kinds({("all_reduce", 1024): 1e-3}, 2) == {}  # one size: no fit
-    over = kinds_override({"broadcast": (150.0, 3.0)})
-    assert over == "+cluster.kinds={broadcast:{overhead_us:150.0,bandwidth_gbps:3.0000}}"
+    over = kinds_override({"broadcast": KindCost(latency_us=150.0, bandwidth_gbps=3.0)})
+    assert over == "+cluster.kinds={broadcast:{latency_us:150.0,bandwidth_gbps:3.0}}"
