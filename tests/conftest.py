@@ -70,6 +70,18 @@ def tmp(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture
+def short_tmp():
+    """A new directory with a short path under /tmp, for a launcher's TMPDIR: the coordinator's
+    socket under a deep one (a parallel runner's) would not fit a Unix socket's path."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def capture_each(tmp_path_factory, name: str, base: list, settings: dict[str, str], sandbox: int, program: list,
                  timeout: float = 900) -> dict[str, Path]:
     """One capture of ``program`` per value of the setting ``name`` (``{value: extra key=value}``),

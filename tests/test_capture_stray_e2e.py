@@ -33,9 +33,8 @@ def _strays(tmpdir: Path, done: threading.Event, opened: list) -> None:
         time.sleep(0.01)
 
 
-def test_stray_connections_during_a_capture(tmp_path):
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+def test_stray_connections_during_a_capture(tmp_path, short_tmp):
+    tmpdir = short_tmp
     done, opened = threading.Event(), []
     t = threading.Thread(target=_strays, args=(tmpdir, done, opened), daemon=True)
     t.start()

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import WORKERS, run_prism
 
+pytestmark = pytest.mark.serial  # wall-clock bounds: run alone (make test)
+
 SCRIPT = WORKERS / "known_timeline.py"
 COMMON = ["--nproc-per-node", "3", "-r", "3", "device=cpu", "capture.warm_imports=[torch]", "comm.timeout_s=60"]
 STEPS = 4

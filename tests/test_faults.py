@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import ROOT, WORKERS, _env, run_prism
 
+pytestmark = pytest.mark.serial  # wall-clock bounds: run alone (make test)
+
 HANG = WORKERS / "hang.py"
 BASE = ["--nproc-per-node", "2", "-r", "3", "device=cpu", "capture.warm_imports=[torch]"]
 
@@ -96,10 +98,9 @@ def trace(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_signal_to_launcher_during_capture(tmp, sig, code):
-    pids, temp = tmp / "pids", tmp / "temp"
+def test_signal_to_launcher_during_capture(tmp, short_tmp, sig, code):
+    pids, temp = tmp / "pids", short_tmp  # the launcher's temporary directory: where its coordinator's socket lives
     pids.mkdir()
-    temp.mkdir()  # the launcher's temporary directory: where its coordinator's socket lives
     proc = start_prism([*BASE, "mode=capture", f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp,
                        env={"HANG_RANK": "1", "PID_DIR": str(pids), "TMPDIR": str(temp)})
     wait_for_ranks(proc, pids, [0, 1])

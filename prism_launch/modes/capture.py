@@ -15,7 +15,7 @@ from pathlib import Path
 from nccl_ext.exchange.arena import claim_directory, release_directory
 from prism_launch.config import Mode, Park, Payload
 from prism_launch.config.plan import CapturePlan
-from prism_launch.errors import GpuWaitsStalledError, RunFailedError
+from prism_launch.errors import GpuWaitsStalledError, PrismError, RunFailedError
 from prism_launch.launch.logs import parse_rank_log
 from prism_launch.modes.context import RunContext
 from prism_launch.trace import RankLogs, TraceLayout, TraceWriter
@@ -93,6 +93,28 @@ when a contribution does not fit)."""
 COORDINATOR_DIR_PREFIX = "prism-coord-"
 """The coordinator's socket directory under the temporary directory: one a killed launcher left
 is removed by the next capture (:func:`~nccl_ext.exchange.arena.claim_directory`)."""
+COORDINATOR_SOCKET = "coord.sock"
+UNIX_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+"""The longest path a Unix socket binds to (``sun_path`` less its terminating NUL)."""
+
+
+def coordinator_base(temp: str | None = None) -> str:
+    """Where the coordinator's socket directory goes: the temporary directory (``TMPDIR``), or
+    ``/tmp`` when the socket's path under it would be too long for a Unix socket (a deep
+    ``TMPDIR``: a test runner's, a job scheduler's per-job directory)."""
+    temp = temp or tempfile.gettempdir()
+
+    def fits(base: str) -> bool:
+        name = os.path.join(base, COORDINATOR_DIR_PREFIX + "x" * 8, COORDINATOR_SOCKET)  # mkdtemp adds 8
+        return len(os.fsencode(name)) <= UNIX_PATH_MAX
+
+    if fits(temp):
+        return temp
+    if fits("/tmp") and os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK):
+        return "/tmp"
+    raise PrismError(f"the capture coordinator's socket path under the temporary directory {temp!r} would "
+                         f"be longer than a Unix socket allows ({UNIX_PATH_MAX} bytes) and /tmp is not usable: "
+                         "set TMPDIR to a shorter, writable directory")
 
 
 def exchange_dir(fallback: Path, ranks: int) -> str | None:
@@ -236,12 +258,12 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
 
     ws = ctx.topo.world_size
     sink = BackgroundSink(writer, stall_s=ctx.cfg.comm.timeout_s)
-    sock_dir = Path(claim_directory(tempfile.gettempdir(), prefix=COORDINATOR_DIR_PREFIX))
+    sock_dir = Path(claim_directory(coordinator_base(), prefix=COORDINATOR_DIR_PREFIX))
     authkey = os.urandom(16)
     exchange = exchange_dir(sock_dir, len(ranks)) if payload != "none" and ctx.cfg.capture.exchange else None
     scope = tuple(ctx.cfg.sandbox.ranks) if payload == "exact" else None
     try:
-        coord = Coordinator(str(sock_dir / "coord.sock"), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
+        coord = Coordinator(str(sock_dir / COORDINATOR_SOCKET), authkey, ws, ctx.cfg.comm.timeout_s, slots=slots,
                             parker=park, fold=fold if fold.folded else None, payload=payload, budget_bytes=budget,
                             admission=admit, sink=sink, scope=scope, exchange=exchange)
     except BaseException:

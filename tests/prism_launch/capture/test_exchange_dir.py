@@ -70,3 +70,31 @@ def test_a_killed_launchers_coordinator_directory_is_removed_by_the_next_capture
         assert not os.path.exists(dead) and os.path.isdir(mine)
     finally:
         exchange.release_directory(mine)
+
+
+def test_a_deep_temporary_directory_puts_the_coordinators_socket_under_tmp(monkeypatch):
+    """The coordinator's socket goes under TMPDIR while its path fits a Unix socket, else under
+    /tmp; where neither fits, the error names TMPDIR."""
+    import socket
+
+    import pytest
+
+    from nccl_ext.exchange import arena as exchange
+    from prism_launch.errors import PrismError
+    from prism_launch.modes import capture
+    from prism_launch.modes.capture import COORDINATOR_DIR_PREFIX, COORDINATOR_SOCKET, coordinator_base
+
+    short = "/tmp/pt-x"
+    assert coordinator_base(short) == short
+    deep = "/tmp/" + "d" * 80
+    assert coordinator_base(deep) == "/tmp"
+    d = exchange.claim_directory(coordinator_base(deep), prefix=COORDINATOR_DIR_PREFIX)
+    try:  # the longest name it makes binds
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(os.path.join(d, COORDINATOR_SOCKET))
+        s.close()
+    finally:
+        exchange.release_directory(d)
+    monkeypatch.setattr(capture, "UNIX_PATH_MAX", 10)
+    with pytest.raises(PrismError, match="set TMPDIR to a shorter, writable directory"):
+        coordinator_base(deep)
