@@ -113,8 +113,8 @@ def coordinator_base(temp: str | None = None) -> str:
     if fits("/tmp") and os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK):
         return "/tmp"
     raise PrismError(f"the capture coordinator's socket path under the temporary directory {temp!r} would "
-                         f"be longer than a Unix socket allows ({UNIX_PATH_MAX} bytes) and /tmp is not usable: "
-                         "set TMPDIR to a shorter, writable directory")
+                     f"be longer than a Unix socket allows ({UNIX_PATH_MAX} bytes) and /tmp is not usable: "
+                     "set TMPDIR to a shorter, writable directory")
 
 
 def exchange_dir(fallback: Path, ranks: int) -> str | None:
