@@ -195,7 +195,7 @@ def _base(a: argparse.Namespace, row: Row, work: Path) -> list[str]:
     return ["--nnodes", str(row.world // 8), "--nproc-per-node", "8", "device=cuda",
             f"sandbox.ranks=[{row.world - 1}]", f"trace.dir={work / 'trace'}", f"cluster={a.cluster}",
             "capture.payload=none", "capture.fold=true", f"capture.ep_sample={a.ep_sample}",
-            f"capture.slots={a.slots}", "comm.timeout_s=600", f"calibrate.repeats={a.repeats}"]
+            f"capture.slots={a.slots}", "comm.timeout_s=600", f"calibrate.repeats={a.repeats}", *a.set]
 
 
 def captured_ranks(trace: Path) -> int | None:
@@ -292,7 +292,9 @@ def main() -> int:
                     help="capture and calibrate in separate commands on one machine (with --work)")
     ap.add_argument("--work", help="folder for the trace (kept); default: a temporary one, removed")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--ep-sample", type=int, default=4, help="capture.ep_sample: EP positions captured per stage")
+    ap.add_argument("--ep-sample", type=int, default=1,
+                    help="capture.ep_sample: EP positions captured per stage (each captured Mixtral rank holds "
+                         "~20 GiB: 4 stages x 4 positions = 16 ranks ran an 80 GB H100 out of memory)")
     ap.add_argument("--slots", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--cluster", default="h100_ib")
@@ -300,6 +302,8 @@ def main() -> int:
     ap.add_argument("--mlm", default=str(ROOT / ".mlm"))
     ap.add_argument("--timeout", type=float, default=560.0)
     ap.add_argument("--print-args", action="store_true", help="print the script's arguments and exit")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a prism-launch setting for every run (e.g. capture.park=cuda_checkpoint)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     row = ROWS["mixtral" if a.row == "sweep" else a.row]

@@ -249,6 +249,28 @@ def _failure(coord, error: RunFailedError) -> RunFailedError:
     return GpuWaitsStalledError(f"{error} (rank {rank}'s waits on the GPU stopped: {what})")
 
 
+def out_of_memory(error: RunFailedError, ctx: RunContext, ranks: list[int], admit, park) -> RunFailedError:
+    """``error``, with what to do where a captured rank ran out of GPU memory: how many ranks
+    were on the device at once and why, and the settings that put fewer there."""
+    text = str(error)
+    if not ctx.cfg.on_cuda or not any(m in text for m in ("CUDA out of memory", "CUDA error: out of memory",
+                                                          "OutOfMemoryError")):
+        return error
+    where = ""
+    if admit is not None:
+        forced = (f", {admit.forced} of them started past the GPU's free memory because every rank on it "
+                  "waited on a peer that had not started") if admit.forced else ""
+        where = f" up to {admit.max_admitted} were on the device at once{forced};"
+    parked = ("capture.resident=K (fewer ranks' memory on the device; the rest parked in host memory)"
+              if park is not None else "capture.park=cuda_checkpoint capture.resident=K (parked ranks' GPU "
+              "memory moves to host memory)")
+    return RunFailedError(
+        f"{text}\nprism-launch: a captured rank ran out of GPU memory: {len(ranks)} rank(s) are captured;{where} "
+        f"each holds its own model shard, optimizer state and activations. Capture fewer ranks "
+        f"(capture.ep_sample=1 or capture.tp_sample=1 for folded MoE or tensor-parallel jobs, or fewer "
+        f"sandbox.ranks), or set {parked}")
+
+
 def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, writer: TraceWriter,
             ranks: list[int], slots: int | None, park, admit, spill: int, waits: bool) -> Path:
     """Run the captured ranks against a coordinator that streams their tensors into ``writer``,
@@ -297,7 +319,7 @@ def _record(ctx: RunContext, fold: FoldPlan, payload: str, budget: int | None, w
         except CaptureError as e:
             raise _failure(coord, RunFailedError(f"capture failed: {e}")) from None
         except RunFailedError as e:
-            raise _failure(coord, e) from None
+            raise _failure(coord, out_of_memory(e, ctx, ranks, admit, park)) from None
         for _ in range(50):  # drain what ranks sent right before exiting
             coord.pump(0.01)
         coord.drain(wait=True)

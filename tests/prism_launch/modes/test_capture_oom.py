@@ -1,0 +1,47 @@
+"""A captured rank out of GPU memory: the launcher's error says how many ranks were on the device
+and which settings put fewer there."""
+
+from types import SimpleNamespace
+
+from prism_launch.capture.slots import MemoryAdmission
+from prism_launch.errors import RunFailedError
+from prism_launch.modes.capture import out_of_memory
+
+OOM = ("rank 505 failed (exitcode 1): AcceleratorError: CUDA error: out of memory\n"
+       "per-rank logs: /tmp/x")
+
+
+def _ctx(on_cuda: bool = True):
+    return SimpleNamespace(cfg=SimpleNamespace(on_cuda=on_cuda))
+
+
+def _admission() -> MemoryAdmission:
+    adm = MemoryAdmission([50 << 30], lambda r: 0)
+    adm.report(0, {"peak_reserved_bytes": 20 << 30})
+    assert adm.admit(0) and adm.admit(1)
+    assert not adm.admit(2)
+    assert adm.admit(2, force=True)  # every rank on the device waited on a peer
+    return adm
+
+
+def test_oom_names_ranks_forced_and_settings():
+    err = out_of_memory(RunFailedError(OOM), _ctx(), list(range(16)), _admission(), park=None)
+    text = str(err)
+    assert text.startswith(OOM)
+    assert "16 rank(s) are captured" in text
+    assert "up to 3 were on the device at once, 1 of them started past the GPU's free memory" in text
+    assert "capture.ep_sample=1" in text and "capture.park=cuda_checkpoint capture.resident=K" in text
+
+
+def test_oom_with_parking_names_resident_only():
+    err = out_of_memory(RunFailedError(OOM), _ctx(), [0, 1], None, park=object())
+    text = str(err)
+    assert "capture.park=" not in text and "capture.resident=K" in text
+    assert "at once" not in text  # no admission: nothing measured to say
+
+
+def test_other_failures_and_cpu_unchanged():
+    other = RunFailedError("rank 3 failed (exitcode 1): ValueError: bad flag")
+    assert out_of_memory(other, _ctx(), [0], _admission(), None) is other
+    oom = RunFailedError(OOM)
+    assert out_of_memory(oom, _ctx(on_cuda=False), [0], None, None) is oom
