@@ -33,11 +33,15 @@ demo: $(STAMP)
 	    device=cpu sandbox.ranks=[1000] trace.dir=$(DEMO_TRACE) \
 	    examples/megatron_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
-# two workers (each test module on one of them), then the tests marked serial alone
+# two workers (each test module on one of them), then the tests marked serial alone; the serial
+# part runs whether or not the first failed, and the target fails if either did
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope -m "not serial"
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m serial
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope -m "not serial"; \
+	first=$$?; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m serial; \
+	second=$$?; \
+	test $$first -eq 0 && test $$second -eq 0
 
 clean:
 	rm -rf $(VENV) prism_traces
