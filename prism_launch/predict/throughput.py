@@ -56,6 +56,10 @@ def counted(reader: TraceReader) -> Counted:
         if not f.get("complete"):
             incomplete.append(int(r))
             continue
+        if f.get("uncounted_ops"):  # the count would be low by these ops' FLOPs: not used
+            ops = f["uncounted_ops"]
+            why = why or f"FLOPs of {', '.join(sorted(ops))} could not be counted ({next(iter(ops.values()))})"
+            continue
         per_rank[int(r)] = int(f["flops"])
         step = f.get("step")
         if f.get("embedded_tokens"):

@@ -35,6 +35,8 @@ class StepFlops:
         self._counter: Any = None
         self._t0 = 0.0
         self._tables: dict[tuple, int] = {}
+        self._uncounted: dict[str, str] = {}
+        """Ops of the counting registry whose FLOPs could not be counted -> why."""
         self.result: dict | None = None
 
     def _embedding(self, weight_shape, indices_shape, *args, out_shape=None, **kwargs) -> int:
@@ -74,7 +76,7 @@ class StepFlops:
         self._counter = FlopCounterMode(display=False, custom_mapping=mapping)
         self._t0 = time.perf_counter()
         self._counter.__enter__()
-        _run_programs_kernels(self._counter)
+        _run_programs_kernels(self._counter, self._uncounted)
 
     def _stop(self, complete: bool) -> None:
         counter, self._counter = self._counter, None
@@ -84,6 +86,7 @@ class StepFlops:
             "flops": int(counter.get_total_flops()),
             "embedded_tokens": max(self._tables.values()) if self._tables else None,
             "complete": complete,
+            "uncounted_ops": dict(self._uncounted) or None,
             "counting_wall_s": round(time.perf_counter() - self._t0, 6),
             "counted_by": "torch.utils.flop_counter.FlopCounterMode",
         }
@@ -113,7 +116,7 @@ def compiled_frames() -> int:
         return 0
 
 
-def _run_programs_kernels(counter) -> None:
+def _run_programs_kernels(counter, uncounted: dict[str, str]) -> None:
     """Make the entered ``counter`` run every op with the kernel the program would run.
 
     FlopCounterMode replaces an op outside its FLOP registry that has a composite definition by
@@ -134,11 +137,58 @@ def _run_programs_kernels(counter) -> None:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             import torch
 
-            if isinstance(func, torch._ops.HigherOrderOperator) or func._overloadpacket in self.counter.flop_registry:
+            if isinstance(func, torch._ops.HigherOrderOperator):
                 return super().__torch_dispatch__(func, types, args, kwargs)
-            return func(*args, **(kwargs or {}))  # not counted: no FLOPs, and never decomposed
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)  # not counted when outside the registry: no FLOPs, never decomposed
+            if func._overloadpacket in self.counter.flop_registry:
+                count_op(self.counter, func, out, args, kwargs, uncounted)
+            return out
 
     mode.__class__ = _ProgramKernels
+
+
+def count_op(counter, func, out, args, kwargs, uncounted: dict[str, str]) -> None:
+    """Count one op of ``counter``'s registry (what ``FlopCounterMode`` does after running it). Its
+    formula may refuse shapes the kernel takes — torch's attention formulas assert one head count
+    for query, key and value, while grouped-query attention passes fewer key/value heads — so a
+    refused op is counted again with every 4-D operand's heads widened to the query's (each query
+    head attends over its group's key/value head: the FLOPs of ungrouped attention); an op still
+    refused is left out and named in ``uncounted``, never failing the program."""
+    packet = func._overloadpacket
+    try:
+        counter._count_flops(packet, out, args, kwargs)
+        return
+    except Exception as first:  # noqa: BLE001 - counting never breaks the program it watches
+        error = first
+    widened = _heads_widened(args)
+    if widened is not None:
+        try:
+            counter._count_flops(packet, out, widened, kwargs)
+            return
+        except Exception as again:  # noqa: BLE001
+            error = again
+    uncounted.setdefault(str(packet), f"{type(error).__name__}: {error}")
+
+
+def _heads_widened(args: tuple) -> tuple | None:
+    """``args`` with each 4-D tensor (batch, heads, sequence, channels) whose heads divide the most
+    heads among them replaced by a meta tensor of that many heads; None when nothing is grouped."""
+    import torch
+
+    four = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if not four:
+        return None
+    heads = max(int(a.shape[1]) for a in four)
+    if all(int(a.shape[1]) == heads for a in four) or any(heads % max(1, int(a.shape[1])) for a in four):
+        return None
+
+    def widen(a):
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and int(a.shape[1]) != heads:
+            return torch.empty((a.shape[0], heads, a.shape[2], a.shape[3]), dtype=a.dtype, device="meta")
+        return a
+
+    return tuple(widen(a) for a in args)
 
 
 def _cpu_model() -> str:
