@@ -25,9 +25,9 @@ reserved) and their errors, then the TPS/GPU again with the GPU's peak at ``--de
 (the lower bound torchtitan's footnote gives for its 500 W H100s: "between SXM and NVL"; the
 H100 NVL's dense BF16 is 835 TFLOP/s), the same calibrated trace replayed again in-process.
 
-What differs from the published runs, printed with the table: the measuring GPU (an H200,
-141 GB HBM3e, 700 W) against the target's (H100 96 GB HBM2e, 500 W, clocks unknown); torch
-(2.11 against a 2024-12-23 nightly, 1963fc8); torchtitan (0.2.2 against 9dec370); the data
+What differs from the published runs, printed with each row: the measuring device (the one its
+trace names) against the target's (H100 96 GB HBM2e, 500 W, clocks unknown); torch (this
+process's against a 2024-12-23 nightly, 1963fc8); torchtitan (0.2.2 against 9dec370); the data
 (a local synthetic corpus against C4). Goal per row, on the undrated prediction: TPS/GPU within
 10%, memory within 5%; the exit code is 1 when a figure is missing or misses its goal.
 """
@@ -52,8 +52,9 @@ PUBLISHED = {"fsdp": ("FSDP", 5762.0, 82.4, []),
              "compile": ("FSDP + torch.compile", 6667.0, 77.0, ["--compile.enable"])}
 """row -> (published name, TPS/GPU, memory GiB, extra torchtitan flags)."""
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"
-DIFFERS = ("measuring GPU H200 141 GB HBM3e 700 W vs target H100 96 GB HBM2e at 500 W (clocks unknown); "
-           "torch 2.11 vs nightly 1963fc8 (2024-12-23); torchtitan 0.2.2 vs 9dec370; local synthetic data vs C4")
+DIFFERS = ("measuring device {device} vs target H100 96 GB HBM2e at 500 W (clocks unknown); "
+           "torch {torch} vs nightly 1963fc8 (2024-12-23); torchtitan 0.2.2 vs 9dec370; local synthetic data vs C4")
+"""What differs from the published runs; the measuring GPU is the one each row's trace names."""
 
 
 def _assets(root: Path) -> tuple[Path, Path]:
@@ -96,7 +97,8 @@ def _read(report: Path) -> dict:
     return {"iteration_s": pred.get("iteration_time_s"),
             "tps_per_gpu": (pred.get("throughput") or {}).get("tokens_per_s_per_gpu"),
             "memory_gib": max(reserved) / 2**30 if reserved else None,
-            "losses_match": (rep["ranks"].get("0") or {}).get("losses_match_capture")}
+            "losses_match": (rep["ranks"].get("0") or {}).get("losses_match_capture"),
+            "device": (pred.get("gpu_scaling") or {}).get("measuring_device")}
 
 
 def _repredict(trace_dir: Path, overrides: list[str]) -> dict:
@@ -140,6 +142,10 @@ def run_row(row: str, work: Path, steps: int, cluster: str, derated: float, time
                            work, timeout)
     print(f"{name}: mode=auto (capture, calibrate, emulate) exit {rc} in {wall:.0f} s", flush=True)
     got = _read(work / "report" / "report.json") if rc == 0 else {}
+    import torch
+
+    print("  what differs from the published run: " + DIFFERS.format(
+        device=got.get("device") or "(not named: no trace)", torch=torch.__version__.split("+")[0]))
     if rc != 0:
         print(err, file=sys.stderr)
         _log_tails(work / "auto")
@@ -178,7 +184,6 @@ def main() -> int:
     unknown = [r for r in rows if r not in PUBLISHED]
     if unknown:
         ap.error(f"--rows: unknown {unknown} (known: {', '.join(PUBLISHED)})")
-    print(f"what differs from the published runs: {DIFFERS}")
     figures: list[Figure] = []
     for row in rows:
         with tempfile.TemporaryDirectory(prefix=f"prism-titan-{row}-") as d:
