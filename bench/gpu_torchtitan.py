@@ -98,7 +98,8 @@ def _read(report: Path) -> dict:
             "tps_per_gpu": (pred.get("throughput") or {}).get("tokens_per_s_per_gpu"),
             "memory_gib": max(reserved) / 2**30 if reserved else None,
             "losses_match": (rep["ranks"].get("0") or {}).get("losses_match_capture"),
-            "device": (pred.get("gpu_scaling") or {}).get("measuring_device")}
+            "device": (pred.get("gpu_scaling") or {}).get("measuring_device"),
+            "scaling": pred.get("gpu_scaling") or {}}
 
 
 def _repredict(trace_dir: Path, overrides: list[str]) -> dict:
@@ -146,6 +147,13 @@ def run_row(row: str, work: Path, steps: int, cluster: str, derated: float, time
 
     print("  what differs from the published run: " + DIFFERS.format(
         device=got.get("device") or "(not named: no trace)", torch=torch.__version__.split("+")[0]))
+    sc = got.get("scaling") or {}
+    if sc.get("scaled"):
+        v = {k: sc.get(k) or 0 for k in ("mean_factor", "compute_factor", "compute_fraction", "memory_factor",
+                                          "memory_fraction", "busy_share")}
+        print(f"  compute scaled to {sc.get('target_gpu')}: mean factor {v['mean_factor']:.3f} (FLOP-bound kernels "
+              f"x{v['compute_factor']:.3f}, {100 * v['compute_fraction']:.0f}%; memory-bound x{v['memory_factor']:.3f}, "
+              f"{100 * v['memory_fraction']:.0f}%; GPU busy {100 * v['busy_share']:.0f}% of the calibrated compute)")
     if rc != 0:
         print(err, file=sys.stderr)
         _log_tails(work / "auto")
