@@ -256,6 +256,12 @@ def out_of_memory(error: RunFailedError, ctx: RunContext, ranks: list[int], admi
     if not ctx.cfg.on_cuda or not any(m in text for m in ("CUDA out of memory", "CUDA error: out of memory",
                                                           "OutOfMemoryError")):
         return error
+    alone = len(ranks) == 1 or (admit is not None and admit.max_admitted <= 1 and not admit.forced)
+    if alone:
+        return RunFailedError(
+            f"{text}\nprism-launch: a captured rank ran out of GPU memory with no other captured rank on the "
+            "device: one rank of this job does not fit this GPU. Capture on a GPU with more memory, or change the "
+            "job (a smaller micro-batch, more activation recompute, more sharding of its model or optimizer)")
     where = ""
     if admit is not None:
         forced = (f", {admit.forced} of them started past the GPU's free memory because every rank on it "

@@ -34,7 +34,7 @@ def test_oom_names_ranks_forced_and_settings():
 
 
 def test_oom_with_parking_names_resident_only():
-    err = out_of_memory(RunFailedError(OOM), _ctx(), [0, 1], None, park=object())
+    err = out_of_memory(RunFailedError(OOM), _ctx(), [0, 1, 2], None, park=object())
     text = str(err)
     assert "capture.park=" not in text and "capture.resident=K" in text
     assert "at once" not in text  # no admission: nothing measured to say
@@ -45,3 +45,12 @@ def test_other_failures_and_cpu_unchanged():
     assert out_of_memory(other, _ctx(), [0], _admission(), None) is other
     oom = RunFailedError(OOM)
     assert out_of_memory(oom, _ctx(on_cuda=False), [0], None, None) is oom
+
+
+def test_one_rank_alone_is_told_the_card_is_too_small():
+    err = str(out_of_memory(RunFailedError(OOM), _ctx(), [0], None, park=None))
+    assert "one rank of this job does not fit this GPU" in err and "capture.ep_sample" not in err
+    adm = MemoryAdmission([50 << 30], lambda r: 0)
+    assert adm.admit(0)  # the probe ran alone and ran out of memory
+    err = str(out_of_memory(RunFailedError(OOM), _ctx(), [0, 1], adm, park=None))
+    assert "one rank of this job does not fit this GPU" in err
