@@ -27,7 +27,7 @@ H100 NVL's dense BF16 is 835 TFLOP/s), the same calibrated trace replayed again 
 
 What differs from the published runs, printed with each row: the measuring device (the one its
 trace names) against the target's (H100 96 GB HBM2e, 500 W, clocks unknown); torch (this
-process's against a 2024-12-23 nightly, 1963fc8); torchtitan (0.2.2 against 9dec370); the data
+process's against a 2024-12-23 nightly, 1963fc8); torchtitan (this process's against 9dec370); the data
 (a local synthetic corpus against C4). Goal per row, on the undrated prediction: TPS/GPU within
 10%, memory within 5%; the exit code is 1 when a figure is missing or misses its goal.
 """
@@ -53,7 +53,7 @@ PUBLISHED = {"fsdp": ("FSDP", 5762.0, 82.4, []),
 """row -> (published name, TPS/GPU, memory GiB, extra torchtitan flags)."""
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"
 DIFFERS = ("measuring device {device} vs target H100 96 GB HBM2e at 500 W (clocks unknown); "
-           "torch {torch} vs nightly 1963fc8 (2024-12-23); torchtitan 0.2.2 vs 9dec370; local synthetic data vs C4")
+           "torch {torch} vs nightly 1963fc8 (2024-12-23); torchtitan {titan} vs 9dec370; local synthetic data vs C4")
 """What differs from the published runs; the measuring GPU is the one each row's trace names."""
 
 
@@ -143,10 +143,11 @@ def run_row(row: str, work: Path, steps: int, cluster: str, derated: float, time
                            work, timeout)
     print(f"{name}: mode=auto (capture, calibrate, emulate) exit {rc} in {wall:.0f} s", flush=True)
     got = _read(work / "report" / "report.json") if rc == 0 else {}
-    import torch
+    from importlib.metadata import version
 
     print("  what differs from the published run: " + DIFFERS.format(
-        device=got.get("device") or "(not named: no trace)", torch=torch.__version__.split("+")[0]))
+        device=got.get("device") or "(not named: no trace)", torch=version("torch").split("+")[0],
+        titan=version("torchtitan")))
     sc = got.get("scaling") or {}
     if sc.get("scaled"):
         v = {k: sc.get(k) or 0 for k in ("mean_factor", "compute_factor", "compute_fraction", "memory_factor",
