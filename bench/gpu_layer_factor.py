@@ -11,7 +11,14 @@ key-value group, SwiGLU 1,792, RMSNorm; no RoPE). Prints each shape's local and 
 layer, their ratio, and the GPU's kernel-busy time beside the wall time (a ratio well under 1 is a
 host-bound layer: launches, not FLOPs), and the one factor (the geometric mean of the README
 shapes' ratios) that ``bench/gpu_megatron_rows.py`` applies to every row
-through ``replay.compute_speedup``. Exits non-zero when a figure is missing.
+through ``replay.compute_speedup``.
+
+A third implementation, ``graphed``, is the native layer compiled with ``mode="reduce-overhead"``:
+the same fused kernels replayed from CUDA graphs (forward and backward), so the host launches one
+graph instead of each kernel. Its ratio, ``factor_graphed`` (local / graphed), is the speed-up of a
+fused implementation with the host off the critical path, as Megatron's ``--cuda-graph-impl`` runs
+one; a layer whose graphed time is near its kernel-busy time shows that the graphs removed the
+host's share. Exits non-zero when a figure is missing.
 """
 
 from __future__ import annotations
@@ -88,11 +95,18 @@ def measure(name: str, iters: int) -> dict:
     x = torch.randn(SEQ, 1, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out = {"shape": name, "hidden": hidden, "heads_per_gpu": h_heads, "groups_per_gpu": max(1, groups // tp),
            "ffn_per_gpu": h_ffn, "tp": tp, "swiglu": glu}
-    for impl, build in (("local", local_layer), ("native", native_layer)):
-        fn = build(hidden, heads, groups, ffn, tp, glu)
-        out[f"{impl}_s"] = _time(fn, x, iters)
-        out[f"{impl}_busy_s"], out[f"{impl}_class_s"], out[f"{impl}_kernels"] = _busy(fn, x)
+    for impl, build in (("local", local_layer), ("native", native_layer), ("graphed", graphed_layer)):
+        try:
+            fn = build(hidden, heads, groups, ffn, tp, glu)
+            out[f"{impl}_s"] = _time(fn, x, iters)
+            out[f"{impl}_busy_s"], out[f"{impl}_class_s"], out[f"{impl}_kernels"] = _busy(fn, x)
+        except Exception as e:  # noqa: BLE001 - printed as the missing figure's cause
+            if impl != "graphed":
+                raise
+            out["graphed_error"] = f"{type(e).__name__}: {e}"[:500]
+            out.update(graphed_s=None, graphed_busy_s=None, graphed_class_s={}, graphed_kernels=[])
     out["factor"] = out["local_s"] / out["native_s"]
+    out["factor_graphed"] = out["local_s"] / out["graphed_s"] if out["graphed_s"] else None
     return out
 
 
@@ -123,8 +137,9 @@ def local_layer(hidden: int, heads: int, groups: int, ffn: int, tp: int, glu: bo
     return lambda x: block(x, attention_mask=None)
 
 
-def native_layer(hidden: int, heads: int, groups: int, ffn: int, tp: int, glu: bool):
-    """The same share in plain torch: SDPA (flash) attention, elementwise ops compiled."""
+def native_layer(hidden: int, heads: int, groups: int, ffn: int, tp: int, glu: bool, mode: str | None = None):
+    """The same share in plain torch: SDPA (flash) attention, elementwise ops compiled (``mode``:
+    ``torch.compile``'s)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -148,7 +163,21 @@ def native_layer(hidden: int, heads: int, groups: int, ffn: int, tp: int, glu: b
             h = F.silu(h[..., :f]) * h[..., f:] if glu else F.gelu(h, approximate="tanh")
             return x + self.fc2(h)
 
-    return torch.compile(Layer().cuda().to(torch.bfloat16))
+    return torch.compile(Layer().cuda().to(torch.bfloat16), mode=mode)
+
+
+def graphed_layer(hidden: int, heads: int, groups: int, ffn: int, tp: int, glu: bool):
+    """The native layer replayed from CUDA graphs (``torch.compile(mode="reduce-overhead")``: its
+    forward and backward each one graph launch); each call starts a new step of the graph trees."""
+    import torch
+
+    layer = native_layer(hidden, heads, groups, ffn, tp, glu, mode="reduce-overhead")
+
+    def run(x):
+        torch.compiler.cudagraph_mark_step_begin()
+        return layer(x)
+
+    return run
 
 
 def factor(shapes: list[str], iters: int) -> tuple[float | None, list[dict]]:
@@ -162,8 +191,14 @@ def factor(shapes: list[str], iters: int) -> tuple[float | None, list[dict]]:
     torch.cuda.set_device(0)
     rows = [measure(s, iters) for s in shapes]
     readme = [r for r in rows if r["shape"] in README_SHAPES]
-    fs = [r["factor"] for r in readme if r.get("factor")]
-    return (math.exp(sum(map(math.log, fs)) / len(fs)) if fs and len(fs) == len(readme) else None), rows
+    return geomean([r.get("factor") for r in readme]), rows
+
+
+def geomean(values: list[float | None]) -> float | None:
+    """The geometric mean, or None when any value is missing."""
+    if not values or any(not v for v in values):
+        return None
+    return math.exp(sum(map(math.log, values)) / len(values))
 
 
 def main() -> int:
@@ -178,15 +213,24 @@ def main() -> int:
         print(f"{r['shape']}: layer at TP{r['tp']} (hidden {r['hidden']}, {r['heads_per_gpu']} heads, FFN "
               f"{r['ffn_per_gpu']} per GPU), seq {SEQ}: local {r['local_s'] * 1e3:.2f} ms "
               f"(GPU busy {r['local_busy_s'] * 1e3:.2f} ms), native {r['native_s'] * 1e3:.2f} ms "
-              f"(busy {r['native_busy_s'] * 1e3:.2f} ms) forward + backward")
-        for impl in ("local", "native"):
+              f"(busy {r['native_busy_s'] * 1e3:.2f} ms), graphed " + (
+                  f"{r['graphed_s'] * 1e3:.2f} ms (busy {r['graphed_busy_s'] * 1e3:.2f} ms)" if r["graphed_s"]
+                  else f"failed: {r.get('graphed_error')}") + " forward + backward")
+        for impl in ("local", "native", "graphed"):
             print(f"  {impl} busy by kernel class: " + ", ".join(
                 f"{c} {t * 1e3:.2f} ms" for c, t in sorted(r[f"{impl}_class_s"].items())))
         figs.append(Figure(f"{r['shape']} local GPU busy / wall", r["local_busy_s"] / r["local_s"], None, ".3f"))
         figs.append(Figure(f"{r['shape']} local / native", r.get("factor"), None, ".3f"))
+        figs.append(Figure(f"{r['shape']} graphed GPU busy / wall",  # no kernels seen in the graphs: missing
+                           (r["graphed_busy_s"] or 0) / r["graphed_s"] or None if r["graphed_s"] else None, None, ".3f"))
+        figs.append(Figure(f"{r['shape']} local / graphed", r.get("factor_graphed"), None, ".3f"))
     figs.append(Figure("implementation factor (geometric mean)", f, None, ".3f"))
+    readme = [r for r in rows if r["shape"] in README_SHAPES]
+    graphed = geomean([r.get("factor_graphed") for r in readme]) if readme else None
+    if readme:
+        figs.append(Figure("graphed implementation factor (geometric mean)", graphed, None, ".3f"))
     if a.out:
-        a.out.write_text(json.dumps({"factor": f, "shapes": rows}, indent=1))
+        a.out.write_text(json.dumps({"factor": f, "factor_graphed": graphed, "shapes": rows}, indent=1))
     return report(figs)
 
 
