@@ -13,14 +13,14 @@ from prism_launch.config.cluster import ClusterSpec, LinkSpec
 from prism_launch.config.emulate import DataPath, EmulateConfig, PrefetchConfig, PrefetchMode, RingBackend, Timing, VirtualHost
 from prism_launch.config.errors import ConfigError
 from prism_launch.config.integration import CompatConfig, FlagNames, IntegrationConfig, ScriptConfig, SweepConfig
-from prism_launch.config.predict import CalibrateConfig, ComputeSource, Measure, MemoryConfig, ReplayConfig
+from prism_launch.config.predict import CalibrateConfig, ComputeSource, HostGaps, Measure, MemoryConfig, ReplayConfig
 from prism_launch.config.root import PrismConfig, compose, config_dir, normalize_overrides, register, resolve, validate
 from prism_launch.config.run import CommConfig, LaunchConfig, Mode, PhysicalConfig, ReportConfig, StartMethod
 from prism_launch.config.target import Device, ParallelConfig, SandboxConfig, TargetConfig
 
 __all__ = [
     "CalibrateConfig", "CaptureConfig", "ClusterSpec", "CommConfig", "CompatConfig", "ComputeSource", "ConfigError",
-    "DataPath", "Device", "EmulateConfig", "FlagNames", "IntegrationConfig", "LaunchConfig", "LinkSpec", "Measure",
+    "DataPath", "Device", "EmulateConfig", "FlagNames", "HostGaps", "IntegrationConfig", "LaunchConfig", "LinkSpec", "Measure",
     "MemoryConfig", "Mode", "Park", "Payload", "ParallelConfig", "PhysicalConfig", "PrefetchConfig", "PrefetchMode",
     "PrismConfig", "ReplayConfig", "ReportConfig", "RingBackend", "SandboxConfig", "ScriptConfig", "StartMethod",
     "SweepConfig", "TargetConfig", "TraceConfig", "Timing", "VirtualHost", "compose", "config_dir",

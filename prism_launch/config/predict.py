@@ -68,6 +68,16 @@ class CalibrateConfig:
             raise ConfigError(f"calibrate.ranks: {bad} out of range for a world of {world_size}")
 
 
+class HostGaps(StrEnum):
+    measured = "measured"
+    """Compute spans as calibrated: where the GPU waited on its host (a host-bound program: many
+    small kernels), that wait is part of the span, as it is on the measuring host."""
+    removed = "removed"
+    """A what-if of a host that keeps up (CUDA graphs, a faster CPU): each span of a shard class
+    whose GPU-busy share was profiled (``calibrate.kernel_mix``) keeps its kernels' share only;
+    spans of classes never profiled stay as measured, and the report counts them."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ReplayConfig:
     compute: ComputeSource = ComputeSource.auto
@@ -82,6 +92,9 @@ class ReplayConfig:
     """Every compute span is divided by this after scaling to the target GPU: a what-if for a
     faster implementation than the one measured (e.g. Transformer Engine's fused layers against
     megatron-core's local ones, as measured by ``bench/gpu_layer_factor.py``). The report states it."""
+    host_gaps: HostGaps = HostGaps.measured
+    """Whether compute spans keep the time the GPU waited on its host (``removed``: the what-if
+    of a host that keeps up). Applied before ``compute_speedup``; the report states it."""
 
     def validate(self) -> None:
         if self.timeline_max_ranks < 1:

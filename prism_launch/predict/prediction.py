@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from prism_launch.config import HostGaps
 from prism_launch.predict.gpu_scaling import KernelMix
 from prism_launch.trace import TraceLayout
 
@@ -69,22 +70,57 @@ def scaled_rows(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, comput
     rows = reader.events().to_pylist()
     count = counted(bare)
     device = reader.manifest.extra.get("measuring_device") or bare.manifest.extra.get("measuring_device")
-    scaling = scale_rows(rows, device, cfg.cluster.gpu, count, compute, kernel_mixes(reader))
+    removed = cfg.replay.host_gaps == HostGaps.removed
+    host = remove_host_gaps(rows, reader) if removed else None
+    scaling = scale_rows(rows, device, cfg.cluster.gpu, count, compute, kernel_mixes(reader, whole_span=not removed))
+    if host is not None:
+        scaling = {**scaling, "host_gaps_removed": host}
     if cfg.replay.compute_speedup != 1.0:
         scaling = {**scaling, "compute_speedup": speed_up(rows, cfg.replay.compute_speedup)}
     return rows, scaling, count
 
 
-def kernel_mixes(reader: TraceReader) -> dict[int, KernelMix]:
+def kernel_share(mix: dict) -> float | None:
+    """The share of a shard class's calibrated compute the GPU spent in kernels of any class
+    (communication included), from its ``busy_share`` (non-communication kernel time over the
+    span); None where the class was not profiled."""
+    busy = mix.get("busy_share")
+    if busy is None:
+        return None
+    return 1.0 if mix["comm"] >= 1.0 else min(1.0, max(0.0, float(busy)) / (1.0 - mix["comm"]))
+
+
+def remove_host_gaps(rows: list[dict], reader: TraceReader) -> dict:
+    """Keep only the kernels' share of every compute span of ``rows`` (in place), per shard class
+    (``replay.host_gaps=removed``: the what-if of a host that keeps up); what the report shows of
+    it: the classes' kernel shares and the ranks whose spans stayed as measured (not profiled)."""
+    share: dict[int, float] = {}
+    for m in reader.manifest.extra.get("kernel_mixes") or []:
+        if (k := kernel_share(m)) is not None:
+            share.update((int(r), k) for r in m["members"])
+    unchanged = set()
+    for row in rows:
+        k = share.get(row["rank"])
+        if k is None:
+            unchanged.add(row["rank"])
+            continue
+        row["compute_cpu_s"] = (row["compute_cpu_s"] or 0.0) * k
+        row["compute_wall_s"] = (row["compute_wall_s"] or 0.0) * k
+    used = sorted({share[r["rank"]] for r in rows if r["rank"] in share})
+    return {"kernel_share": (used[0], used[-1]) if used else None, "ranks_unchanged": sorted(unchanged)}
+
+
+def kernel_mixes(reader: TraceReader, whole_span: bool = True) -> dict[int, KernelMix]:
     """Each calibrated rank's kernel mix, its shard class's (``calibrate.kernel_mix``: the calibrated
     manifest's ``kernel_mixes``); empty for a trace calibrated without, or not calibrated. Where the
-    class's ``busy_share`` is known, the fractions are of the whole span: the kernels' shares times
-    the share the GPU was busy, the rest (the GPU waiting on its host) kept as measured."""
+    class's ``busy_share`` is known and ``whole_span``, the fractions are of the whole span: the
+    kernels' shares times the share the GPU was busy, the rest (the GPU waiting on its host) kept as
+    measured; without ``whole_span`` (spans already cut to their kernels: :func:`remove_host_gaps`)
+    they are of the kernels' time."""
     out: dict[int, KernelMix] = {}
     for m in reader.manifest.extra.get("kernel_mixes") or []:
         busy = m.get("busy_share")  # non-communication kernel time over the span
-        # the share of the span in kernels of any class, communication included
-        k = 1.0 if busy is None or m["comm"] >= 1.0 else min(1.0, max(0.0, float(busy)) / (1.0 - m["comm"]))
+        k = kernel_share(m) if whole_span and busy is not None else 1.0
         source = f"profiler ({m.get('activity') or 'kernels'} of one step of each shard class)"
         if busy is not None:
             source += f", GPU busy {busy:.0%} of its calibrated compute"

@@ -165,10 +165,11 @@ def mfu_warning(pred: dict) -> str:
     if not str(pred.get("compute_source", "")).startswith("calibrated"):
         causes.append("spans are uncalibrated (ranks shared devices during capture)")
     busy = scaling.get("busy_share")
-    if mfu < lo and busy is not None and busy < HOST_BOUND_BUSY:
+    if mfu < lo and busy is not None and busy < HOST_BOUND_BUSY and "host_gaps_removed" not in scaling:
         causes.append(f"the GPU was busy only {busy:.0%} of the calibrated compute: the program is host-bound "
                       "(many small kernels, e.g. unfused local layers), so the step follows the host's speed and a "
-                      "fused implementation would run faster")
+                      "fused implementation would run faster (replay.host_gaps=removed replays the step with a host "
+                      "that keeps up)")
     if mfu > hi:
         causes.append("FLOPs counted may include recompute, or the cluster's GPU peak is wrong")
     causes.append(f"check the cluster ({pred.get('cluster')}) is the one meant")

@@ -268,6 +268,15 @@ def throughput_lines(pred: dict) -> list[str]:
                      f"(GPU idle, waiting on its host, or kernels of no known class) (kernel mix: {s['mix_source']})")
     elif s.get("why"):
         lines.append(f"  compute not scaled: {s['why']}")
+    if "host_gaps_removed" in s:
+        h = s["host_gaps_removed"]
+        k = h.get("kernel_share")
+        kept = ("no shard class was profiled: every span stays as measured (calibrate.kernel_mix)" if not k else
+                f"each span keeps its class's kernel share ({k[0]:.0%}" + (f"-{k[1]:.0%}" if k[1] != k[0] else "") + ")")
+        lines.append("  compute spans without the GPU's waits on its host (replay.host_gaps=removed, a what-if of a "
+                     f"host that keeps up, e.g. CUDA graphs): {kept}"
+                     + (f"; {len(h['ranks_unchanged'])} rank(s) not profiled kept as measured" if h.get("ranks_unchanged")
+                        and k else ""))
     if s.get("compute_speedup"):
         lines.append(f"  compute spans divided by replay.compute_speedup={s['compute_speedup']:g} (a what-if, "
                      "not measured in this run)")
