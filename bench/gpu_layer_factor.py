@@ -18,7 +18,8 @@ CUDA graph (``torch.cuda.graph``, after warm-up): the same fused kernels replaye
 launches one graph instead of each kernel. Its ratio, ``factor_graphed`` (local / graphed), is the speed-up of a
 fused implementation with the host off the critical path, as Megatron's ``--cuda-graph-impl`` runs
 one; a layer whose graphed time is near its kernel-busy time shows that the graphs removed the
-host's share. Exits non-zero when a figure is missing.
+host's share. ``kernel_factor_graphed`` is the local layer's kernel time over the graphed one's:
+the ratio that no host's speed enters. Exits non-zero when a figure is missing.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def measure(name: str, iters: int) -> dict:
             out.update(graphed_s=None, graphed_busy_s=None, graphed_class_s={}, graphed_kernels=[])
     out["factor"] = out["local_s"] / out["native_s"]
     out["factor_graphed"] = out["local_s"] / out["graphed_s"] if out["graphed_s"] else None
+    # kernels for kernels: the local layer's GPU-busy time over the graphed one's (host-free on both sides)
+    out["kernel_factor_graphed"] = out["local_busy_s"] / out["graphed_busy_s"] if out["graphed_busy_s"] else None
     return out
 
 
@@ -230,6 +233,7 @@ def main() -> int:
         figs.append(Figure(f"{r['shape']} graphed GPU busy / wall",  # no kernels seen in the graphs: missing
                            (r["graphed_busy_s"] or 0) / r["graphed_s"] or None if r["graphed_s"] else None, None, ".3f"))
         figs.append(Figure(f"{r['shape']} local / graphed", r.get("factor_graphed"), None, ".3f"))
+        figs.append(Figure(f"{r['shape']} local / graphed, kernel time", r.get("kernel_factor_graphed"), None, ".3f"))
     figs.append(Figure("implementation factor (geometric mean)", f, None, ".3f"))
     readme = [r for r in rows if r["shape"] in README_SHAPES]
     graphed = geomean([r.get("factor_graphed") for r in readme]) if readme else None

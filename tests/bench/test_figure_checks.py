@@ -198,7 +198,7 @@ def test_gpu_lean_reports_an_oom_verdict_only_when_the_report_gives_one():
     assert exit_code(_lean(oom_ranks=None)) != 0 and exit_code(_lean(oom_ranks=[3, 7])) == 0
 
 
-def _report_8b(iteration_s, source="calibrated (6 shard classes)", fused=(1.7, 0.45, 3.5, 0.3), busy=0.62):
+def _report_8b(iteration_s, source="calibrated (6 shard classes)", fused=(1.7, 0.45, 2.6, 0.3), busy=0.62):
     import gpu_predict8b
 
     step = {"compute_s": 0.1, "collective_waits_s": {"TENSOR_MODEL_PARALLEL_GROUP": 0.02, "DATA_PARALLEL_GROUP": 0.01},
@@ -209,8 +209,9 @@ def _report_8b(iteration_s, source="calibrated (6 shard classes)", fused=(1.7, 0
                                                                   "model_tflops_per_gpu": 200.0, "mfu": 0.2,
                                                                   "peak_bf16_tflops": 989.0}},
            "ranks": {"8191": {"sandbox": True, "step": step}},
-           "fused": {"factor": fused[0], "iteration_time_s": fused[1], "factor_graphed": fused[2],
-                     "iteration_time_graphed_s": fused[3], "iteration_time_host_kept_up_s": 0.5}}
+           "fused": {"factor": fused[0], "iteration_time_s": fused[1], "factor_graphed": 3.0,
+                     "iteration_time_graphed_s": 0.39, "iteration_time_host_kept_up_s": 0.5,
+                     "kernel_factor_graphed": fused[2], "iteration_time_fused_kept_up_s": fused[3]}}
     return gpu_predict8b.summarize(rep, gpu_predict8b.Shape(), 8191)[0]
 
 
@@ -218,17 +219,28 @@ def test_the_8b_prediction_and_its_fused_layer_what_if_must_fall_in_their_bands(
     assert exit_code(_report_8b(0.75)) == 0
     assert exit_code(_report_8b(0.25)) == 1            # local layers: outside 610-920 ms
     assert exit_code(_report_8b(0.95)) == 1
-    assert exit_code(_report_8b(0.75, fused=(1.7, 0.45, 3.5, 0.45))) == 1  # graphed what-if outside 170-380 ms
-    assert exit_code(_report_8b(0.75, fused=(1.7, 0.45, None, None))) == 1  # graphed factor not measured
-    assert exit_code(_report_8b(0.75, fused=(None, None, 3.5, 0.3))) == 1  # eager what-if missing
+    assert exit_code(_report_8b(0.75, fused=(1.7, 0.45, 2.6, 0.45))) == 1  # judged what-if outside 170-380 ms
+    assert exit_code(_report_8b(0.75, fused=(1.7, 0.45, None, None))) == 1  # kernel factor not measured
+    assert exit_code(_report_8b(0.75, fused=(None, None, 2.6, 0.3))) == 1  # eager what-if missing
     assert exit_code(_report_8b(None)) == 1            # not predicted
     assert exit_code(_report_8b(0.75, source="cpu thread")) == 1
     assert exit_code(_report_8b(0.75, busy=None)) == 1  # no kernel profile: the busy share is missing
     figs = {f.name: f.value for f in _report_8b(0.75)}
     assert figs["GPU busy share of the calibrated compute %"] == pytest.approx(62.0)
     assert figs["sandbox exposed TP ms"] == pytest.approx(20.0) and figs["sandbox exposed DP ms"] == pytest.approx(10.0)
-    assert figs["predicted iteration ms with fused layers in CUDA graphs (compute / factor)"] == pytest.approx(300.0)
+    assert figs["predicted iteration ms with fused layers, host kept up (host gaps removed, compute / kernel factor)"] \
+        == pytest.approx(300.0)
     assert figs["predicted iteration ms with fused layers, eager launches (compute / factor)"] == pytest.approx(450.0)
+
+
+def test_the_8b_what_ifs_replay_the_settings_their_factors_name():
+    import gpu_predict8b
+
+    got = dict((k, v) for v, k in gpu_predict8b.what_ifs({"factor": 2.0, "factor_graphed": None,
+                                                          "kernel_factor_graphed": 2.5}))
+    assert got == {"iteration_time_host_kept_up_s": ["replay.host_gaps=removed"],
+                   "iteration_time_s": ["replay.compute_speedup=2"],
+                   "iteration_time_fused_kept_up_s": ["replay.host_gaps=removed", "replay.compute_speedup=2.5"]}
 
 
 def test_the_8b_first_principles_estimate_is_megatrons_count():
