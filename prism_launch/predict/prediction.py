@@ -207,11 +207,35 @@ def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: li
         "ranks_replayed": len(rep.ranks),
     }
     predicted["throughput"] = _throughput(cfg, bare, count, rep.iteration_time_s, world, fold)
+    predicted["host_kept_up"] = host_kept_up(cfg, bare, reader, compute, scaling, rep.iteration_time_s)
     from prism_launch.predict.throughput import mfu_warning
 
     predicted["mfu_warning"] = mfu_warning(predicted) or None
     return {"predicted": predicted, "ranks": ranks, "pipeline_ranks": pipeline, "replay": rep,
             "rows": rows, "compute_clock": compute}
+
+
+def host_kept_up(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, compute: str, scaling: dict,
+                 iteration_s: float) -> dict | None:
+    """For a host-bound prediction (the GPU busy less than ``HOST_BOUND_BUSY`` of its calibrated
+    compute), the same replay with ``replay.host_gaps=removed``: the step on a host that keeps up
+    (CUDA graphs, a faster CPU), which the measuring host's speed does not enter. None otherwise."""
+    import dataclasses
+
+    from prism_launch.predict.cost_model import make_cost_model
+    from prism_launch.predict.simulate import graph_from_events, replay
+    from prism_launch.predict.throughput import HOST_BOUND_BUSY
+
+    busy = scaling.get("busy_share")
+    if busy is None or busy >= HOST_BOUND_BUSY or cfg.replay.host_gaps != HostGaps.measured or not iteration_s:
+        return None
+    what_if = dataclasses.replace(cfg, replay=dataclasses.replace(cfg.replay, host_gaps=HostGaps.removed))
+    rows, _scaling, _count = scaled_rows(what_if, bare, reader, compute)
+    groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
+    graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
+    t = replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), comm_on_cores=cfg.cluster.comm_on_cores)
+    return {"iteration_time_s": t.iteration_time_s, "busy_share": busy,
+            "speedup": iteration_s / t.iteration_time_s if t.iteration_time_s else None}
 
 
 def group_names(groups: list[dict]) -> dict[int, str]:

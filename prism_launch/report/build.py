@@ -211,9 +211,20 @@ def prediction_lines(pred: dict) -> list[str]:
         f"  critical path over the whole replayed run ({steps} steps, the first included): "
         f"{path['compute_s'] * 1e3:.1f} ms compute + {path['comm_s'] * 1e3:.1f} ms communication, "
         f"through ranks {shown}",
+        *host_lines(pred),
         *compute_statement_lines(pred),
         *throughput_lines(pred),
     ]
+
+
+def host_lines(pred: dict) -> list[str]:
+    """A host-bound prediction's second figure: the step on a host that keeps up."""
+    h = pred.get("host_kept_up")
+    if not h:
+        return []
+    return [f"  host-bound: the GPU was busy {h['busy_share']:.0%} of the calibrated compute, so this figure follows "
+            f"the measuring host's speed; with a host that keeps up (CUDA graphs, a faster CPU; "
+            f"replay.host_gaps=removed): {h['iteration_time_s'] * 1e3:.2f} ms"]
 
 
 def step_line(rank: int, step: dict) -> str:

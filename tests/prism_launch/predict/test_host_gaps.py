@@ -87,3 +87,36 @@ def test_the_setting_is_validated_by_its_values():
     assert resolve(compose([])).replay.host_gaps == HostGaps.measured
     with pytest.raises((ConfigError, ValueError), match="host_gaps"):
         resolve(compose(["replay.host_gaps=dropped"]))
+
+
+def test_a_host_bound_prediction_carries_the_step_on_a_host_that_keeps_up(monkeypatch):
+    """The second replay runs with the host gaps removed and its iteration time is reported with
+    the ratio; a device-bound or already host-gap-free prediction gets none."""
+    from prism_launch.config import compose, resolve
+    from prism_launch.predict import prediction, simulate
+    from prism_launch.report.build import prediction_lines
+
+    seen = []
+
+    def fake_rows(cfg, bare, reader, compute):
+        seen.append(cfg.replay.host_gaps)
+        return [{"compute_wall_s": 0.3}], {}, None
+
+    monkeypatch.setattr(prediction, "scaled_rows", fake_rows)
+    monkeypatch.setattr(simulate, "graph_from_events", lambda rows, groups, world, compute: rows)
+    monkeypatch.setattr(simulate, "replay", lambda graph, model, **kw: SimpleNamespace(
+        iteration_time_s=sum(r["compute_wall_s"] for r in graph)))
+    reader = SimpleNamespace(manifest=SimpleNamespace(groups=[], world_size=8))
+    cfg = resolve(compose(["cluster=h100_ib"]))
+    out = prediction.host_kept_up(cfg, None, reader, "wall", {"busy_share": 0.5}, 0.6)
+    assert seen == [HostGaps.removed] and out == {"iteration_time_s": 0.3, "busy_share": 0.5, "speedup": 2.0}
+    assert prediction.host_kept_up(cfg, None, reader, "wall", {"busy_share": 0.9}, 0.6) is None  # device-bound
+    assert prediction.host_kept_up(cfg, None, reader, "wall", {}, 0.6) is None                   # not profiled
+    removed = resolve(compose(["cluster=h100_ib", "replay.host_gaps=removed"]))
+    assert prediction.host_kept_up(removed, None, reader, "wall", {"busy_share": 0.5}, 0.6) is None
+    pred = {"cluster": "h100_ib", "compute_source": "calibrated", "calibration": None, "iteration_time_s": 0.6,
+            "iteration_times_s": [0.6, 0.6], "critical_path": {"ranks": [0], "compute_s": 1.0, "comm_s": 0.1},
+            "host_kept_up": out}
+    text = "\n".join(prediction_lines(pred))
+    assert "host-bound: the GPU was busy 50%" in text and "replay.host_gaps=removed): 300.00 ms" in text
+    assert "host-bound" not in "\n".join(prediction_lines({**pred, "host_kept_up": None}))
