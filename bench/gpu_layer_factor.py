@@ -237,10 +237,13 @@ def main() -> int:
     figs.append(Figure("implementation factor (geometric mean)", f, None, ".3f"))
     readme = [r for r in rows if r["shape"] in README_SHAPES]
     graphed = geomean([r.get("factor_graphed") for r in readme]) if readme else None
+    kernel = geomean([r.get("kernel_factor_graphed") for r in readme]) if readme else None
     if readme:
         figs.append(Figure("graphed implementation factor (geometric mean)", graphed, None, ".3f"))
+        figs.append(Figure("kernel-time factor, local / graphed (geometric mean)", kernel, None, ".3f"))
     if a.out:
-        a.out.write_text(json.dumps({"factor": f, "factor_graphed": graphed, "shapes": rows}, indent=1))
+        a.out.write_text(json.dumps({"factor": f, "factor_graphed": graphed, "kernel_factor_graphed": kernel,
+                                     "shapes": rows}, indent=1))
     return report(figs)
 
 
