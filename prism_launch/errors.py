@@ -31,6 +31,17 @@ class RunFailedError(PrismError):
     """A rank failed; the message carries its rank and traceback location."""
 
 
+OUT_OF_MEMORY_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUDA error: out of memory")
+"""How a rank's failure reads when it ran out of memory: torch's exception type (allocator OOM,
+the enforced target limit), the caching allocator's message, and a kernel launch's CUDA error."""
+
+
+def reads_out_of_memory(text: str) -> bool:
+    """Whether a rank's failure text (its traceback or error file: another process, so text is
+    all there is) says it ran out of memory."""
+    return any(m in text for m in OUT_OF_MEMORY_MARKERS)
+
+
 class GpuWaitsStalledError(RunFailedError):
     """A capture failed after a rank's waits on the GPU stopped (``capture.gpu_waits``)."""
 

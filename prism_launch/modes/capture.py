@@ -15,7 +15,7 @@ from pathlib import Path
 from nccl_ext.exchange.arena import claim_directory, release_directory
 from prism_launch.config import Mode, Park, Payload
 from prism_launch.config.plan import CapturePlan
-from prism_launch.errors import GpuWaitsStalledError, PrismError, RunFailedError
+from prism_launch.errors import GpuWaitsStalledError, PrismError, RunFailedError, reads_out_of_memory
 from prism_launch.launch.logs import parse_rank_log
 from prism_launch.modes.context import RunContext
 from prism_launch.trace import RankLogs, TraceLayout, TraceWriter
@@ -253,8 +253,7 @@ def out_of_memory(error: RunFailedError, ctx: RunContext, ranks: list[int], admi
     """``error``, with what to do where a captured rank ran out of GPU memory: how many ranks
     were on the device at once and why, and the settings that put fewer there."""
     text = str(error)
-    if not ctx.cfg.on_cuda or not any(m in text for m in ("CUDA out of memory", "CUDA error: out of memory",
-                                                          "OutOfMemoryError")):
+    if not ctx.cfg.on_cuda or not reads_out_of_memory(text):
         return error
     alone = len(ranks) == 1 or (admit is not None and admit.max_admitted <= 1 and not admit.forced)
     if alone:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from prism_launch.config import Mode, Timing, VirtualHost
 from prism_launch.config.plan import EmulatePlan, PrefetchPlan, RankPlan
-from prism_launch.errors import PrismError, RunFailedError, TraceMismatchError, TraceMissingError
+from prism_launch.errors import (
+    PrismError, RunFailedError, TraceMismatchError, TraceMissingError, reads_out_of_memory,
+)
 from prism_launch.config.registry import output_args
 from prism_launch.launch.args_match import compare_args
 from prism_launch.modes.context import RunContext, program_config
@@ -231,7 +233,7 @@ def sandbox_oom(log_dir: Path, ranks: list[int]) -> dict | None:
         if isinstance(msg, dict):  # torchelastic's error file nests {"message": ..., "extraInfo": ...}
             msg = msg.get("message", "")
         text = msg if isinstance(msg, str) else json.dumps(msg)
-        if "OutOfMemoryError" in text:
+        if reads_out_of_memory(text):
             return {"rank": r, "message": f"rank {r}: {text.splitlines()[0]}"}
     return None
 

@@ -54,3 +54,23 @@ def test_one_rank_alone_is_told_the_card_is_too_small():
     assert adm.admit(0)  # the probe ran alone and ran out of memory
     err = str(out_of_memory(RunFailedError(OOM), _ctx(), [0, 1], adm, park=None))
     assert "one rank of this job does not fit this GPU" in err
+
+
+def test_capture_and_emulation_read_an_out_of_memory_failure_alike(tmp_path):
+    """One predicate for both modes: a sandbox rank whose kernel launch failed with CUDA's
+    out-of-memory error is a finding of emulation too, not only torch's OutOfMemoryError."""
+    import json
+
+    from prism_launch.errors import reads_out_of_memory
+    from prism_launch.modes.emulate import sandbox_oom
+    from prism_launch.trace import RankLogs
+
+    for text in ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                 "RuntimeError: CUDA error: out of memory"):
+        assert reads_out_of_memory(text)
+    assert not reads_out_of_memory("RuntimeError: CUDA error: an illegal memory access was encountered")
+    path = RankLogs(tmp_path).error_file(3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"message": {"message": "RuntimeError: CUDA error: out of memory\nmore"}}))
+    assert sandbox_oom(tmp_path, [3]) == {"rank": 3, "message": "rank 3: RuntimeError: CUDA error: out of memory"}
+    assert sandbox_oom(tmp_path, [4]) is None
