@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from prism_launch.launch.args import LaunchArgs
     from prism_launch.config import PrismConfig
 
-COLUMNS = ("point", "overrides", "status", "rank", "iteration_time_s", "mfu", "tokens_per_s_per_gpu", "tokens_per_s",
+COLUMNS = ("point", "overrides", "status", "rank", "iteration_time_s", "iteration_time_host_kept_up_s", "mfu", "tokens_per_s_per_gpu", "tokens_per_s",
            "model_tflops_per_gpu", "peak_memory_bytes", "oom", "oom_ranks",
            "moe_expert_imbalance", "moe_ep_rank_imbalance", "moe_a2a_wait_excess_s", "moe_dropped_tokens",
            "moe_aux_loss", "world_size", "wall_s", "script_args", "report")
@@ -73,6 +73,8 @@ def summarize_report(report: dict) -> dict:
     tp = pred.get("throughput") or {}
     return {
         "iteration_time_s": pred.get("iteration_time_s"),
+        # a host-bound point's step on a host that keeps up (replay.host_gaps=removed); empty otherwise
+        "iteration_time_host_kept_up_s": (pred.get("host_kept_up") or {}).get("iteration_time_s"),
         "mfu": tp.get("mfu"),
         "tokens_per_s_per_gpu": tp.get("tokens_per_s_per_gpu"),
         "tokens_per_s": tp.get("tokens_per_s"),

@@ -64,4 +64,5 @@ class ScriptConfig:
 @dataclass(kw_only=True, slots=True)
 class SweepConfig:
     rank_by: str = "iteration_time_s"
-    """Summary column the terminal table is ranked by (ascending)."""
+    """Summary column the terminal table is ranked by (ascending); ``iteration_time_host_kept_up_s``
+    ranks host-bound points by their step on a host that keeps up."""

@@ -44,3 +44,12 @@ def test_the_fastest_point_is_marked_and_the_table_shows_mfu():
     text = buf.getvalue()
     assert "MFU" in text and "60.0%" in text and "3,000.0" in text
     assert text.index("60.0%") < text.index("20.0%")  # ranked by the prediction
+
+
+def test_a_host_bound_point_carries_its_step_on_a_host_that_keeps_up(tmp_path):
+    rep = _report(0.8, 0.06, 1200.0)
+    rep["predicted"]["host_kept_up"] = {"iteration_time_s": 0.5, "busy_share": 0.54, "speedup": 1.6}
+    rows = [{"point": 0, "overrides": [], "status": "ok", **summarize_report(rep)},
+            {"point": 1, "overrides": [], "status": "ok", **summarize_report(_report(0.6, 0.1, 1500.0))}]
+    got = list(csv.DictReader(open(write_summary(rows, tmp_path)[0])))
+    assert [r["iteration_time_host_kept_up_s"] for r in got] == ["0.5", ""]
