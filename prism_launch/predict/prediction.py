@@ -137,37 +137,37 @@ def speed_up(rows: list[dict], speedup: float) -> float:
     return speedup
 
 
-def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[int, list[float]]:
-    """Each captured rank's predicted issue time of every event (trace order) on the target
-    cluster: the arrival times emulation gives virtual peers (``emulate.timing=predicted``)."""
+def replay_rows(cfg: PrismConfig, reader: TraceReader, rows: list[dict], compute: str, **kw):
+    """The global replay of ``rows`` (``reader``'s event rows, scaled) on the cluster's network
+    model (:func:`~prism_launch.predict.simulate.replay`, ``kw`` passed on)."""
     from prism_launch.predict.cost_model import make_cost_model
     from prism_launch.predict.simulate import graph_from_events, replay
 
-    reader, _source, compute = graph_source(cfg, bare, trace)
-    rows, _scaling, _count = scaled_rows(cfg, bare, reader, compute)
     groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
-    return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), record_issue=True,
-                  comm_on_cores=cfg.cluster.comm_on_cores).issue_times
+    return replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), comm_on_cores=cfg.cluster.comm_on_cores,
+                  **kw)
+
+
+def schedule(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout) -> dict[int, list[float]]:
+    """Each captured rank's predicted issue time of every event (trace order) on the target
+    cluster: the arrival times emulation gives virtual peers (``emulate.timing=predicted``)."""
+    reader, _source, compute = graph_source(cfg, bare, trace)
+    rows, _scaling, _count = scaled_rows(cfg, bare, reader, compute)
+    return replay_rows(cfg, reader, rows, compute, record_issue=True).issue_times
 
 
 def predict(cfg: PrismConfig, bare: TraceReader, trace: TraceLayout, sandbox: list[int],
             memory: dict[int, int]) -> dict:
-    from prism_launch.predict.cost_model import make_cost_model
-    from prism_launch.predict.simulate import graph_from_events, replay
-
     reader, origin, compute = graph_source(cfg, bare, trace)
     source = origin.source
     rows, scaling, count = scaled_rows(cfg, bare, reader, compute)
-    groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
     names = group_names(reader.manifest.groups)
     world = reader.manifest.world_size
-    graph = graph_from_events(rows, groups, world, compute=compute)
-    model = make_cost_model(cfg.replay.cost_model, cfg.cluster)
     pipeline = _pipeline_of(rows, sandbox[0])
     tl_ranks = _timeline_ranks(cfg, world, sandbox, pipeline)
-    rep = replay(graph, model, timeline_ranks=tl_ranks, record_issue=True,  # issue times: the pipeline picture's
-                 comm_on_cores=cfg.cluster.comm_on_cores)
+    # issue times: the pipeline picture's
+    rep = replay_rows(cfg, reader, rows, compute, timeline_ranks=tl_ranks, record_issue=True)
 
     limit = int(cfg.cluster.gpu_memory_gib * 2**30)
     ranks = {}
@@ -222,8 +222,6 @@ def host_kept_up(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, compu
     (CUDA graphs, a faster CPU), which the measuring host's speed does not enter. None otherwise."""
     import dataclasses
 
-    from prism_launch.predict.cost_model import make_cost_model
-    from prism_launch.predict.simulate import graph_from_events, replay
     from prism_launch.predict.throughput import HOST_BOUND_BUSY
 
     busy = scaling.get("busy_share")
@@ -231,9 +229,7 @@ def host_kept_up(cfg: PrismConfig, bare: TraceReader, reader: TraceReader, compu
         return None
     what_if = dataclasses.replace(cfg, replay=dataclasses.replace(cfg.replay, host_gaps=HostGaps.removed))
     rows, _scaling, _count = scaled_rows(what_if, bare, reader, compute)
-    groups = {int(g["id"]): tuple(g["ranks"]) for g in reader.manifest.groups}
-    graph = graph_from_events(rows, groups, reader.manifest.world_size, compute=compute)
-    t = replay(graph, make_cost_model(cfg.replay.cost_model, cfg.cluster), comm_on_cores=cfg.cluster.comm_on_cores)
+    t = replay_rows(cfg, reader, rows, compute)
     return {"iteration_time_s": t.iteration_time_s, "busy_share": busy,
             "speedup": iteration_s / t.iteration_time_s if t.iteration_time_s else None}
 
