@@ -282,7 +282,7 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
             raise ValueError("serve(pruned=True) needs the rings' channels")
         plan = ring_plan(recording, sandbox, len(sandbox), len(sandbox))
         rings.open(plan)
-        players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended, changed)
+        players = [_RingPlayer(recording, sandbox, gid, ops, rings, errors, stats, ended, changed, grace_s)
                    for gid, ops in sorted(ring_ops(recording, sandbox, plan).items())]
     for t in threads:
         t.start()
@@ -302,6 +302,17 @@ def serve(recording: Recording, sandbox: tuple[int, ...], physical: dist.Process
     if errors:
         raise errors[0]
     return stats
+
+
+def ended_within(ended: Callable[[], bool], grace_s: float) -> bool:
+    """Whether every sandbox rank ends within ``grace_s``: the first one to end closes the
+    connections a ring op waits on while the others may still be on their way out."""
+    due = time.monotonic() + grace_s
+    while not ended():
+        if time.monotonic() > due:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _unplayed(left: list[_RingPlayer]) -> RuntimeError:
@@ -333,9 +344,10 @@ class _RingPlayer:
 
     def __init__(self, recording: Recording, sandbox: tuple[int, ...], gid: int, ops: list[RingOp],
                  rings: RingChannels, errors: list, stats: AssistantStats, ended: Callable[[], bool],
-                 changed: threading.Event):
+                 changed: threading.Event, grace_s: float = 10.0):
         self.gid, self.at, self.kind_at = gid, ops[0][0], ops[0][1]
         self._ended = ended
+        self._grace_s = grace_s
         self._changed = changed
         self.thread = threading.Thread(target=self._run, args=(recording, sandbox, ops, rings, errors, stats),
                                        name=f"prism-assistant-ring-{gid}", daemon=True)
@@ -371,7 +383,8 @@ class _RingPlayer:
                 with _READ_LOCK:
                     stats.ring_ops += 1
         except BaseException as e:  # noqa: BLE001 - re-raised by serve()
-            if self._ended():  # the sandboxes' exit closed the connections under this op
+            # the sandboxes' exit closed the connections under this op
+            if ended_within(self._ended, self._grace_s):
                 errors.append(_unplayed([self]))
             else:
                 errors.append(RuntimeError(f"assistant: pruned ring of group {gid} seq {self.at} ({self.kind_at}) "

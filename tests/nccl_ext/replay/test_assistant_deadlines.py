@@ -9,7 +9,7 @@ import time
 import pytest
 
 from nccl_ext.core.errors import CommDeadlineError
-from nccl_ext.replay.assistant import PACE_SLACK, serve
+from nccl_ext.replay.assistant import PACE_SLACK, ended_within, serve
 from tests.nccl_ext.deadline_fakes import TinyRecording, _op
 
 
@@ -76,3 +76,14 @@ def test_a_rank_that_keeps_its_pace_is_waited_for():
     # each op 0.3 s after the previous (recorded 0.2 s: due 4 x 0.2 + 0.1 = 0.9 s after)
     stats = serve(Recording([0.0, 0.2, 0.4]), (0,), Physical([0.05, 0.3, 0.3]), Store(), window=1, timeout_s=0.1)
     assert stats.streams[0].messages == 3
+
+
+def test_a_ring_op_cut_by_the_first_sandbox_to_end_waits_for_the_others_to_end():
+    """The first sandbox rank to end closes the connection a ring op waits on; the op is
+    reported as not played only once every sandbox rank has ended within the grace."""
+    t0 = time.monotonic()
+    assert ended_within(lambda: time.monotonic() - t0 > 0.3, grace_s=5.0)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    assert not ended_within(lambda: False, grace_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
