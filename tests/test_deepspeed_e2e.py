@@ -86,17 +86,22 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             assert entry["divergences"] == []
             assert entry["ops"] > 10
             # the sandbox's peak is the captured rank's, though its ops complete at the modelled lags
-            # (emulate.timing=predicted): nothing of a completed op stays alive. ZeRO: to the byte
-            # on an idle machine; with other work beside it ZeRO-3's sandbox peaked 508-512 B
-            # (0.03%) over its capture in 2-4 of 6 runs, with two sandboxes once 18,160 B (0.99%):
-            # which small tensor is alive at the peak moment follows the threads' interleaving. One
-            # sandbox within 4 KiB, two within 2%, so a held op result (the 400 KB of DeepSpeed's
-            # prefetcher once) still fails. Seen otherwise: the pipeline engine's sandbox 64 KiB
-            # (0.002%) under its capture; MoE with two sandboxes exact, 3,880 B (0.13%) and
-            # 16,384 B (0.5%) over in three runs (a sandbox's tensor sent to the other sandbox is
-            # held until that peer receives it, as a real backend holds it: when is timing)
+            # (emulate.timing=predicted): nothing of a completed op stays alive. ZeRO-3 itself is not
+            # exact from run to run: in three real runs (mode=real) rank 3 peaked at 1,825,861 or
+            # 1,841,473 B (+0.86%: what is alive at the peak moment follows the timing of its
+            # collectives), ranks 0-2 likewise; its emulated sandboxes 508-512 B or 16-18 KB (0.99%,
+            # one sandbox or two) over their capture. ZeRO-1/2 to the byte on an idle machine. So 2%: a held op result (the 400 KB of DeepSpeed's prefetcher
+            # once, 22%) still fails. Seen otherwise: the pipeline engine's sandbox 64 KiB (0.002%)
+            # under its capture; MoE with two sandboxes exact, 3,880 B (0.13%) and 16,384 B (0.5%)
+            # over in three runs (a sandbox's tensor sent to the other sandbox is held until that
+            # peer receives it, as a real backend holds it: when is timing)
             peak, want = entry["peak_memory_bytes"], captured[str(rank)]["peak_bytes"]
-            tolerance = (4096 if len(sandbox) == 1 else 2e-2 * want) if name.startswith("zero") else 1e-2 * want
+            if not name.startswith("zero"):
+                tolerance = 1e-2 * want
+            elif name == "zero3" or len(sandbox) > 1:
+                tolerance = 2e-2 * want
+            else:
+                tolerance = 4096
             assert abs(peak - want) <= tolerance, (name, sandbox, rank, peak, want)
         # the virtual ranks never ran: only the sandbox ranks and the assistant (logged under the world size) did
         [run_dir] = list((out / "logs").iterdir())
