@@ -28,9 +28,12 @@ class Recording(TinyRecording):
 
 
 class Work:
+    made: list["Work"] = []
+
     def __init__(self, taken_after):
         self.taken_after = taken_after
         self.never = threading.Event()
+        Work.made.append(self)
 
     def wait(self, timeout=None):
         if self.taken_after is None:
@@ -49,6 +52,16 @@ class Physical:
     def send(self, bufs, dst, tag):
         self.works.append(Work(self.taken_after[len(self.works)]))
         return self.works[-1]
+
+
+@pytest.fixture(autouse=True)
+def _end_the_waits():
+    """A failed serve() leaves its send threads waiting on messages never taken (the assistant's
+    process would end there): release them, so they do not outlive the test."""
+    yield
+    for w in Work.made:
+        w.never.set()
+    Work.made.clear()
 
 
 class Store:
