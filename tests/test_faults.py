@@ -119,9 +119,9 @@ def test_signal_to_launcher_during_capture(tmp, short_tmp, sig, code):
 
 
 def test_a_second_signal_does_not_cut_the_teardown_short(tmp):
-    """SIGHUP, then SIGTERM and SIGHUP again while the launcher stops its ranks: it still exits
-    129 (the first signal's code) after stopping every rank, and leaves no trace, half-written
-    or not."""
+    """SIGHUP, then SIGTERM and SIGHUP again and again until the launcher has exited: it still
+    exits 129 (the first signal's code) after stopping every rank, and leaves no trace,
+    half-written or not."""
     pids = tmp / "pids"
     pids.mkdir()
     proc = start_prism([*BASE, "mode=capture", f"trace.dir={tmp / 'tr'}", HANG], cwd=tmp,
@@ -129,12 +129,18 @@ def test_a_second_signal_does_not_cut_the_teardown_short(tmp):
     wait_for_ranks(proc, pids, [0, 1])
     kids = descendants(proc.pid)
     proc.send_signal(signal.SIGHUP)
-    # repeats while ranks are stopped and while the launcher exits (it lasts a few tenths of a second)
-    for after_s, again in ((0.02, signal.SIGTERM), (0.2, signal.SIGHUP), (0.2, signal.SIGTERM)):
-        time.sleep(after_s)
-        if proc.poll() is None:
-            proc.send_signal(again)
+    # repeats every 2 ms while ranks are stopped, while the trace is removed and while the
+    # launcher exits (a few tenths of a second), so one lands between every layer's handlers
+    repeats, deadline = 0, time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+        try:
+            proc.send_signal((signal.SIGTERM, signal.SIGHUP)[repeats % 2])
+        except ProcessLookupError:
+            break
+        repeats += 1
     _, err = proc.communicate(timeout=30)
+    assert repeats >= 3
     assert proc.returncode == 129, err[-3000:]
     assert "interrupted (received SIGHUP)" in err and "all ranks stopped" in err
     assert "Traceback" not in err

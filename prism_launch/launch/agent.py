@@ -5,7 +5,8 @@ Each rank gets torchrun's environment for its logical rank (:mod:`prism_launch.l
 plus the run's :class:`~prism_launch.config.plan.RankPlan`; ranks are forked from this warmed
 process (the caller supplies the function a forked child runs) or spawned as ``python -m
 prism_launch.rank.bootstrap``. SIGINT/SIGTERM/SIGHUP end the run (:class:`~prism_launch.errors.Interrupted`, every rank
-stopped; a repeated signal does not interrupt the teardown); a failed run raises
+stopped; a repeated signal does not interrupt the teardown, and stays ignored after it, so
+neither does it cut the caller's own cleanup short); a failed run raises
 :class:`RunFailedError` with the first failure's message and traceback, as torchrun's error
 summary shows it.
 """
@@ -186,7 +187,9 @@ class RankAgent:
         finally:
             procs.close()
             for s, h in previous.items():
-                signal.signal(s, h)
+                # after a signal stopped the run a repeat stays ignored: the caller's own teardown
+                # (the trace's removal, the exit code of the first signal) must not be cut short
+                signal.signal(s, signal.SIG_IGN if stopping else h)
         if not result.ok:
             raise RunFailedError(describe_failure(result, log_dir))
         return log_dir
