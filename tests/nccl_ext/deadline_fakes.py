@@ -67,8 +67,9 @@ class TinyRecording:
         return []
 
 
-def _peer(store_path: str, rank: int, size: int, mode: str) -> None:
+def _peer(store_path: str, rank: int, size: int, mode: str, ready_path: str) -> None:
     torch.set_num_threads(1)
+    open(ready_path, "w").close()  # started: the caller's join may begin its own short clock
     group = dist.ProcessGroupGloo(dist.FileStore(store_path, size), rank, size, datetime.timedelta(seconds=30))
     if mode.startswith("die"):
         time.sleep(1.5 if mode == "die-later" else 0.3)  # (0.3: its peer's side of the mesh has connected)
@@ -80,14 +81,28 @@ def _peer(store_path: str, rank: int, size: int, mode: str) -> None:
 
 class MisbehavingPeer:
     """Physical rank ``size - 1`` of a gloo group of ``size`` (this process is rank 0), in a
-    forked process; :meth:`join` gives this process's side of the group."""
+    process of its own; :meth:`join` gives this process's side of the group.
+
+    Started from a forkserver (a clean single-threaded process with torch imported), not forked
+    from the test process: a fork of a process whose other threads hold locks (gloo's, earlier
+    tests' leftovers) can hang in the child before it joins."""
 
     def __init__(self, tmp_path, mode: str, size: int = 2):
         self.store_path, self.size = str(tmp_path / f"store-{mode}"), size
-        self.proc = multiprocessing.get_context("fork").Process(target=_peer, args=(self.store_path, size - 1, size, mode))
+        self.ready_path = str(tmp_path / f"ready-{mode}")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+        self.proc = ctx.Process(target=_peer, args=(self.store_path, size - 1, size, mode, self.ready_path))
         self.proc.start()
 
     def join(self, timeout_s: float) -> dist.ProcessGroup:
+        """This process's side of the group, once the peer has started (up to 120 s: a first
+        forkserver imports torch); ``timeout_s`` is the group's own timeout."""
+        due = time.monotonic() + 120
+        while not os.path.exists(self.ready_path):
+            if not self.proc.is_alive() or time.monotonic() > due:
+                raise RuntimeError(f"the misbehaving peer did not start (exit code {self.proc.exitcode})")
+            time.sleep(0.02)
         return dist.ProcessGroupGloo(dist.FileStore(self.store_path, self.size), 0, self.size,
                                      datetime.timedelta(seconds=timeout_s))
 
