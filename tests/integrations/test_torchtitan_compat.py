@@ -130,8 +130,13 @@ for name, got, want in zip(("out", "dq", "dk", "dv"), [out.detach(), *[t.grad fo
                            shard([ref.detach(), *[t.grad for t in full]])):
     assert type(got) is torch.Tensor and got.shape == (2, 4, 8, 8), (name, type(got), got.shape)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (name, (got - want).abs().max())
-print("ok", rank)
+print("ok", rank, flush=True)
 dist.destroy_process_group()
+# Leave like the launcher's ranks do (os._exit, no interpreter teardown): the mesh keeps the gloo
+# group alive, and a gloo worker that drops a functional collective's work during finalization
+# takes the GIL and aborts ("terminate called without an active exception", pytorch#190489).
+import os
+os._exit(0)
 """
 
 
