@@ -90,9 +90,9 @@ def test_emulation_is_bit_identical(capture, tmp_path):
             # exact from run to run: in three real runs (mode=real) rank 3 peaked at 1,825,861 or
             # 1,841,473 B (+0.86%: what is alive at the peak moment follows the timing of its
             # collectives), ranks 0-2 likewise; its emulated sandboxes 508-512 B or 16-18 KB (0.99%,
-            # one sandbox or two) over their capture. ZeRO-1/2 to the byte on an idle machine. So 2%: a held op result (the 400 KB of DeepSpeed's prefetcher
-            # once, 22%) still fails. Seen otherwise: the pipeline engine's sandbox 64 KiB (0.002%)
-            # under its capture; MoE with two sandboxes exact, 3,880 B (0.13%) and 16,384 B (0.5%)
+            # one sandbox or two) over their capture. ZeRO-1/2 to the byte on an idle machine. So
+            # 2%: a held op result (the 400 KB of DeepSpeed's prefetcher once, 22%) still fails.
+            # Seen otherwise: the pipeline engine's sandbox 64 KiB (0.002%) under its capture; MoE with two sandboxes exact, 3,880 B (0.13%) and 16,384 B (0.5%)
             # over in three runs (a sandbox's tensor sent to the other sandbox is held until that
             # peer receives it, as a real backend holds it: when is timing)
             peak, want = entry["peak_memory_bytes"], captured[str(rank)]["peak_bytes"]
